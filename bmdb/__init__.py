@@ -1,0 +1,73 @@
+"""The Bare Metal Database: what Shepherd knows about every machine, and who works on it.
+
+A small public surface; everything below is importable from ``bmdb``::
+
+    db = bmdb.connect(url, migrate=True)           # PostgreSQL, or SQLite for one host
+    with db.start_session("initializer") as session:
+        for work in session.claim_backlog(bmdb.Process.AGENT_START, limit=10):
+            ...                                      # minutes of SSH, many transactions
+            work.finish(lambda tx: bmdb.tags.set_agent_started(tx, work.machine_id, key))
+            # or: work.fail("ssh: connection refused")   -> backoff, Failed history
+            # or: work.cancel("shutting down")            -> no backoff
+
+    session.transact(lambda tx: bmdb.tags.record_heartbeat(tx, machine_id, signed_at))
+    db.sweep()                                       # release work of dead sessions
+
+Handoff: a claimer passes ``work.id`` on; the receiver calls ``session.adopt(work_id)``
+(``WorkGone`` if the claim was released meanwhile). Claims made with ``dispatch_ttl``
+are released by the sweep if nobody adopts them in time.
+
+Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer),
+``backlog`` (what needs doing), ``work`` (claim/adopt/finish/fail/cancel),
+``sessions`` (leases), ``sweep``, ``backoff``, ``queries`` (reads), ``errors``.
+"""
+
+from bmdb import backlog, queries, schema, tags
+from bmdb.api import BMDB, connect, default_backoff
+from bmdb.backlog import Thresholds
+from bmdb.backoff import Backoff, next_interval
+from bmdb.database import CommitOutcomeUnknown, Tx
+from bmdb.errors import (
+    BMDBError,
+    MachineBusy,
+    MachineInBackoff,
+    NotClaimable,
+    NotInBacklog,
+    SessionExpired,
+    WorkGone,
+)
+from bmdb.processes import EXCLUSION_GROUPS, Process, exclusion_group
+from bmdb.sessions import Session
+from bmdb.sweep import SweepResult
+from bmdb.tags import ProviderStatus
+from bmdb.work import Event, Work
+
+__all__ = [
+    "BMDB",
+    "EXCLUSION_GROUPS",
+    "BMDBError",
+    "Backoff",
+    "CommitOutcomeUnknown",
+    "Event",
+    "MachineBusy",
+    "MachineInBackoff",
+    "NotClaimable",
+    "NotInBacklog",
+    "Process",
+    "ProviderStatus",
+    "Session",
+    "SessionExpired",
+    "SweepResult",
+    "Thresholds",
+    "Tx",
+    "Work",
+    "WorkGone",
+    "backlog",
+    "connect",
+    "default_backoff",
+    "exclusion_group",
+    "next_interval",
+    "queries",
+    "schema",
+    "tags",
+]

@@ -1,0 +1,179 @@
+"""Connecting to the BMDB and running transactions against it.
+
+Every change goes through ``run_transaction``: it retries transient database
+errors (serialization failures, deadlocks, dropped connections, a busy SQLite
+file) with tenacity, and gives the transaction body a ``Tx`` carrying the
+database's clock, read once at the start so that one transaction sees one "now".
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+import tenacity
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from bmdb.errors import BMDBError
+from bmdb.types import db_now, sqlite_utcnow
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: SQLSTATEs after which running the whole transaction again is the cure.
+_RETRYABLE_SQLSTATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
+
+
+class CommitOutcomeUnknown(BMDBError):
+    """The connection dropped during COMMIT: the transaction may or may not have landed.
+
+    Never retried blindly (a claim could land twice). Sessions end on it, so that
+    whatever the lost commit did is released by the sweep.
+    """
+
+
+@dataclass
+class Tx:
+    """One open transaction: the connection, the database's clock, and the session (if any)."""
+
+    conn: Connection
+    now: dt.datetime
+    session_id: Any = None
+
+    def execute(self, statement: Any, params: Any = None) -> sa.CursorResult:
+        return self.conn.execute(statement, params)
+
+    @property
+    def dialect(self) -> str:
+        return self.conn.dialect.name
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for errors after which the same transaction may simply run again."""
+    if isinstance(error, DBAPIError):
+        if error.connection_invalidated:
+            return True
+        sqlstate = getattr(error.orig, "pgcode", None)
+        if sqlstate in _RETRYABLE_SQLSTATES or (sqlstate or "").startswith("08"):
+            return True
+        if isinstance(error, OperationalError):
+            message = str(error.orig).lower()
+            return any(
+                marker in message
+                for marker in (
+                    "database is locked",
+                    "server closed the connection",
+                    "connection refused",
+                    "could not connect",
+                    "terminating connection",
+                    "connection already closed",
+                    "the database system is",
+                    "ssl connection has been closed",
+                    "no connection to the server",
+                )
+            )
+    return False
+
+
+def create_engine(url: str) -> Engine:
+    """An engine configured for the BMDB's transaction discipline on either backend."""
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(url)
+    return sa.create_engine(
+        url,
+        isolation_level="READ COMMITTED",  # the claim's re-check relies on it: see work.py
+        pool_pre_ping=True,
+        pool_size=int(os.environ.get("SHEPHERD_BMDB_POOL_SIZE", "5")),
+        max_overflow=10,
+        connect_args={"connect_timeout": 5, "application_name": "shepherd"},
+    )
+
+
+def _sqlite_engine(url: str) -> Engine:
+    database = sa.make_url(url).database
+    if database and database != ":memory:":
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE itself: writers take
+        # the file lock at the start, so a transaction never has to upgrade a read
+        # lock mid-way (which deadlocks) and claims are serialised.
+        dbapi_connection.isolation_level = None
+        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+        dbapi_connection.execute("PRAGMA foreign_keys=ON")
+        dbapi_connection.execute("PRAGMA busy_timeout=30000")
+        dbapi_connection.create_function("shepherd_utcnow", 0, sqlite_utcnow)
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def run_transaction(
+    engine: Engine,
+    body: Callable[[Tx], T],
+    *,
+    start: Callable[[Connection], Tx] | None = None,
+    give_up_after: float = 30.0,
+) -> T:
+    """Run ``body`` in one transaction, again from the start on transient errors.
+
+    ``start`` opens the ``Tx`` (the session's liveness check goes there); the
+    default only reads the database's clock. ``body`` may run more than once, so
+    it must not have effects outside the transaction.
+    """
+    opener = start or _plain_start
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_transient),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.02, max=2.0, jitter=0.05),
+        stop=tenacity.stop_after_delay(give_up_after),
+        before_sleep=_log_retry,
+        reraise=True,
+    )
+    return retrying(_attempt, engine, body, opener)
+
+
+def _attempt(engine: Engine, body: Callable[[Tx], T], opener: Callable[[Connection], Tx]) -> T:
+    with engine.connect() as conn:
+        transaction = conn.begin()
+        try:
+            result = body(opener(conn))
+        except BaseException:
+            transaction.rollback()
+            raise
+        try:
+            transaction.commit()
+        except DBAPIError as error:
+            # SQLite is a local file: a failed COMMIT there did not happen.
+            remote = engine.dialect.name != "sqlite"
+            if remote and (error.connection_invalidated or isinstance(error, OperationalError)):
+                sqlstate = getattr(error.orig, "pgcode", None)
+                if sqlstate not in _RETRYABLE_SQLSTATES:
+                    raise CommitOutcomeUnknown(str(error.orig)) from error
+            raise
+        return result
+
+
+def _plain_start(conn: Connection) -> Tx:
+    return Tx(conn=conn, now=read_clock(conn))
+
+
+def read_clock(conn: Connection) -> dt.datetime:
+    return conn.execute(sa.select(db_now())).scalar_one()
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    log.warning("BMDB transaction retry %d after: %s", state.attempt_number, error)

@@ -1,0 +1,215 @@
+"""The BMDB's tables, as SQLAlchemy Core metadata.
+
+The Alembic migrations in ``migrations/versions`` create exactly this schema;
+``tests/test_migrations.py`` checks that they agree.
+
+Invariants and where they are enforced:
+
+* At most one work item per (machine, exclusion group): the unique constraint
+  ``uq_work_machine_group``. A process's group comes from ``processes``, and the
+  foreign key ``fk_work_process_group`` stops a work row from naming a wrong one,
+  so this also means at most one work item per (machine, process).
+* Backlog markers: ``provided.agent_started`` is true iff the machine has an
+  AgentStarted tag, and ``agent_started.heartbeat_seen`` is true iff it has an
+  AgentHeartbeat tag. Only ``tags.py`` writes these tables and keeps the markers in
+  step in the same transaction. They exist so that each backlog query reads only
+  the machines in the backlog, through a partial index, whatever the fleet size.
+* History keeps rows of deleted machines: no foreign key on ``history.machine_id``.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    false,
+)
+
+from bmdb.types import UTCDateTime
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+machines = Table(
+    "machines",
+    metadata,
+    Column("id", Uuid, primary_key=True),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+
+def _machine_key() -> Column:
+    return Column(
+        "machine_id",
+        Uuid,
+        ForeignKey("machines.id", ondelete="CASCADE"),
+        primary_key=True,
+    )
+
+
+provided = Table(
+    "provided",
+    metadata,
+    _machine_key(),
+    Column("provider", String(64), nullable=False),
+    Column("provider_id", String(128), nullable=False),
+    Column("reservation_id", String(128)),
+    Column("address", String(64)),
+    Column("location", String(64)),
+    Column("provider_status", String(32), nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    # Marker: the machine has an AgentStarted tag (see module docstring).
+    Column("agent_started", Boolean, nullable=False, server_default=false()),
+    UniqueConstraint("provider", "provider_id", name="uq_provided_provider_id"),
+    Index(
+        "ix_provided_awaiting_agent",
+        "machine_id",
+        postgresql_where=sa.text("NOT agent_started"),
+        sqlite_where=sa.text("NOT agent_started"),
+    ),
+)
+
+agent_started = Table(
+    "agent_started",
+    metadata,
+    _machine_key(),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("public_key", LargeBinary(32), nullable=False),
+    # Marker: the machine has an AgentHeartbeat tag (see module docstring).
+    Column("heartbeat_seen", Boolean, nullable=False, server_default=false()),
+    Index(
+        "ix_agent_started_silent_since",
+        "started_at",
+        postgresql_where=sa.text("NOT heartbeat_seen"),
+        sqlite_where=sa.text("NOT heartbeat_seen"),
+    ),
+)
+
+agent_heartbeat = Table(
+    "agent_heartbeat",
+    metadata,
+    _machine_key(),
+    Column("last_heartbeat_at", UTCDateTime, nullable=False),
+    # The agent's own signed timestamp of the last accepted heartbeat: a request
+    # must carry a newer one, so a captured request cannot be replayed.
+    Column("last_signed_at", UTCDateTime, nullable=False),
+    Index("ix_agent_heartbeat_last_heartbeat_at", "last_heartbeat_at"),
+)
+
+hardware_report = Table(
+    "hardware_report",
+    metadata,
+    _machine_key(),
+    Column("reported_at", UTCDateTime, nullable=False),
+    Column("report", JSON, nullable=False),
+)
+
+os_installation_request = Table(
+    "os_installation_request",
+    metadata,
+    _machine_key(),
+    Column("generation", Integer, nullable=False),
+    Column("request", JSON, nullable=False),
+)
+
+os_installation_report = Table(
+    "os_installation_report",
+    metadata,
+    _machine_key(),
+    Column("generation", Integer, nullable=False),
+    Column("reported_at", UTCDateTime, nullable=False),
+    Column("result", JSON, nullable=False),
+)
+
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("id", Uuid, primary_key=True),
+    Column("component", String(128), nullable=False),
+    Column("holder", String(256), nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("interval_s", Integer, nullable=False),
+    Column("deadline", UTCDateTime, nullable=False),
+    Index("ix_sessions_deadline", "deadline"),
+)
+
+processes = Table(
+    "processes",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("exclusion_group", String(64), nullable=False),
+    UniqueConstraint("name", "exclusion_group", name="uq_processes_name_group"),
+)
+
+work = Table(
+    "work",
+    metadata,
+    Column("id", Uuid, primary_key=True),
+    Column("machine_id", Uuid, ForeignKey("machines.id", ondelete="RESTRICT"), nullable=False),
+    Column("process", String(64), nullable=False),
+    Column("exclusion_group", String(64), nullable=False),
+    Column("session_id", Uuid, ForeignKey("sessions.id", ondelete="RESTRICT"), nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    # Set while the claim waits to be adopted by the task it was dispatched to;
+    # past it, the sweep releases the claim. NULL once adopted (or never handed off).
+    Column("dispatch_deadline", UTCDateTime),
+    ForeignKeyConstraint(
+        ["process", "exclusion_group"],
+        ["processes.name", "processes.exclusion_group"],
+        name="fk_work_process_group",
+    ),
+    UniqueConstraint("machine_id", "exclusion_group", name="uq_work_machine_group"),
+    Index("ix_work_session_id", "session_id"),
+    Index(
+        "ix_work_dispatch_deadline",
+        "dispatch_deadline",
+        postgresql_where=sa.text("dispatch_deadline IS NOT NULL"),
+        sqlite_where=sa.text("dispatch_deadline IS NOT NULL"),
+    ),
+)
+
+backoff = Table(
+    "backoff",
+    metadata,
+    Column("machine_id", Uuid, ForeignKey("machines.id", ondelete="CASCADE"), primary_key=True),
+    Column("process", String(64), ForeignKey("processes.name"), primary_key=True),
+    Column("until", UTCDateTime, nullable=False),
+    Column("interval_s", Integer, nullable=False),
+    Column("cause", Text, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Index("ix_backoff_process_until", "process", "until"),
+)
+
+history = Table(
+    "history",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("machine_id", Uuid, nullable=False),
+    Column("process", String(64), nullable=False),
+    Column("event", String(16), nullable=False),
+    Column("at", UTCDateTime, nullable=False),
+    Column("work_id", Uuid),
+    Column("session_id", Uuid),
+    Column("cause", Text),
+    Index("ix_history_machine_id_id", "machine_id", "id"),
+)

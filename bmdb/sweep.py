@@ -1,0 +1,73 @@
+"""The sweep: nothing stays locked.
+
+Releases work held by sessions whose deadline passed (``Abandoned`` history
+naming the dead session), releases claims that were never adopted within their
+dispatch deadline (``Canceled``), and deletes the dead sessions. Run it
+periodically from any one component; running it from several at once is safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from bmdb import schema
+from bmdb.database import Tx, run_transaction
+from bmdb.work import Event
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    abandoned: int
+    unadopted: int
+    sessions_deleted: int
+
+
+def sweep(engine: Engine) -> SweepResult:
+    return run_transaction(engine, _sweep)
+
+
+def _sweep(tx: Tx) -> SweepResult:
+    s, w = schema.sessions, schema.work
+    dead = sa.select(s.c.id).where(s.c.deadline <= tx.now)
+    abandoned = _release(
+        tx, w.c.session_id.in_(dead), Event.ABANDONED,
+        cause=lambda row: f"session {row.session_id} expired",
+    )
+    unadopted = _release(
+        tx, w.c.dispatch_deadline <= tx.now, Event.CANCELED,
+        cause=lambda row: "claim not adopted before its dispatch deadline",
+    )
+    deleted = tx.execute(
+        sa.delete(s).where(
+            s.c.deadline <= tx.now,
+            ~sa.exists().where(w.c.session_id == s.c.id),
+        )
+    ).rowcount
+    return SweepResult(abandoned=abandoned, unadopted=unadopted, sessions_deleted=deleted)
+
+
+def _release(tx: Tx, condition: sa.ColumnElement[bool], event: str, cause) -> int:
+    w = schema.work
+    rows = tx.execute(
+        sa.delete(w).where(condition).returning(w.c.id, w.c.machine_id, w.c.process, w.c.session_id)
+    ).all()
+    if rows:
+        tx.execute(
+            sa.insert(schema.history),
+            [
+                {
+                    "machine_id": row.machine_id,
+                    "process": row.process,
+                    "event": event,
+                    "at": tx.now,
+                    "work_id": row.id,
+                    "session_id": row.session_id,
+                    "cause": cause(row),
+                }
+                for row in rows
+            ],
+        )
+    return len(rows)

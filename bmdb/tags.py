@@ -1,0 +1,153 @@
+"""Tags: what the BMDB knows about a machine, one table per tag.
+
+This module is the only writer of tag tables, because it keeps the backlog
+markers (``provided.agent_started``, ``agent_started.heartbeat_seen``, see
+``schema.py``) in step with the tags they mirror, in the same transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from bmdb import schema
+from bmdb.database import Tx
+
+
+class ProviderStatus(enum.StrEnum):
+    """A machine's state at its provider, as far as the shepherd cares."""
+
+    UNKNOWN = "Unknown"
+    PROVISIONING = "Provisioning"
+    RUNNING = "Running"
+    STOPPED = "Stopped"
+    FAILED = "Failed"
+    MISSING = "Missing"
+
+
+def _upsert(tx: Tx, table: sa.Table, key: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    dialect_insert = postgresql.insert if tx.dialect == "postgresql" else sqlite.insert
+    statement = dialect_insert(table).values(**key, **values)
+    tx.execute(statement.on_conflict_do_update(index_elements=list(key), set_=dict(values)))
+
+
+def create_machine(tx: Tx, machine_id: uuid.UUID | None = None) -> uuid.UUID:
+    machine_id = machine_id or uuid.uuid4()
+    tx.execute(sa.insert(schema.machines).values(id=machine_id, created_at=tx.now))
+    return machine_id
+
+
+def delete_machine(tx: Tx, machine_id: uuid.UUID) -> None:
+    """Delete a machine and its tags; refused (IntegrityError) while work holds it."""
+    tx.execute(sa.delete(schema.machines).where(schema.machines.c.id == machine_id))
+
+
+def upsert_provided(
+    tx: Tx,
+    machine_id: uuid.UUID,
+    *,
+    provider: str,
+    provider_id: str,
+    provider_status: ProviderStatus | str,
+    reservation_id: str | None = None,
+    address: str | None = None,
+    location: str | None = None,
+) -> None:
+    started = tx.execute(
+        sa.select(sa.literal(True)).where(schema.agent_started.c.machine_id == machine_id)
+    ).scalar_one_or_none()
+    _upsert(
+        tx,
+        schema.provided,
+        {"machine_id": machine_id},
+        {
+            "provider": provider,
+            "provider_id": provider_id,
+            "reservation_id": reservation_id,
+            "address": address,
+            "location": location,
+            "provider_status": ProviderStatus(provider_status).value,
+            "updated_at": tx.now,
+            "agent_started": bool(started),
+        },
+    )
+
+
+def set_agent_started(
+    tx: Tx, machine_id: uuid.UUID, public_key: bytes, started_at: dt.datetime | None = None
+) -> None:
+    if len(public_key) != 32:
+        raise ValueError(f"agent public key must be 32 bytes (ed25519), got {len(public_key)}")
+    seen = tx.execute(
+        sa.select(sa.literal(True)).where(schema.agent_heartbeat.c.machine_id == machine_id)
+    ).scalar_one_or_none()
+    _upsert(
+        tx,
+        schema.agent_started,
+        {"machine_id": machine_id},
+        {"started_at": started_at or tx.now, "public_key": public_key,
+         "heartbeat_seen": bool(seen)},
+    )
+    _mark(tx, schema.provided, machine_id, agent_started=True)
+
+
+def delete_agent_started(tx: Tx, machine_id: uuid.UUID) -> None:
+    tx.execute(sa.delete(schema.agent_started).where(schema.agent_started.c.machine_id == machine_id))
+    _mark(tx, schema.provided, machine_id, agent_started=False)
+
+
+def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime) -> None:
+    _upsert(
+        tx,
+        schema.agent_heartbeat,
+        {"machine_id": machine_id},
+        {"last_heartbeat_at": tx.now, "last_signed_at": signed_at},
+    )
+    _mark(tx, schema.agent_started, machine_id, heartbeat_seen=True)
+
+
+def delete_heartbeat(tx: Tx, machine_id: uuid.UUID) -> None:
+    h = schema.agent_heartbeat
+    tx.execute(sa.delete(h).where(h.c.machine_id == machine_id))
+    _mark(tx, schema.agent_started, machine_id, heartbeat_seen=False)
+
+
+def set_hardware_report(tx: Tx, machine_id: uuid.UUID, report: Mapping[str, Any]) -> None:
+    _upsert(
+        tx, schema.hardware_report, {"machine_id": machine_id},
+        {"reported_at": tx.now, "report": dict(report)},
+    )
+
+
+def set_os_installation_request(
+    tx: Tx, machine_id: uuid.UUID, generation: int, request: Mapping[str, Any]
+) -> None:
+    _upsert(
+        tx, schema.os_installation_request, {"machine_id": machine_id},
+        {"generation": generation, "request": dict(request)},
+    )
+
+
+def set_os_installation_report(
+    tx: Tx, machine_id: uuid.UUID, generation: int, result: Mapping[str, Any]
+) -> None:
+    _upsert(
+        tx, schema.os_installation_report, {"machine_id": machine_id},
+        {"generation": generation, "reported_at": tx.now, "result": dict(result)},
+    )
+
+
+def _mark(tx: Tx, table: sa.Table, machine_id: uuid.UUID, **marker: bool) -> None:
+    # Write only on change: a heartbeat every few seconds must not rewrite the row.
+    ((column, value),) = marker.items()
+    tx.execute(
+        sa.update(table)
+        .where(table.c.machine_id == machine_id, table.c[column] != value)
+        .values(**marker)
+    )

@@ -1,0 +1,63 @@
+"""Column types and SQL constructs that behave the same on PostgreSQL and SQLite."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import DateTime, TypeDecorator
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+UTC = dt.UTC
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC in Python; ``timestamptz`` on PostgreSQL, naive UTC text on SQLite.
+
+    Every timestamp the BMDB hands out is aware and in UTC, whatever the backend.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Any) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r} given to the BMDB; use UTC-aware times")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Any) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class db_now(FunctionElement):  # noqa: N801 - reads like the SQL function it stands for
+    """The database's clock: ``now()`` on PostgreSQL.
+
+    Deadlines written by one host and checked by another must come from one clock;
+    the database's is the one every component shares. SQLite is embedded, so the
+    host's clock is the database's clock: each SQLite connection registers
+    ``shepherd_utcnow()`` (see ``database.py``).
+    """
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+@compiles(db_now, "postgresql")
+def _db_now_pg(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
+    return "shepherd_utcnow()"
+
+
+def sqlite_utcnow() -> str:
+    """The text SQLAlchemy's SQLite DateTime type stores, for ``shepherd_utcnow()``."""
+    return dt.datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")

@@ -1,0 +1,308 @@
+"""Work: the lock that lets one component act on one machine for a long time.
+
+Rules (DESIGN.md section 2) and where each is enforced:
+
+* Exclusion: the unique constraint ``uq_work_machine_group`` (``schema.py``),
+  under any isolation level. The claim below inserts with ON CONFLICT DO NOTHING,
+  so a lost race is a skipped machine, not an error.
+* Claim safety: a claimer's snapshot can predate another claimer's claim *and*
+  finish, when the work row is already gone again. So the claim (1) locks the
+  candidate machine rows with FOR UPDATE SKIP LOCKED (concurrent claimers skip
+  each other instead of waiting), then (2) re-checks eligibility in a new
+  statement, which at READ COMMITTED (the engine's level, see ``database.py``)
+  sees everything committed before the lock was granted. On SQLite, BEGIN
+  IMMEDIATE serialises writers, so the whole claim runs alone.
+* Finish / fail / cancel delete the work row *of this session* first; finding
+  none means the work was swept or adopted elsewhere: ``WorkGone``, and the
+  transaction (including the caller's tag changes) rolls back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+from bmdb import schema
+from bmdb.backoff import Backoff, next_interval
+from bmdb.database import Tx
+from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, WorkGone
+from bmdb.processes import Process, exclusion_group
+
+if TYPE_CHECKING:
+    from bmdb.sessions import Session
+
+#: Selects candidate machine ids (a SELECT of one column). Composed into the
+#: claim's locking statement and its re-check, so it runs inside both.
+Retriever = Callable[[Tx], sa.Select]
+
+
+class Event:
+    STARTED = "Started"
+    FINISHED = "Finished"
+    FAILED = "Failed"
+    CANCELED = "Canceled"
+    ABANDONED = "Abandoned"
+
+
+@dataclass(frozen=True)
+class Work:
+    """A claim held by ``session`` on ``machine_id`` for ``process``."""
+
+    id: uuid.UUID
+    machine_id: uuid.UUID
+    process: Process
+    session: Session
+
+    def finish(self, apply: Callable[[Tx], None] | None = None) -> None:
+        """Release the machine as done: tag changes, cleared backoff and history, atomically."""
+
+        def body(tx: Tx) -> None:
+            self._release(tx)
+            tx.execute(
+                sa.delete(schema.backoff).where(
+                    schema.backoff.c.machine_id == self.machine_id,
+                    schema.backoff.c.process == self.process,
+                )
+            )
+            if apply is not None:
+                apply(tx)
+            _record(tx, [self], Event.FINISHED)
+
+        self.session.transact(body)
+
+    def fail(self, cause: str, backoff: Backoff | None = None) -> int:
+        """Release the machine as failed; it sits out a backoff. Returns the interval (s)."""
+        from bmdb.api import default_backoff
+
+        chosen = backoff or default_backoff(self.process)
+
+        def body(tx: Tx) -> int:
+            self._release(tx)
+            interval = _upsert_backoff(tx, self.machine_id, self.process, chosen, cause)
+            _record(tx, [self], Event.FAILED, cause=cause)
+            return interval
+
+        return self.session.transact(body)
+
+    def cancel(self, cause: str = "canceled") -> None:
+        """Release the machine untouched and without backoff."""
+
+        def body(tx: Tx) -> None:
+            self._release(tx)
+            _record(tx, [self], Event.CANCELED, cause=cause)
+
+        self.session.transact(body)
+
+    def _release(self, tx: Tx) -> None:
+        deleted = tx.execute(
+            sa.delete(schema.work).where(
+                schema.work.c.id == self.id, schema.work.c.session_id == self.session.id
+            )
+        )
+        if deleted.rowcount != 1:
+            raise WorkGone(f"work {self.id} on machine {self.machine_id} is no longer held")
+
+
+# -- claiming ---------------------------------------------------------------
+
+
+def eligible(tx: Tx, process: Process, retriever: Retriever) -> sa.Select:
+    """Machines the retriever selects that are free in the group and not in backoff."""
+    group = exclusion_group(process)
+    m = schema.machines
+    busy = sa.exists().where(
+        schema.work.c.machine_id == m.c.id, schema.work.c.exclusion_group == group
+    )
+    backing_off = sa.exists().where(
+        schema.backoff.c.machine_id == m.c.id,
+        schema.backoff.c.process == process.value,
+        schema.backoff.c.until > tx.now,
+    )
+    return sa.select(m.c.id).where(m.c.id.in_(retriever(tx)), ~busy, ~backing_off)
+
+
+def claim(
+    session: Session,
+    process: Process,
+    retriever: Retriever,
+    *,
+    limit: int = 1,
+    dispatch_ttl: float | None = None,
+) -> list[Work]:
+    """Claim up to ``limit`` eligible machines in one transaction (see the module docstring).
+
+    With ``dispatch_ttl``, the claims are meant to be handed off: another session
+    must adopt each within that many seconds, or the sweep releases it.
+    """
+    process = Process(process)
+
+    def body(tx: Tx) -> list[Work]:
+        query = eligible(tx, process, retriever)
+        locked = list(
+            tx.execute(
+                query.limit(limit).with_for_update(of=schema.machines, skip_locked=True)
+            ).scalars()
+        )
+        if not locked:
+            return []
+        rechecked = list(
+            tx.execute(query.where(schema.machines.c.id.in_(locked))).scalars()
+        )
+        return _insert_work(tx, session, process, rechecked, dispatch_ttl)
+
+    return session.transact(body)
+
+
+def _insert_work(
+    tx: Tx, session: Session, process: Process, machine_ids: list[uuid.UUID],
+    dispatch_ttl: float | None,
+) -> list[Work]:
+    if not machine_ids:
+        return []
+    deadline = tx.now + dt.timedelta(seconds=dispatch_ttl) if dispatch_ttl is not None else None
+    rows = [
+        {
+            "id": uuid.uuid4(),
+            "machine_id": machine_id,
+            "process": process.value,
+            "exclusion_group": exclusion_group(process),
+            "session_id": session.id,
+            "started_at": tx.now,
+            "dispatch_deadline": deadline,
+        }
+        for machine_id in machine_ids
+    ]
+    # Candidates are locked and re-checked, so a conflict here cannot happen
+    # between claimers; the constraint is the last line, not the mechanism.
+    tx.execute(sa.insert(schema.work), rows)
+    claimed = [Work(r["id"], r["machine_id"], process, session) for r in rows]
+    _record(tx, claimed, Event.STARTED)
+    return claimed
+
+
+def claim_machine(session: Session, process: Process, machine_id: uuid.UUID) -> Work:
+    """Claim one named machine from its process's backlog, or say why it cannot be."""
+    from bmdb import backlog
+
+    process = Process(process)
+    in_backlog = backlog.retriever(process, session.db.thresholds)
+
+    def only_this(tx: Tx) -> sa.Select:
+        candidates = in_backlog(tx).subquery()
+        return sa.select(candidates.c[0]).where(candidates.c[0] == machine_id)
+
+    claimed = claim(session, process, only_this)
+    if claimed:
+        return claimed[0]
+    raise _why_not(session, process, machine_id)
+
+
+def _why_not(session: Session, process: Process, machine_id: uuid.UUID) -> Exception:
+    def body(tx: Tx) -> Exception:
+        holder = tx.execute(
+            sa.select(schema.work.c.process, schema.work.c.session_id).where(
+                schema.work.c.machine_id == machine_id,
+                schema.work.c.exclusion_group == exclusion_group(process),
+            )
+        ).one_or_none()
+        if holder is not None:
+            return MachineBusy(
+                machine_id, process,
+                f"{holder.process} work held by session {holder.session_id}",
+            )
+        waiting = tx.execute(
+            sa.select(schema.backoff.c.until, schema.backoff.c.cause).where(
+                schema.backoff.c.machine_id == machine_id,
+                schema.backoff.c.process == process.value,
+                schema.backoff.c.until > tx.now,
+            )
+        ).one_or_none()
+        if waiting is not None:
+            return MachineInBackoff(
+                machine_id, process,
+                f"in backoff until {waiting.until.isoformat()} after: {waiting.cause}",
+            )
+        return NotInBacklog(machine_id, process, "not in its backlog (or no such machine)")
+
+    return session.transact(body)
+
+
+def adopt(
+    session: Session,
+    work_id: uuid.UUID,
+    *,
+    machine_id: uuid.UUID | None = None,
+    process: Process | None = None,
+) -> Work:
+    """Move a dispatched claim into ``session``. Fails with ``WorkGone`` if it was released,
+    already adopted, past its dispatch deadline, or is not the machine/process expected."""
+    w = schema.work
+
+    def body(tx: Tx) -> Work:
+        conditions = [w.c.id == work_id, w.c.dispatch_deadline > tx.now]
+        if machine_id is not None:
+            conditions.append(w.c.machine_id == machine_id)
+        if process is not None:
+            conditions.append(w.c.process == Process(process).value)
+        row = tx.execute(
+            sa.update(w)
+            .where(*conditions)
+            .values(session_id=session.id, dispatch_deadline=None)
+            .returning(w.c.machine_id, w.c.process)
+        ).one_or_none()
+        if row is None:
+            raise WorkGone(f"work {work_id} is not waiting to be adopted")
+        return Work(work_id, row.machine_id, Process(row.process), session)
+
+    return session.transact(body)
+
+
+# -- history and backoff ----------------------------------------------------
+
+
+def _record(tx: Tx, items: list[Work], event: str, cause: str | None = None) -> None:
+    tx.execute(
+        sa.insert(schema.history),
+        [
+            {
+                "machine_id": item.machine_id,
+                "process": item.process.value,
+                "event": event,
+                "at": tx.now,
+                "work_id": item.id,
+                "session_id": item.session.id,
+                "cause": cause,
+            }
+            for item in items
+        ],
+    )
+
+
+def _upsert_backoff(
+    tx: Tx, machine_id: uuid.UUID, process: Process, backoff: Backoff, cause: str
+) -> int:
+    b = schema.backoff
+    previous = tx.execute(
+        sa.select(b.c.interval_s).where(b.c.machine_id == machine_id, b.c.process == process.value)
+    ).scalar_one_or_none()
+    interval = next_interval(backoff, previous)
+    values = {
+        "until": tx.now + dt.timedelta(seconds=interval),
+        "interval_s": interval,
+        "cause": cause,
+        "updated_at": tx.now,
+    }
+    if previous is None:
+        tx.execute(sa.insert(b).values(machine_id=machine_id, process=process.value, **values))
+    else:
+        tx.execute(
+            sa.update(b)
+            .where(b.c.machine_id == machine_id, b.c.process == process.value)
+            .values(**values)
+        )
+    return interval

@@ -1,0 +1,143 @@
+"""Throw-away PostgreSQL and Redis servers for the tests, started from the installed binaries.
+
+Each server gets its own data directory and a free loopback port, and is stopped
+when the test run ends. ``SHEPHERD_TEST_PG_URL`` / ``SHEPHERD_TEST_REDIS_URL``
+point the tests at existing servers instead (tests that restart a server then
+skip, since they cannot restart someone else's).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+INSTALL_HINT = "apt-get install -y postgresql redis-server"
+
+
+class MissingServer(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+
+
+def _postgres_bindir() -> Path:
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    found = shutil.which("pg_ctl")
+    if found:
+        candidates.insert(0, str(Path(os.path.realpath(found)).parent))
+    for directory in candidates:
+        if (Path(directory) / "initdb").exists() and (Path(directory) / "postgres").exists():
+            return Path(directory)
+    raise MissingServer(f"PostgreSQL server binaries not found; install them with: {INSTALL_HINT}")
+
+
+class PostgresServer:
+    """A private PostgreSQL cluster. As root, it runs as the ``postgres`` user (initdb insists)."""
+
+    def __init__(self, fsync: bool = False) -> None:
+        self.bindir = _postgres_bindir()
+        self.fsync = fsync
+        self.port = free_port()
+        self.datadir = Path(tempfile.mkdtemp(prefix="shepherd-pg-"))
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.datadir, user.pw_uid, user.pw_gid)
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([*self._as_user, *args], check=True, capture_output=True, timeout=120)
+
+    def start(self) -> PostgresServer:
+        if not (self.datadir / "PG_VERSION").exists():
+            self._run(str(self.bindir / "initdb"), "-D", str(self.datadir), "-U", "postgres",
+                      "--auth=trust", "-E", "UTF8", "--no-sync")
+        options = (
+            f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1 "
+            f"-c max_connections=300 -c fsync={'on' if self.fsync else 'off'} "
+            f"-c synchronous_commit={'on' if self.fsync else 'off'} -c full_page_writes=off"
+        )
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-o", options,
+                  "-l", str(self.datadir / "server.log"), "-w", "-t", "60", "start")
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop")
+
+    def restart(self, down_for: float = 0.0) -> None:
+        self.stop(mode="immediate")
+        time.sleep(down_for)
+        self.start()
+
+    def destroy(self) -> None:
+        try:
+            self.stop(mode="immediate")
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+
+class RedisServer:
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise MissingServer(f"redis-server not found; install it with: {INSTALL_HINT}")
+        self.binary = binary
+        self.port = free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix="shepherd-redis-"))
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for_port("127.0.0.1", self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def restart(self, down_for: float = 0.0) -> None:
+        """Kill and start again: like a crash, everything it held is lost."""
+        self.stop()
+        time.sleep(down_for)
+        self.start()
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
