@@ -203,7 +203,10 @@ backoff = Table(
 history = Table(
     "history",
     metadata,
-    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    # SQLite autoincrements only an INTEGER primary key.
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
     Column("machine_id", Uuid, nullable=False),
     Column("process", String(64), nullable=False),
     Column("event", String(16), nullable=False),

@@ -98,7 +98,8 @@ def set_agent_started(
 
 
 def delete_agent_started(tx: Tx, machine_id: uuid.UUID) -> None:
-    tx.execute(sa.delete(schema.agent_started).where(schema.agent_started.c.machine_id == machine_id))
+    s = schema.agent_started
+    tx.execute(sa.delete(s).where(s.c.machine_id == machine_id))
     _mark(tx, schema.provided, machine_id, agent_started=False)
 
 

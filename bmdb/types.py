@@ -35,7 +35,7 @@ class UTCDateTime(TypeDecorator):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-class db_now(FunctionElement):  # noqa: N801 - reads like the SQL function it stands for
+class db_now(FunctionElement):
     """The database's clock: ``now()`` on PostgreSQL.
 
     Deadlines written by one host and checked by another must come from one clock;

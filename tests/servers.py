@@ -8,6 +8,7 @@ skip, since they cannot restart someone else's).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -96,10 +97,8 @@ class PostgresServer:
         self.start()
 
     def destroy(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.CalledProcessError):
             self.stop(mode="immediate")
-        except subprocess.CalledProcessError:
-            pass
         shutil.rmtree(self.datadir, ignore_errors=True)
 
 

@@ -1,0 +1,482 @@
+#!/bin/sh
+"""":
+command -v python3 >/dev/null 2>&1 && exec python3 "$0" "$@"
+echo '{"error": {"message": "python3 is not installed on this machine"}}'
+exit 1
+
+The Shepherd agent: one file, uploaded to a machine and run there over SSH.
+
+The lines above make this file a shell script as well, so that a machine without
+python3 still answers a TakeoverResponse (run it as ``./agent.py`` or ``sh agent.py``).
+
+Takeover: read one TakeoverInit JSON on stdin, create (or reuse) the machine's
+ed25519 key (private part mode 0600, never sent), detach into the background, and
+answer one TakeoverResponse JSON on stdout; the SSH session ends right after.
+Exit status 0 on success, 1 when the answer is an error.
+
+Then heartbeat to the shepherd's callback server every few seconds, signed with
+that key, the first one with a hardware report; answer OS installation requests.
+
+Only the standard library and ``cryptography`` (imported lazily, so that its
+absence is reported instead of crashing). Kept to Python 3.8 syntax, since it runs
+on whatever python3 the machine has. It must not import the shepherd package.
+
+Configuration (flag, else environment variable, else default):
+  --state-dir  SHEPHERD_AGENT_STATE_DIR   key, pid file and log; default
+               $SHEPHERD_SIM_SANDBOX/shepherd-agent, else shepherd-agent.d beside this file
+  --key        SHEPHERD_AGENT_KEY         private key file; default <state-dir>/agent_key.pem
+  --interval   SHEPHERD_AGENT_HEARTBEAT_INTERVAL   seconds between heartbeats; default 5
+  --max-backoff SHEPHERD_AGENT_MAX_BACKOFF  longest wait after failures; default 60
+  --sys-root   SHEPHERD_AGENT_SYS_ROOT    where /proc and /sys are read from; default /
+  --foreground                            do not detach (debugging)
+"""
+
+import argparse
+import base64
+import hashlib
+import json
+import logging
+import logging.handlers
+import os
+import signal
+import ssl
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+
+HEARTBEAT_PATH = "/agent/v1/heartbeat"
+PID_FILE = "agent.pid"
+LOG_FILE = "agent.log"
+REQUEST_TIMEOUT = 10.0
+MAX_ANSWER = 1 << 20
+
+log = logging.getLogger("shepherd-agent")
+
+
+class TakeoverFailed(Exception):
+    """Why the takeover cannot succeed; becomes the TakeoverResponse error message."""
+
+
+# -- configuration ---------------------------------------------------------
+
+
+def parse_args(argv):
+    here = os.path.dirname(os.path.abspath(__file__))
+    sandbox = os.environ.get("SHEPHERD_SIM_SANDBOX")
+    default_state = (os.path.join(sandbox, "shepherd-agent") if sandbox
+                     else os.path.join(here, "shepherd-agent.d"))
+    env = os.environ.get
+    parser = argparse.ArgumentParser(description="Shepherd agent")
+    parser.add_argument("--state-dir", default=env("SHEPHERD_AGENT_STATE_DIR", default_state))
+    parser.add_argument("--key", default=env("SHEPHERD_AGENT_KEY"))
+    parser.add_argument("--interval", type=float,
+                        default=float(env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "5")))
+    parser.add_argument("--max-backoff", type=float,
+                        default=float(env("SHEPHERD_AGENT_MAX_BACKOFF", "60")))
+    parser.add_argument("--sys-root", default=env("SHEPHERD_AGENT_SYS_ROOT", "/"))
+    parser.add_argument("--foreground", action="store_true")
+    args = parser.parse_args(argv)
+    args.state_dir = os.path.abspath(args.state_dir)
+    args.key = os.path.abspath(args.key or os.path.join(args.state_dir, "agent_key.pem"))
+    args.interval = max(0.05, args.interval)
+    args.max_backoff = max(args.interval, args.max_backoff)
+    return args
+
+
+def read_init(raw):
+    """Parse and check the TakeoverInit; returns (the object as sent, machine id, endpoint, CA)."""
+    try:
+        init = json.loads(raw)
+    except ValueError as error:
+        raise TakeoverFailed(f"TakeoverInit is not valid JSON: {error}") from error
+    if not isinstance(init, dict):
+        raise TakeoverFailed("TakeoverInit must be a JSON object")
+    try:
+        machine_id = str(uuid.UUID(str(init.get("machine_id"))))
+    except ValueError as error:
+        raise TakeoverFailed("TakeoverInit.machine_id is not a UUID") from error
+    endpoint = init.get("bmaas_endpoint")
+    parts = urllib.parse.urlsplit(endpoint if isinstance(endpoint, str) else "")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise TakeoverFailed("TakeoverInit.bmaas_endpoint must be an http(s) URL")
+    ca = init.get("ca_certificate")
+    if ca is not None and not isinstance(ca, str):
+        raise TakeoverFailed("TakeoverInit.ca_certificate must be a PEM string or null")
+    return init, machine_id, endpoint.rstrip("/"), ca
+
+
+def ssl_context(endpoint, ca):
+    """The TLS context that verifies the server (None for plain HTTP)."""
+    if not endpoint.startswith("https:"):
+        return None
+    try:
+        return ssl.create_default_context(cadata=ca) if ca else ssl.create_default_context()
+    except (ssl.SSLError, ValueError) as error:
+        raise TakeoverFailed(f"ca_certificate cannot be used: {error}") from error
+
+
+# -- the key -----------------------------------------------------------------
+
+
+def load_or_create_key(path, warnings):
+    """The machine's ed25519 key: reused if present, so a repeated takeover keeps it."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as error:
+        raise TakeoverFailed(
+            f"the python3 package 'cryptography' is not installed on this machine ({error})"
+        ) from error
+    if os.path.exists(path):
+        fix_mode(path, warnings)
+        with open(path, "rb") as handle:
+            try:
+                key = serialization.load_pem_private_key(handle.read(), password=None)
+            except ValueError as error:
+                raise TakeoverFailed(f"existing key {path} is unreadable: {error}") from error
+        if not isinstance(key, ed25519.Ed25519PrivateKey):
+            raise TakeoverFailed(f"existing key {path} is not an ed25519 key")
+        return key
+    key = ed25519.Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    write_private(path, pem)
+    return key
+
+
+def fix_mode(path, warnings):
+    mode = os.stat(path).st_mode & 0o777
+    if mode != 0o600:
+        os.chmod(path, 0o600)
+        warnings.append(f"key {path} had mode {mode:o}; set it to 600")
+
+
+def write_private(path, data):
+    """Write a file that is mode 0600 from its first byte, atomically."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def raw_public_key(key):
+    from cryptography.hazmat.primitives import serialization
+
+    return key.public_key().public_bytes(serialization.Encoding.Raw,
+                                         serialization.PublicFormat.Raw)
+
+
+# -- detaching -----------------------------------------------------------------
+
+
+def detach(pid_path):
+    """Double fork + setsid. Returns True in the daemon; False in the original process
+    once the daemon has written its pid file and let go of stdin/stdout/stderr."""
+    read_end, write_end = os.pipe()
+    try:
+        first = os.fork()
+    except OSError as error:
+        raise TakeoverFailed(f"cannot fork the agent into the background: {error}") from error
+    if first > 0:
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as ready:
+            signal_byte = ready.read(1)
+        os.waitpid(first, 0)
+        if signal_byte != b"1":
+            raise TakeoverFailed("the agent could not start in the background")
+        return False
+    try:  # the children never return into main() except as the finished daemon
+        os.close(read_end)
+        os.setsid()
+        if os.fork() > 0:
+            os._exit(0)
+        os.umask(0o077)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        write_pid(pid_path)
+        os.write(write_end, b"1")
+        os.close(write_end)
+    except BaseException:
+        os._exit(1)
+    return True
+
+
+def write_pid(pid_path):
+    temporary = pid_path + ".tmp"
+    with open(temporary, "w") as handle:
+        handle.write(f"{os.getpid()}\n")
+    os.replace(temporary, pid_path)
+
+
+def superseded(pid_path):
+    """True when a newer agent took over this state dir (its pid is in the pid file)."""
+    try:
+        with open(pid_path) as handle:
+            return int(handle.read().strip() or 0) != os.getpid()
+    except (OSError, ValueError):
+        return True
+
+
+def setup_logging(state_dir):
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(
+        os.path.join(state_dir, LOG_FILE), maxBytes=1 << 20, backupCount=2)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+# -- hardware ----------------------------------------------------------------
+
+
+def hardware_report(root="/"):
+    """CPU, memory, disks and NICs from /proc and /sys, with a warning for each gap."""
+    warnings = []
+    return {
+        "cpu": read_cpu(root, warnings),
+        "memory_bytes": read_memory(root, warnings),
+        "block_devices": read_block_devices(root, warnings),
+        "network_interfaces": read_network_interfaces(root, warnings),
+        "warnings": warnings,
+    }
+
+
+def read_text(root, path):
+    with open(os.path.join(root, path.lstrip("/"))) as handle:
+        return handle.read()
+
+
+def read_cpu(root, warnings):
+    try:
+        text = read_text(root, "/proc/cpuinfo")
+    except OSError as error:
+        warnings.append(f"cpu: cannot read /proc/cpuinfo: {error}")
+        return {"model": "unknown", "cores": 0}
+    model, cores = None, 0
+    for line in text.splitlines():
+        name, _, value = (part.strip() for part in line.partition(":"))
+        if name == "processor":
+            cores += 1
+        elif name in ("model name", "Model", "cpu model") and model is None:
+            model = value
+    if model is None:
+        warnings.append("cpu: no model name in /proc/cpuinfo")
+    if cores == 0:
+        warnings.append("cpu: no processor entries in /proc/cpuinfo")
+    return {"model": model or "unknown", "cores": cores}
+
+
+def read_memory(root, warnings):
+    try:
+        text = read_text(root, "/proc/meminfo")
+    except OSError as error:
+        warnings.append(f"memory: cannot read /proc/meminfo: {error}")
+        return 0
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            fields = line.split()
+            try:
+                return int(fields[1]) * (1024 if fields[2:3] == ["kB"] else 1)
+            except (IndexError, ValueError):
+                break
+    warnings.append("memory: no MemTotal in /proc/meminfo")
+    return 0
+
+
+def list_dir(root, path, warnings, what):
+    try:
+        return sorted(os.listdir(os.path.join(root, path.lstrip("/"))))
+    except OSError as error:
+        warnings.append(f"{what}: cannot list {path}: {error}")
+        return []
+
+
+def read_block_devices(root, warnings):
+    devices = []
+    for name in list_dir(root, "/sys/block", warnings, "block devices"):
+        if name.startswith(("loop", "ram", "zram")):
+            continue
+        try:
+            sectors = int(read_text(root, f"/sys/block/{name}/size").strip())
+        except (OSError, ValueError) as error:
+            warnings.append(f"block device {name}: cannot read its size: {error}")
+            continue
+        devices.append({"name": name, "size_bytes": sectors * 512})
+    return devices
+
+
+def read_network_interfaces(root, warnings):
+    interfaces = []
+    for name in list_dir(root, "/sys/class/net", warnings, "network interfaces"):
+        if name == "lo":
+            continue
+        try:
+            mac = read_text(root, f"/sys/class/net/{name}/address").strip()
+        except OSError as error:
+            warnings.append(f"network interface {name}: cannot read its MAC: {error}")
+            continue
+        interfaces.append({"name": name, "mac": mac})
+    return interfaces
+
+
+# -- heartbeats ----------------------------------------------------------------
+
+
+class Heartbeater:
+    """Sends signed heartbeats and carries out what the answers ask for."""
+
+    def __init__(self, key, machine_id, endpoint, context, args):
+        self.key = key
+        self.machine_id = machine_id
+        self.url = endpoint + HEARTBEAT_PATH
+        self.path = urllib.parse.urlsplit(self.url).path
+        self.context = context
+        self.args = args
+        self.stop = threading.Event()
+        self.hardware = hardware_report(args.sys_root)
+        self.installation_report = None
+        self.reported_generation = None
+        handlers = [urllib.request.ProxyHandler({})]
+        if context is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=context))
+        self.opener = urllib.request.build_opener(*handlers)
+
+    def run(self, pid_path):
+        failures = 0
+        while not self.stop.is_set() and not superseded(pid_path):
+            try:
+                self.beat()
+                failures = 0
+            except Exception as error:  # any failure: log, back off, try again
+                failures += 1
+                log.warning("heartbeat failed (%d in a row): %s", failures, error)
+            if self.installation_report is not None and failures == 0:
+                continue  # report at once, not one interval later
+            self.stop.wait(self.delay(failures))
+        log.info("agent stopping (superseded=%s)", superseded(pid_path))
+
+    def delay(self, failures):
+        if failures == 0:
+            return self.args.interval
+        return min(self.args.max_backoff, self.args.interval * 2 ** min(failures, 20))
+
+    def beat(self):
+        body = {"machine_id": self.machine_id}
+        if self.hardware is not None:
+            body["hardware_report"] = self.hardware
+        if self.installation_report is not None:
+            body["installation_report"] = self.installation_report
+        answer = self.post(json.dumps(body).encode())
+        if self.hardware is not None:
+            log.info("hardware report delivered")
+            self.hardware = None
+        if self.installation_report is not None:
+            self.reported_generation = self.installation_report["generation"]
+            log.info("installation report %d delivered", self.reported_generation)
+            self.installation_report = None
+        self.handle(answer)
+
+    def handle(self, answer):
+        request = answer.get("os_installation_request") if isinstance(answer, dict) else None
+        if not isinstance(request, dict) or request.get("generation") == self.reported_generation:
+            return
+        generation = request.get("generation")
+        log.info("OS installation request %s: %s", generation, request.get("request"))
+        self.installation_report = {"generation": generation,
+                                    "result": install_os(request.get("request"))}
+
+    def post(self, body):
+        timestamp = f"{time.time():.6f}"
+        digest = hashlib.sha256(body).hexdigest()
+        payload = "\n".join(["POST", self.path, timestamp, digest]).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "X-Shepherd-Machine": self.machine_id,
+            "X-Shepherd-Timestamp": timestamp,
+            "X-Shepherd-Signature": base64.b64encode(self.key.sign(payload)).decode(),
+        }
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
+                return json.loads(response.read(MAX_ANSWER) or b"{}")
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"server answered {error.code} {error.reason}") from error
+
+
+def install_os(request):
+    """First version: no installation kind is supported yet; say so in the report."""
+    kind = request.get("kind", "unspecified") if isinstance(request, dict) else "unspecified"
+    return {"status": "error",
+            "message": f"installation kind {kind!r} is not supported by this agent"}
+
+
+# -- main --------------------------------------------------------------------
+
+
+def takeover(args, raw_init):
+    """Everything that can fail before the answer; returns what the daemon needs."""
+    init, machine_id, endpoint, ca = read_init(raw_init)
+    context = ssl_context(endpoint, ca)
+    warnings = []
+    try:
+        os.makedirs(args.state_dir, mode=0o700, exist_ok=True)
+        key = load_or_create_key(args.key, warnings)
+    except OSError as error:
+        raise TakeoverFailed(f"cannot keep the agent's key at {args.key}: {error}") from error
+    setup_logging(args.state_dir)
+    return init, machine_id, endpoint, context, key, warnings
+
+
+def answer(document):
+    sys.stdout.write(json.dumps(document) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    if sys.version_info < (3, 8):  # noqa: UP036 (runs on the machine's python3)
+        answer({"error": {"message": f"python3 is too old: {sys.version.split()[0]}"}})
+        return 1
+    args = parse_args(argv)
+    try:
+        init, machine_id, endpoint, context, key, warnings = takeover(args, sys.stdin.read())
+        heartbeater = Heartbeater(key, machine_id, endpoint, context, args)
+        pid_path = os.path.join(args.state_dir, PID_FILE)
+        if args.foreground:
+            write_pid(pid_path)
+        elif not detach(pid_path):
+            answer(success(init, key, warnings + heartbeater.hardware["warnings"]))
+            return 0
+    except TakeoverFailed as error:
+        answer({"error": {"message": str(error)}})
+        return 1
+    if args.foreground:
+        answer(success(init, key, warnings + heartbeater.hardware["warnings"]))
+    signal.signal(signal.SIGTERM, lambda *_: heartbeater.stop.set())
+    log.info("agent %d started for machine %s, heartbeats to %s every %.2fs",
+             os.getpid(), machine_id, heartbeater.url, args.interval)
+    try:
+        heartbeater.run(pid_path)
+    finally:
+        if not superseded(pid_path):
+            os.unlink(pid_path)
+    return 0
+
+
+def success(init, key, warnings):
+    return {"success": {"init_message": init,
+                        "key": base64.b64encode(raw_public_key(key)).decode(),
+                        "warnings": warnings}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

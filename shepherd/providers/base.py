@@ -1,0 +1,148 @@
+"""The one provider interface the workflows talk to, and the errors every provider raises.
+
+Workflows (reconcile, update, recovery) only see ``Provider``, ``ProviderMachine`` and
+``Capacity``; a new provider plugs in by implementing ``Provider`` and nothing else.
+Nothing here assumes Equinix concepts beyond an optional reservation id, because most
+bare-metal APIs (Hetzner, OVH, Scaleway, ...) have no such thing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import bmdb
+
+PLACEHOLDERS = frozenset({"", "changeme", "example", "fixme", "todo", "placeholder", "xxx"})
+
+
+class ProviderError(Exception):
+    """Base of every provider failure. Messages never carry credentials."""
+
+
+class ConfigError(ProviderError):
+    """The provider's configuration is unusable (placeholder values, bad file...)."""
+
+
+class NotFound(ProviderError):
+    """The provider does not know the machine / reservation / key asked for."""
+
+
+class PermanentError(ProviderError):
+    """A request the provider refused for good (401, 403, 422...): retrying cannot help."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RaceLost(PermanentError):
+    """The capacity was taken by a device that is not ours (no witness tag)."""
+
+
+class TransientExhausted(ProviderError):
+    """A transient failure (5xx, 429, connection) persisted through every retry."""
+
+
+class NotSupported(ProviderError):
+    """The provider cannot do this at all (e.g. reboot a statically listed machine)."""
+
+
+@dataclass(frozen=True)
+class ProviderMachine:
+    """A machine as the provider sees it: where to reach it and how it is doing."""
+
+    provider_id: str
+    address: str | None
+    ssh_port: int
+    location: str | None
+    reservation_id: str | None
+    status: bmdb.ProviderStatus
+    failed: bool
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Free capacity a machine can be created from.
+
+    ``request_id`` identifies one creation *intent*: it is generated once when the
+    capacity is listed and becomes the create request's witness, so a transaction
+    body re-run with the same ``Capacity`` recognises the device its first run made.
+    """
+
+    reservation_id: str
+    location: str | None
+    plan: str | None = None
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """What every provider offers the workflows."""
+
+    @property
+    def name(self) -> str:
+        """The value stored in the Provided tag's ``provider`` column."""
+        ...
+
+    def list_machines(self) -> list[ProviderMachine]:
+        """Every machine this shepherd manages at the provider (device prefix applied)."""
+        ...
+
+    def get_machine(self, provider_id: str) -> ProviderMachine:
+        """One machine; ``NotFound`` if the provider does not know it."""
+        ...
+
+    def list_capacity(self) -> list[Capacity]:
+        """Free capacity a machine could be created from now."""
+        ...
+
+    def create_machine(self, tx: bmdb.Tx, capacity: Capacity) -> ProviderMachine:
+        """Create a machine idempotently and register it as Provided in ``tx``."""
+        ...
+
+    def reboot(self, provider_id: str) -> None:
+        """Request a reboot; done only once later observation confirms it."""
+        ...
+
+
+def refuse_placeholder(what: str, value: str | None) -> str:
+    """Return ``value``, or raise if it is empty or an obvious placeholder.
+
+    Why: a shepherd started with an example prefix would adopt (and reboot) devices
+    it does not own; refusing at construction is the cheapest guard.
+    """
+    text = (value or "").strip()
+    lowered = text.lower()
+    if lowered in PLACEHOLDERS or any(p in lowered for p in ("changeme", "fixme")):
+        raise ConfigError(f"{what} {value!r} is empty or a placeholder; set a real value")
+    return text
+
+
+def register_provided(tx: bmdb.Tx, provider: str, machine: ProviderMachine) -> Any:
+    """Record ``machine`` as Provided in ``tx``, reusing the BMDB machine if it exists.
+
+    Why reuse: the (provider, provider_id) pair is unique; should the same device be
+    registered twice (a re-run after an unknown commit outcome), the second run must
+    update the first machine instead of failing on the constraint.
+    """
+    p = bmdb.schema.provided
+    existing = tx.execute(
+        p.select()
+        .with_only_columns(p.c.machine_id)
+        .where(p.c.provider == provider, p.c.provider_id == machine.provider_id)
+    ).scalar_one_or_none()
+    machine_id = existing or bmdb.tags.create_machine(tx)
+    bmdb.tags.upsert_provided(
+        tx,
+        machine_id,
+        provider=provider,
+        provider_id=machine.provider_id,
+        provider_status=machine.status,
+        reservation_id=machine.reservation_id,
+        address=machine.address,
+        location=machine.location,
+    )
+    return machine_id

@@ -1,0 +1,158 @@
+"""The agent callback server's WSGI application (Flask).
+
+Why Flask: the API is two small JSON endpoints, and Flask (on Werkzeug) is the
+smallest widely used, well-kept WSGI framework, with request-size limits, error
+handlers and a test client built in. It is served by cheroot (``serve.py``), a
+pure-Python, threaded, production-grade WSGI server with TLS built in. Both are
+synchronous, which suits a BMDB accessed through blocking SQLAlchemy.
+
+Endpoints:
+  POST /agent/v1/heartbeat   signed agent heartbeat (see ``heartbeat.py``, ``auth.py``)
+  GET  /healthz              200 {"status": "ok"} when the BMDB answers, else 503
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+import bmdb
+from shepherd.agent.protocol import HEARTBEAT_PATH
+from shepherd.server import auth
+from shepherd.server.heartbeat import BadRequest, accept
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+UNAUTHORIZED = {"error": "unauthorized"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the callback server needs to know; ``serve.main`` fills it from flags/env."""
+
+    bmdb_url: str
+    max_body: int = 256 * 1024
+    clock_window: float = 60.0
+    session_interval: float = 5.0
+    component: str = "callback-server"
+
+
+class SessionHolder:
+    """The server's one BMDB session, started on first use and replaced when it expires."""
+
+    def __init__(self, db: bmdb.BMDB, config: ServerConfig) -> None:
+        self.db = db
+        self.config = config
+        self._session: bmdb.Session | None = None
+        self._lock = threading.Lock()
+
+    def session(self) -> bmdb.Session:
+        with self._lock:
+            if self._session is None or not self._session.alive:
+                if self._session is not None:
+                    log.warning("BMDB session %s ended; starting a new one", self._session.id)
+                    self._session.close()
+                self._session = self.db.start_session(self.config.component,
+                                                      self.config.session_interval)
+            return self._session
+
+    def transact(self, body: Callable[[bmdb.Tx], T]) -> T:
+        """Run ``body`` in the session; once more in a new session if this one expired."""
+        try:
+            return self.session().transact(body)
+        except bmdb.SessionExpired:
+            return self.session().transact(body)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+
+
+def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
+    """The WSGI app. ``app.extensions["shepherd"]`` holds the BMDB session (close it at exit)."""
+    app = Flask("shepherd.server")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body
+    holder = SessionHolder(db or bmdb.connect(config.bmdb_url), config)
+    app.extensions["shepherd"] = holder
+
+    @app.post(HEARTBEAT_PATH)
+    def heartbeat() -> tuple[Response, int]:
+        body = read_body(config.max_body)
+        try:
+            signed = auth.parse_headers(request.headers)
+            auth.check_clock(signed, dt.datetime.now(dt.UTC), config.clock_window)
+            path = request.script_root + request.path
+            answer = holder.transact(lambda tx: accept(tx, signed, request.method, path, body))
+        except auth.Unauthorized as error:
+            log.info("heartbeat refused from %s: %s", request.remote_addr, error)
+            return jsonify(UNAUTHORIZED), 401
+        except BadRequest as error:
+            return jsonify({"error": f"bad request: {error}"}), 400
+        return jsonify(answer), 200
+
+    @app.get("/healthz")
+    def healthz() -> tuple[Response, int]:
+        try:
+            with holder.db.engine.connect() as conn:
+                conn.execute(sa.select(sa.literal(1)))
+        except Exception as error:  # any failure to answer is "unhealthy"
+            log.warning("health check: BMDB does not answer: %s", error)
+            return jsonify({"status": "unavailable", "error": "BMDB does not answer"}), 503
+        return jsonify({"status": "ok"}), 200
+
+    register_error_handlers(app)
+    return app
+
+
+def read_body(limit: int) -> bytes:
+    """The whole body, refusing (413) past ``limit`` bytes while reading it.
+
+    Werkzeug already refuses a Content-Length over the limit and stops a chunked
+    body at it; counting here as well keeps the limit whatever the stream does.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := request.stream.read(min(65536, limit + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise RequestEntityTooLarge()
+    return b"".join(chunks)
+
+
+def register_error_handlers(app: Flask) -> None:
+    """JSON answers for every error, and nothing about internals."""
+
+    @app.errorhandler(HTTPException)
+    def http_error(error: HTTPException) -> tuple[Response, int]:
+        code = error.code or 500
+        return jsonify({"error": (error.name or "error").lower()}), code
+
+    @app.errorhandler(sa.exc.OperationalError)
+    @app.errorhandler(bmdb.SessionExpired)
+    def bmdb_unavailable(error: Exception) -> tuple[Response, int]:
+        log.error("BMDB unavailable: %s", error)
+        return jsonify({"error": "BMDB unavailable"}), 503
+
+    @app.errorhandler(Exception)
+    def internal_error(error: Exception) -> tuple[Response, int]:
+        log.exception("internal error: %s", error)
+        return jsonify({"error": "internal error"}), 500
+
+    @app.after_request
+    def no_store(response: Response) -> Response:
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    def _unused(*_: Any) -> None:  # keeps type checkers quiet about the decorators
+        return None

@@ -1,0 +1,346 @@
+"""The simulator's HTTP server: the Equinix Metal API subset Shepherd uses, plus admin.
+
+Standard library ``ThreadingHTTPServer``: no extra dependency, real sockets, and
+full control over the connection, which the "lost response" fault needs (the
+action is applied, then the socket is closed without a reply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from shepherd.simulator.state import API_PREFIX, ApiError
+
+if TYPE_CHECKING:
+    from shepherd.simulator.server import Simulator
+
+log = logging.getLogger(__name__)
+Reply = tuple[int, Any]
+Route = tuple[str, re.Pattern[str], Callable[..., Reply]]
+
+
+class ApiServer(ThreadingHTTPServer):
+    """Tracks its connections so ``stop`` can end keep-alive handlers at once."""
+
+    daemon_threads = False
+    block_on_close = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], sim: Simulator) -> None:
+        self.sim = sim
+        self._connections: set[socket.socket] = set()
+        self._conn_lock = threading.Lock()
+        super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conn_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conn_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def stop(self) -> None:
+        self.shutdown()
+        with self._conn_lock:
+            for conn in list(self._connections):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        self.server_close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One request: auth, faults, route, JSON reply."""
+
+    server: ApiServer
+    protocol_version = "HTTP/1.1"
+    timeout = 30
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("api %s " + format, self.client_address[0], *args)
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+    def _handle(self, method: str) -> None:
+        sim = self.server.sim
+        url = urlsplit(self.path)
+        path = url.path.removeprefix(API_PREFIX).rstrip("/") or "/"
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            body = self._read_body()
+        except ApiError as error:
+            self._reply(error.status, {"errors": [str(error)]})
+            return
+        if self.headers.get("X-Auth-Token") != sim.config.token:
+            self._record(method, path, 401)
+            self._reply(401, {"error": "Invalid authentication token"})
+            return
+        if path.startswith("/_admin/"):
+            self._dispatch(method, path, query, body, ADMIN_ROUTES)
+            return
+        decision = sim.faults.decide(method, _device_in(path))
+        if decision.latency:
+            time.sleep(decision.latency)
+        if decision.status is not None:
+            self._record(method, path, decision.status)
+            headers = {}
+            if decision.status == 429 and decision.retry_after is not None:
+                headers["Retry-After"] = _format_seconds(decision.retry_after)
+            self._reply(decision.status, {"errors": ["injected fault"]}, headers)
+            return
+        self._dispatch(method, path, query, body, API_ROUTES, lost=decision.lost)
+
+    def _dispatch(self, method: str, path: str, query: dict[str, str], body: Any,
+                  routes: list[Route], lost: bool = False) -> None:
+        sim = self.server.sim
+        try:
+            status, payload = _route(routes, method, path)(sim, query, body)
+        except ApiError as error:
+            status, payload = error.status, {"errors": [str(error)]}
+        except Exception as error:  # a simulator bug must still answer something
+            log.exception("simulator API handler failed")
+            status, payload = 500, {"errors": [f"simulator error: {error}"]}
+        if lost:
+            self._record(method, path, "lost")
+            self.close_connection = True
+            return
+        self._record(method, path, status)
+        self._reply(status, payload)
+
+    def _read_body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as error:
+            raise ApiError(422, "request body is not JSON") from error
+
+    def _record(self, method: str, path: str, status: int | str) -> None:
+        with self.server.sim.state.lock:
+            self.server.sim.state.requests.append((method, path, status))
+
+    def _reply(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        data = b"" if payload is None else json.dumps(payload).encode()
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if data:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _format_seconds(seconds: float) -> str:
+    return str(int(seconds)) if float(seconds).is_integer() else f"{seconds:g}"
+
+
+def _device_in(path: str) -> str | None:
+    parts = path.strip("/").split("/")
+    return parts[1] if len(parts) >= 2 and parts[0] == "devices" else None
+
+
+def _route(routes: list[Route], method: str, path: str) -> Callable[..., Reply]:
+    allowed = False
+    for route_method, pattern, handler in routes:
+        match = pattern.fullmatch(path)
+        if match:
+            allowed = True
+            if route_method == method:
+                return lambda sim, q, b: handler(sim, q, b, **match.groupdict())
+    raise ApiError(405 if allowed else 404, "Not found" if not allowed else "Method not allowed")
+
+
+def _include(query: dict[str, str]) -> set[str]:
+    return {part for part in query.get("include", "").split(",") if part}
+
+
+def _paginate(items: list[Any], query: dict[str, str], path: str,
+              key: str, render: Callable[[Any], Any]) -> Reply:
+    """One page of ``items`` with the real ``meta`` object (no ``next`` on the last page)."""
+    try:
+        page = int(query.get("page", 1))
+        per_page = int(query.get("per_page", 10))
+    except ValueError as error:
+        raise ApiError(422, "page and per_page must be integers") from error
+    if not 1 <= page <= 100000 or not 1 <= per_page <= 1000:
+        raise ApiError(422, "page must be in 1..100000 and per_page in 1..1000")
+    last_page = max(1, math.ceil(len(items) / per_page))
+
+    def href(number: int) -> dict[str, str]:
+        return {"href": f"{API_PREFIX}{path}?page={number}&per_page={per_page}"}
+
+    meta: dict[str, Any] = {"first": href(1), "last": href(last_page), "self": href(page),
+                            "total": len(items), "current_page": page, "last_page": last_page}
+    if page > 1:
+        meta["previous"] = href(min(page - 1, last_page))
+    if page < last_page:
+        meta["next"] = href(page + 1)
+    chunk = items[(page - 1) * per_page: page * per_page]
+    return 200, {key: [render(item) for item in chunk], "meta": meta}
+
+
+def _check_project(sim: Simulator, project: str) -> None:
+    if project != sim.state.project_id:
+        raise ApiError(404, "Not found")
+
+
+# -- API handlers ---------------------------------------------------------------
+
+
+def list_devices(sim: Simulator, query: dict[str, str], body: Any, project: str) -> Reply:
+    _check_project(sim, project)
+    include = _include(query)
+    with sim.state.lock:
+        return _paginate(sim.state.project_devices(), query, f"/projects/{project}/devices",
+                         "devices", lambda d: sim.state.device_json(d, include))
+
+
+def create_device(sim: Simulator, query: dict[str, str], body: Any, project: str) -> Reply:
+    _check_project(sim, project)
+    if not isinstance(body, dict):
+        raise ApiError(422, "a JSON object body is required")
+    device = sim.create_device(body)
+    with sim.state.lock:
+        return 201, sim.state.device_json(device)
+
+
+def get_device(sim: Simulator, query: dict[str, str], body: Any, device: str) -> Reply:
+    with sim.state.lock:
+        return 200, sim.state.device_json(sim.state.get_device(device), _include(query))
+
+
+def device_action(sim: Simulator, query: dict[str, str], body: Any, device: str) -> Reply:
+    action = (body or {}).get("type") if isinstance(body, dict) else None
+    if action not in ("power_on", "power_off", "reboot", "rescue", "reinstall"):
+        sim.state.get_device(device)
+        raise ApiError(422, f"unsupported action type {action!r}")
+    if action != "reboot":
+        raise ApiError(422, f"the simulator only implements reboot, not {action}")
+    sim.reboot_device(device)
+    return 202, None
+
+
+def list_reservations(sim: Simulator, query: dict[str, str], body: Any, project: str) -> Reply:
+    _check_project(sim, project)
+    include = _include(query)
+    with sim.state.lock:
+        return _paginate(sim.state.project_reservations(), query,
+                         f"/projects/{project}/hardware-reservations", "hardware_reservations",
+                         lambda r: sim.state.reservation_json(r, include))
+
+
+def get_reservation(sim: Simulator, query: dict[str, str], body: Any, reservation: str) -> Reply:
+    with sim.state.lock:
+        found = sim.state.get_reservation(reservation)
+        return 200, sim.state.reservation_json(found, _include(query))
+
+
+def list_ssh_keys(sim: Simulator, query: dict[str, str], body: Any, project: str) -> Reply:
+    _check_project(sim, project)
+    with sim.state.lock:
+        keys = sorted(sim.state.ssh_keys.values(), key=lambda k: (k.created_at, k.id))
+        return 200, {"ssh_keys": [sim.state.ssh_key_json(k) for k in keys]}
+
+
+def create_ssh_key(sim: Simulator, query: dict[str, str], body: Any, project: str) -> Reply:
+    _check_project(sim, project)
+    if not isinstance(body, dict):
+        raise ApiError(422, "a JSON object body is required")
+    return 201, sim.state.ssh_key_json(sim.state.create_ssh_key(body))
+
+
+def get_ssh_key(sim: Simulator, query: dict[str, str], body: Any, key: str) -> Reply:
+    return 200, sim.state.ssh_key_json(sim.state.get_ssh_key(key))
+
+
+def update_ssh_key(sim: Simulator, query: dict[str, str], body: Any, key: str) -> Reply:
+    if not isinstance(body, dict):
+        raise ApiError(422, "a JSON object body is required")
+    return 200, sim.state.ssh_key_json(sim.state.update_ssh_key(key, body))
+
+
+# -- admin handlers -------------------------------------------------------------
+
+
+def admin_state(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
+    return 200, sim.snapshot()
+
+
+def admin_faults(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
+    """Body: {"clear", "device_id", "fail_next": {...}, "lose_next": {...}, **settings}."""
+    body = dict(body or {})
+    if body.pop("clear", False):
+        sim.faults.clear()
+    device_id = body.pop("device_id", None)
+    if "fail_next" in body:
+        sim.faults.fail_next(device_id=device_id, **body.pop("fail_next"))
+    if "lose_next" in body:
+        sim.faults.lose_next(device_id=device_id, **body.pop("lose_next"))
+    try:
+        sim.faults.set(device_id, **body)
+    except (TypeError, ValueError) as error:
+        raise ApiError(422, str(error)) from error
+    return 200, sim.faults.snapshot()
+
+
+def admin_foreign_device(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
+    body = dict(body or {})
+    device = sim.create_foreign_device(str(body.get("reservation_id")), body.get("hostname"))
+    with sim.state.lock:
+        return 201, sim.state.device_json(device)
+
+
+def admin_kill_agent(sim: Simulator, query: dict[str, str], body: Any, device: str) -> Reply:
+    sim.state.get_device(device)
+    return 200, {"killed": sim.kill_agent(device)}
+
+
+def _r(method: str, pattern: str, handler: Callable[..., Reply]) -> Route:
+    return method, re.compile(pattern), handler
+
+
+_ID = r"[^/]+"
+API_ROUTES: list[Route] = [
+    _r("GET", rf"/projects/(?P<project>{_ID})/devices", list_devices),
+    _r("POST", rf"/projects/(?P<project>{_ID})/devices", create_device),
+    _r("GET", rf"/devices/(?P<device>{_ID})", get_device),
+    _r("POST", rf"/devices/(?P<device>{_ID})/actions", device_action),
+    _r("GET", rf"/projects/(?P<project>{_ID})/hardware-reservations", list_reservations),
+    _r("GET", rf"/hardware-reservations/(?P<reservation>{_ID})", get_reservation),
+    _r("GET", rf"/projects/(?P<project>{_ID})/ssh-keys", list_ssh_keys),
+    _r("POST", rf"/projects/(?P<project>{_ID})/ssh-keys", create_ssh_key),
+    _r("GET", rf"/ssh-keys/(?P<key>{_ID})", get_ssh_key),
+    _r("PUT", rf"/ssh-keys/(?P<key>{_ID})", update_ssh_key),
+]
+ADMIN_ROUTES: list[Route] = [
+    _r("GET", r"/_admin/state", admin_state),
+    _r("POST", r"/_admin/faults", admin_faults),
+    _r("POST", r"/_admin/devices", admin_foreign_device),
+    _r("POST", rf"/_admin/devices/(?P<device>{_ID})/kill-agent", admin_kill_agent),
+]

@@ -1,0 +1,129 @@
+"""Fault injection for the simulator, globally and per device.
+
+Settings are sticky (until changed or cleared); ``fail_next`` / ``lose_next`` are
+one-shot budgets, which make retry counts deterministic in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class FaultSettings:
+    """What can go wrong; per-device values override the global ones field by field."""
+
+    api_latency: float = 0.0          # seconds added to every API reply
+    api_error_rate: float = 0.0       # share of API calls answered 500
+    api_429_rate: float = 0.0         # share of API calls answered 429
+    retry_after: float | None = 1.0   # Retry-After sent with injected 429s (None: no header)
+    lost_response_rate: float = 0.0   # share of API calls applied but never answered
+    ssh_refused: bool = False         # the device's SSH port refuses connections
+    ssh_hang: bool = False            # TCP accepted, SSH banner never sent
+
+
+FIELDS = {f.name for f in dataclasses.fields(FaultSettings)}
+
+
+@dataclass
+class Decision:
+    """What to do with one API request."""
+
+    latency: float = 0.0
+    status: int | None = None         # an injected error status, or None
+    retry_after: float | None = None
+    lost: bool = False
+
+
+@dataclass
+class _Budget:
+    count: int
+    status: int | None = None
+    retry_after: float | None = None
+    method: str | None = None
+    device_id: str | None = None
+    lose: bool = False
+
+    def matches(self, method: str, device_id: str | None) -> bool:
+        if self.method and self.method != method:
+            return False
+        return not (self.device_id and self.device_id != device_id)
+
+
+class Faults:
+    """Thread-safe fault configuration consulted by the HTTP and SSH servers."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self.global_ = FaultSettings()
+        self.per_device: dict[str, dict[str, Any]] = {}
+        self._budgets: list[_Budget] = []
+
+    def set(self, device_id: str | None = None, **settings: Any) -> None:
+        """Change settings globally, or for one device when ``device_id`` is given."""
+        unknown = set(settings) - FIELDS
+        if unknown:
+            raise ValueError(f"unknown fault settings: {sorted(unknown)}")
+        with self._lock:
+            if device_id is None:
+                self.global_ = dataclasses.replace(self.global_, **settings)
+            else:
+                self.per_device.setdefault(device_id, {}).update(settings)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.global_ = FaultSettings()
+            self.per_device.clear()
+            self._budgets.clear()
+
+    def fail_next(self, count: int, status: int = 500, *, retry_after: float | None = None,
+                  method: str | None = None, device_id: str | None = None) -> None:
+        """Answer the next ``count`` matching API calls with ``status``."""
+        with self._lock:
+            self._budgets.append(_Budget(count, status, retry_after, method, device_id))
+
+    def lose_next(self, count: int, *, method: str | None = None,
+                  device_id: str | None = None) -> None:
+        """Apply the next ``count`` matching API calls but drop their replies."""
+        with self._lock:
+            self._budgets.append(_Budget(count, method=method, device_id=device_id, lose=True))
+
+    def effective(self, device_id: str | None) -> FaultSettings:
+        with self._lock:
+            overrides = self.per_device.get(device_id or "", {})
+            return dataclasses.replace(self.global_, **overrides)
+
+    def decide(self, method: str, device_id: str | None) -> Decision:
+        """Roll the dice for one API request."""
+        settings = self.effective(device_id)
+        decision = Decision(latency=settings.api_latency)
+        with self._lock:
+            for budget in self._budgets:
+                if budget.count > 0 and budget.matches(method, device_id):
+                    budget.count -= 1
+                    decision.lost = budget.lose
+                    decision.status = budget.status
+                    decision.retry_after = budget.retry_after
+                    self._budgets = [b for b in self._budgets if b.count > 0]
+                    return decision
+            roll = self._rng.random()
+        if roll < settings.api_error_rate:
+            decision.status = 500
+        elif roll < settings.api_error_rate + settings.api_429_rate:
+            decision.status, decision.retry_after = 429, settings.retry_after
+        elif roll < settings.api_error_rate + settings.api_429_rate + settings.lost_response_rate:
+            decision.lost = True
+        return decision
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "global": dataclasses.asdict(self.global_),
+                "per_device": {k: dict(v) for k, v in self.per_device.items()},
+                "pending_budgets": [dataclasses.asdict(b) for b in self._budgets],
+            }

@@ -1,0 +1,225 @@
+"""The simulator: state, HTTP API and device SSH servers, started and stopped together."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shepherd.simulator.api import ApiServer
+from shepherd.simulator.faults import Faults
+from shepherd.simulator.ssh import INSTANCE_MARKER, DeviceSSH, generate_host_key, kill_processes
+from shepherd.simulator.state import API_PREFIX, Device, SimState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SimulatorConfig:
+    """How big the simulated project is and where it listens (loopback only)."""
+
+    reservations: int = 5
+    project_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    token: str = "simulator-token"
+    http_port: int = 0               # 0: a free port
+    ssh_port: int = 2222             # every device's SSH port; 0: one free port for all
+    address_net: int = 100           # devices live on 127.<address_net>.x.y
+    provision_delay: float = 1.0     # seconds from queued to active
+    reboot_delay: float = 1.0        # seconds SSH stays down after a reboot
+    workdir: Path | None = None      # device sandboxes; a temporary directory if None
+    seed: int | None = None          # fault dice
+
+
+class Simulator:
+    """A fake Equinix Metal project whose devices are real SSH servers on loopback.
+
+    Use as a context manager, or call ``start`` and ``stop``. Tests inspect
+    ``state``/``devices``, inject faults through ``faults`` and act through
+    ``create_foreign_device``, ``kill_agent`` and ``reboot_device``.
+    """
+
+    HOST = "127.0.0.1"
+
+    def __init__(self, config: SimulatorConfig | None = None, **overrides: Any) -> None:
+        self.config = dataclasses.replace(config or SimulatorConfig(), **overrides)
+        if not self.config.token:
+            raise ValueError("the simulator needs a non-empty API token")
+        self.instance = uuid.uuid4().hex
+        self.state = SimState(self.config.project_id, self.config.reservations,
+                              address_net=self.config.address_net,
+                              provision_delay=self.config.provision_delay,
+                              reboot_delay=self.config.reboot_delay)
+        self.faults = Faults(self.config.seed)
+        self.ssh_port = self.config.ssh_port
+        self._endpoints: dict[str, DeviceSSH] = {}
+        self._host_key = generate_host_key()
+        self._own_workdir = self.config.workdir is None
+        self.workdir = self.config.workdir or Path(tempfile.mkdtemp(prefix="shepherd-sim-"))
+        self._api: ApiServer | None = None
+        self._api_thread: threading.Thread | None = None
+        self._stopped = False
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> Simulator:
+        if self.ssh_port == 0:
+            self.ssh_port = _free_port()
+        self._api = ApiServer((self.HOST, self.config.http_port), self)
+        self._api_thread = threading.Thread(target=self._api.serve_forever,
+                                            kwargs={"poll_interval": 0.1},
+                                            name="sim-api", daemon=True)
+        self._api_thread.start()
+        log.info("simulator API on %s (project %s)", self.base_url, self.config.project_id)
+        return self
+
+    def stop(self) -> None:
+        """Stop every thread and socket, kill every device process, drop the sandboxes."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._api is not None:
+            self._api.stop()
+        if self._api_thread is not None:
+            self._api_thread.join(timeout=5)
+        for endpoint in list(self._endpoints.values()):
+            endpoint.stop()
+        kill_processes(INSTANCE_MARKER, self.instance)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Simulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def http_port(self) -> int:
+        assert self._api is not None, "simulator not started"
+        return self._api.server_address[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.HOST}:{self.http_port}{API_PREFIX}"
+
+    @property
+    def project_id(self) -> str:
+        return self.config.project_id
+
+    @property
+    def devices(self) -> dict[str, Device]:
+        with self.state.lock:
+            return dict(self.state.devices)
+
+    # -- devices ------------------------------------------------------------
+
+    def create_device(self, body: dict[str, Any], created_by: str = "api") -> Device:
+        """Create a device (as the API does) and bring up its SSH endpoint."""
+        device = self.state.create_device(body, created_by=created_by)
+        endpoint = DeviceSSH(
+            device_id=device.id, address=device.address, port=self.ssh_port,
+            sandbox=self.workdir / "devices" / device.id, host_key=self._host_key,
+            instance=self.instance,
+            is_up=lambda: self._ssh_up(device.id),
+            hangs=lambda: self.faults.effective(device.id).ssh_hang,
+            authorized_keys=self.state.authorized_key_blobs,
+        )
+        self._endpoints[device.id] = endpoint.start()
+        return device
+
+    def create_foreign_device(self, reservation_id: str, hostname: str | None = None) -> Device:
+        """Provision a reservation "by someone else" (no shepherd tags): a lost race."""
+        reservation = self.state.get_reservation(reservation_id)
+        body = {"metro": reservation.metro, "plan": reservation.plan,
+                "operating_system": "ubuntu_22_04", "hardware_reservation_id": reservation_id,
+                "hostname": hostname or "someone-elses-box", "tags": ["not-shepherd"]}
+        return self.create_device(body, created_by="someone-else")
+
+    def _ssh_up(self, device_id: str) -> bool:
+        device = self.state.devices.get(device_id)
+        return (device is not None and not self._stopped and device.state() == "active"
+                and not self.faults.effective(device_id).ssh_refused)
+
+    def endpoint(self, device_id: str) -> DeviceSSH:
+        return self._endpoints[device_id]
+
+    def sandbox(self, device_id: str) -> Path:
+        return self._endpoints[device_id].sandbox
+
+    def reboot_device(self, device_id: str) -> None:
+        """Reboot: processes die, sessions drop, SSH refuses for ``reboot_delay``."""
+        self.state.reboot(device_id)
+        endpoint = self._endpoints.get(device_id)
+        if endpoint is not None:
+            endpoint.drop_sessions()
+            endpoint.kill_processes()
+
+    def kill_agent(self, device_id: str) -> int:
+        """The "agent killed" fault: every process the device runs dies now."""
+        endpoint = self._endpoints.get(device_id)
+        return endpoint.kill_processes() if endpoint is not None else 0
+
+    def wait_for_state(self, device_id: str, state: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.state.get_device(device_id).state() != state:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"device {device_id} did not reach {state} in {timeout}s")
+            time.sleep(0.02)
+
+    def wait_for_ssh(self, device_id: str, timeout: float = 10.0) -> None:
+        """Block until the device's SSH port accepts TCP connections."""
+        endpoint = self._endpoints[device_id]
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(
+                (endpoint.address, endpoint.port), timeout=0.5
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"device {device_id} SSH not up in {timeout}s "
+                                   f"({endpoint.bind_error or 'not listening'})")
+            time.sleep(0.02)
+
+    # -- inspection ---------------------------------------------------------
+
+    def requests(self, method: str | None = None, path_prefix: str = "") -> list[tuple]:
+        """The API requests served so far: (method, path, status or "lost")."""
+        with self.state.lock:
+            return [r for r in self.state.requests
+                    if (method is None or r[0] == method) and r[1].startswith(path_prefix)]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a test or an operator may want to see (the admin endpoint's body)."""
+        with self.state.lock:
+            devices = [{
+                "id": d.id, "hostname": d.hostname, "state": d.state(), "tags": d.tags,
+                "reservation_id": d.reservation_id, "address": d.address,
+                "ssh_port": self.ssh_port, "created_by": d.created_by, "reboots": d.reboots,
+                "sandbox": str(self.workdir / "devices" / d.id),
+            } for d in self.state.project_devices()]
+            return {
+                "project_id": self.project_id,
+                "reservations": [{"id": r.id, "facility": r.facility, "metro": r.metro,
+                                  "device_id": r.device_id} for r in
+                                 self.state.project_reservations()],
+                "devices": devices,
+                "ssh_keys": [{"id": k.id, "label": k.label, "key": k.key}
+                             for k in self.state.ssh_keys.values()],
+                "requests": len(self.state.requests),
+                "faults": self.faults.snapshot(),
+            }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((Simulator.HOST, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,446 @@
+"""Per-device SSH servers: paramiko, public-key auth, SFTP into a sandbox, real exec.
+
+Each device listens on its own loopback address (127.net.x.y) and the configured
+port. While a device is not up (provisioning, rebooting, ``ssh_refused``) its
+listening socket is closed, so clients get a real ECONNREFUSED. Commands run as
+``bash -c`` in the device's sandbox with ``SHEPHERD_SIM_DEVICE`` in their
+environment: that marker is how processes that detached (double fork + setsid)
+are still found and killed on reboot or an "agent killed" fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import logging
+import os
+import posixpath
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import paramiko
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+log = logging.getLogger(__name__)
+MARKER = "SHEPHERD_SIM_DEVICE"
+INSTANCE_MARKER = "SHEPHERD_SIM_INSTANCE"
+POLL = 0.05
+
+
+def generate_host_key() -> paramiko.PKey:
+    """A fresh ed25519 host key (fast, unlike RSA generation)."""
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    return paramiko.Ed25519Key(file_obj=io.StringIO(pem.decode()))
+
+
+def find_processes(marker: str, value: str) -> list[int]:
+    """PIDs whose environment holds ``marker=value`` (readable /proc entries only)."""
+    needle = f"{marker}={value}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry))
+    return pids
+
+
+def kill_processes(marker: str, value: str, rounds: int = 5) -> int:
+    """SIGKILL every marked process; repeat to catch children forked meanwhile."""
+    killed = 0
+    for _ in range(rounds):
+        pids = find_processes(marker, value)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.02)
+    return killed
+
+
+# -- SFTP ------------------------------------------------------------------------
+
+
+class SandboxHandle(paramiko.SFTPHandle):
+    """An open file in the sandbox."""
+
+    def stat(self) -> Any:
+        try:
+            return paramiko.SFTPAttributes.from_stat(os.fstat(self.readfile.fileno()))
+        except OSError as error:
+            return paramiko.SFTPServer.convert_errno(error.errno)
+
+    def chattr(self, attr: paramiko.SFTPAttributes) -> int:
+        try:
+            paramiko.SFTPServer.set_file_attr(self.filename, attr)
+        except OSError as error:
+            return paramiko.SFTPServer.convert_errno(error.errno)
+        return paramiko.SFTP_OK
+
+
+class SandboxSFTP(paramiko.SFTPServerInterface):
+    """SFTP where "/" is the device's sandbox directory; ".." cannot climb out."""
+
+    def __init__(self, server: Any, *args: Any, root: str, **kwargs: Any) -> None:
+        super().__init__(server, *args, **kwargs)
+        self.root = root
+
+    def _local(self, path: str) -> str:
+        relative = posixpath.normpath("/" + path).lstrip("/")
+        return os.path.join(self.root, relative)
+
+    @staticmethod
+    def _errno(error: OSError) -> int:
+        return paramiko.SFTPServer.convert_errno(error.errno)
+
+    def canonicalize(self, path: str) -> str:
+        return posixpath.normpath("/" + path)
+
+    def list_folder(self, path: str) -> Any:
+        local = self._local(path)
+        try:
+            out = []
+            for name in os.listdir(local):
+                attr = paramiko.SFTPAttributes.from_stat(os.lstat(os.path.join(local, name)))
+                attr.filename = name
+                out.append(attr)
+            return out
+        except OSError as error:
+            return self._errno(error)
+
+    def stat(self, path: str) -> Any:
+        try:
+            return paramiko.SFTPAttributes.from_stat(os.stat(self._local(path)))
+        except OSError as error:
+            return self._errno(error)
+
+    def lstat(self, path: str) -> Any:
+        try:
+            return paramiko.SFTPAttributes.from_stat(os.lstat(self._local(path)))
+        except OSError as error:
+            return self._errno(error)
+
+    def open(self, path: str, flags: int, attr: paramiko.SFTPAttributes) -> Any:
+        local = self._local(path)
+        mode = attr.st_mode if attr is not None and attr.st_mode is not None else 0o644
+        try:
+            fd = os.open(local, flags | getattr(os, "O_BINARY", 0), mode & 0o7777)
+        except OSError as error:
+            return self._errno(error)
+        if flags & os.O_CREAT and attr is not None:
+            attr._flags &= ~attr.FLAG_PERMISSIONS
+            paramiko.SFTPServer.set_file_attr(local, attr)
+        if flags & os.O_WRONLY:
+            fmode = "ab" if flags & os.O_APPEND else "wb"
+        elif flags & os.O_RDWR:
+            fmode = "a+b" if flags & os.O_APPEND else "r+b"
+        else:
+            fmode = "rb"
+        try:
+            handle_file = os.fdopen(fd, fmode)
+        except OSError as error:
+            return self._errno(error)
+        handle = SandboxHandle(flags)
+        handle.filename = local
+        handle.readfile = handle_file
+        handle.writefile = handle_file
+        return handle
+
+    def _simple(self, action: Callable[[], object]) -> int:
+        try:
+            action()
+        except OSError as error:
+            return self._errno(error)
+        return paramiko.SFTP_OK
+
+    def remove(self, path: str) -> int:
+        return self._simple(lambda: os.remove(self._local(path)))
+
+    def rename(self, oldpath: str, newpath: str) -> int:
+        return self._simple(lambda: os.rename(self._local(oldpath), self._local(newpath)))
+
+    def posix_rename(self, oldpath: str, newpath: str) -> int:
+        return self._simple(lambda: os.replace(self._local(oldpath), self._local(newpath)))
+
+    def mkdir(self, path: str, attr: paramiko.SFTPAttributes) -> int:
+        local = self._local(path)
+
+        def make() -> None:
+            os.mkdir(local)
+            if attr is not None:
+                paramiko.SFTPServer.set_file_attr(local, attr)
+
+        return self._simple(make)
+
+    def rmdir(self, path: str) -> int:
+        return self._simple(lambda: os.rmdir(self._local(path)))
+
+    def chattr(self, path: str, attr: paramiko.SFTPAttributes) -> int:
+        return self._simple(lambda: paramiko.SFTPServer.set_file_attr(self._local(path), attr))
+
+    def symlink(self, target_path: str, path: str) -> int:
+        return paramiko.SFTP_OP_UNSUPPORTED  # a link could point out of the sandbox
+
+
+# -- SSH server ------------------------------------------------------------------
+
+
+class DeviceInterface(paramiko.ServerInterface):
+    """Auth and channel policy for one device's SSH server."""
+
+    def __init__(self, endpoint: DeviceSSH) -> None:
+        self.endpoint = endpoint
+
+    def get_allowed_auths(self, username: str) -> str:
+        return "publickey"
+
+    def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
+        # Read at auth time: a key registered a moment ago must work now.
+        if username == "root" and key.get_base64() in self.endpoint.authorized_keys():
+            return paramiko.AUTH_SUCCESSFUL
+        return paramiko.AUTH_FAILED
+
+    def check_channel_request(self, kind: str, chanid: int) -> int:
+        if kind == "session":
+            return paramiko.OPEN_SUCCEEDED
+        return paramiko.OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
+
+    def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
+        text = command.decode("utf-8", "replace")
+        threading.Thread(target=self.endpoint.run_command, args=(channel, text),
+                         name=f"sim-exec-{self.endpoint.device_id[:8]}", daemon=True).start()
+        return True
+
+
+class DeviceSSH:
+    """The SSH endpoint of one simulated device: a listener thread and its sessions."""
+
+    def __init__(self, *, device_id: str, address: str, port: int, sandbox: Path,
+                 host_key: paramiko.PKey, instance: str,
+                 is_up: Callable[[], bool], hangs: Callable[[], bool],
+                 authorized_keys: Callable[[], set[str]]) -> None:
+        self.device_id = device_id
+        self.address = address
+        self.port = port
+        self.sandbox = sandbox
+        self.host_key = host_key
+        self.instance = instance
+        self.is_up = is_up
+        self.hangs = hangs
+        self.authorized_keys = authorized_keys
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._transports: set[paramiko.Transport] = set()
+        self._hung: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self.bind_error: str | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"sim-ssh-{device_id[:8]}",
+                                        daemon=True)
+
+    def start(self) -> DeviceSSH:
+        self.sandbox.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    # -- listening ----------------------------------------------------------
+
+    def _serve(self) -> None:
+        listener: socket.socket | None = None
+        try:
+            while not self._stop.is_set():
+                up = self.is_up()
+                if up and listener is None:
+                    listener = self._bind()
+                elif not up and listener is not None:
+                    listener.close()
+                    listener = None
+                if listener is None:
+                    self._stop.wait(POLL)
+                    continue
+                ready, _, _ = select.select([listener], [], [], POLL)
+                if ready:
+                    self._accept(listener)
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def _bind(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.address, self.port))
+        except OSError as error:
+            sock.close()
+            self.bind_error = f"{self.address}:{self.port}: {error}"
+            log.warning("simulated device %s cannot listen on %s", self.device_id,
+                        self.bind_error)
+            self._stop.wait(0.5)
+            return None
+        self.bind_error = None
+        sock.listen(16)
+        return sock
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        if self.hangs():
+            with self._lock:
+                self._hung.append(conn)  # TCP is up, the banner never comes
+            return
+        thread = threading.Thread(target=self._session, args=(conn,), daemon=True,
+                                  name=f"sim-ssh-conn-{self.device_id[:8]}")
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _session(self, conn: socket.socket) -> None:
+        transport = paramiko.Transport(conn)
+        with self._lock:
+            self._transports.add(transport)
+        try:
+            transport.add_server_key(self.host_key)
+            transport.set_subsystem_handler("sftp", paramiko.SFTPServer, SandboxSFTP,
+                                            root=str(self.sandbox))
+            transport.start_server(server=DeviceInterface(self))
+            while transport.is_active() and not self._stop.is_set():
+                transport.accept(0.2)  # channels act through DeviceInterface callbacks
+        except (paramiko.SSHException, OSError, EOFError) as error:
+            log.debug("simulated device %s: SSH session ended: %s", self.device_id, error)
+        finally:
+            transport.close()
+            with self._lock:
+                self._transports.discard(transport)
+
+    # -- exec ---------------------------------------------------------------
+
+    def environment(self) -> dict[str, str]:
+        """The command environment; the simulator's Python comes first on PATH."""
+        path = os.pathsep.join([os.path.dirname(sys.executable),
+                                os.environ.get("PATH", "/usr/bin:/bin")])
+        return {"PATH": path, "HOME": str(self.sandbox), "LANG": "C.UTF-8",
+                "USER": "root", MARKER: self.device_id,
+                "SHEPHERD_SIM_SANDBOX": str(self.sandbox), INSTANCE_MARKER: self.instance}
+
+    def run_command(self, channel: paramiko.Channel, command: str) -> None:
+        """Run ``command`` like sshd would: streams in and out, exit status, then close."""
+        try:
+            proc = subprocess.Popen(
+                ["bash", "-c", command], cwd=self.sandbox, env=self.environment(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as error:
+            with contextlib.suppress(Exception):
+                channel.sendall_stderr(f"exec failed: {error}\n".encode())
+                channel.send_exit_status(127)
+                channel.close()
+            return
+        threading.Thread(target=_pump_stdin, args=(channel, proc), daemon=True).start()
+        pumps = [
+            threading.Thread(target=_pump_out, args=(proc.stdout, channel.sendall), daemon=True),
+            threading.Thread(target=_pump_out, args=(proc.stderr, channel.sendall_stderr),
+                             daemon=True),
+        ]
+        for pump in pumps:
+            pump.start()
+        self._await(proc, channel, pumps)
+        with contextlib.suppress(Exception):
+            channel.send_exit_status(proc.returncode if proc.returncode >= 0
+                                     else 128 - proc.returncode)
+            channel.close()
+
+    def _await(self, proc: subprocess.Popen[bytes], channel: paramiko.Channel,
+               pumps: list[threading.Thread]) -> None:
+        # The client hanging up (e.g. its exec timeout) ends the command's process group,
+        # as a SIGHUP would; detached processes (their own session) survive, as on a host.
+        while proc.poll() is None or any(p.is_alive() for p in pumps):
+            if proc.poll() is None and (channel.closed or self._stop.is_set()):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is not None and (channel.closed or self._stop.is_set()):
+                break
+            time.sleep(POLL)
+        proc.wait()
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def kill_processes(self) -> int:
+        return kill_processes(MARKER, self.device_id)
+
+    def drop_sessions(self) -> None:
+        """Close every SSH session and hung socket (what a reboot does to them)."""
+        with self._lock:
+            transports, hung = list(self._transports), list(self._hung)
+            self._hung.clear()
+        for transport in transports:
+            transport.close()
+        for sock in hung:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.drop_sessions()
+        self.kill_processes()
+        self._thread.join(timeout=5)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=5)
+
+
+def _pump_stdin(channel: paramiko.Channel, proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdin is not None
+    try:
+        while True:
+            data = channel.recv(32768)
+            if not data:
+                break
+            proc.stdin.write(data)
+            proc.stdin.flush()
+    except (OSError, EOFError, ValueError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+
+
+def _pump_out(stream: Any, send: Callable[[bytes], None]) -> None:
+    fd = stream.fileno()
+    broken = False
+    while True:
+        try:
+            data = os.read(fd, 32768)
+        except OSError as error:
+            if error.errno == errno.EINTR:
+                continue
+            break
+        if not data:
+            break
+        if not broken:
+            try:
+                send(data)
+            except (OSError, EOFError, paramiko.SSHException):
+                broken = True  # keep draining so the process never blocks on a full pipe
+    stream.close()

@@ -1,0 +1,59 @@
+"""Sessions: the heartbeat keeps them alive; without it they expire and refuse to work."""
+
+import time
+
+import pytest
+import sqlalchemy as sa
+
+import bmdb
+
+
+def _noop(tx: bmdb.Tx) -> int:
+    return tx.execute(sa.select(sa.literal(1))).scalar_one()
+
+
+def test_heartbeat_keeps_session_alive_then_it_expires(db):
+    session = db.start_session("expiry", interval=1)
+    deadline = time.monotonic() + 3.5  # several intervals
+    while time.monotonic() < deadline:
+        assert session.transact(_noop) == 1
+        time.sleep(0.2)
+    session._stopped.set()  # the heartbeat thread stops, as if the process hung
+    session._thread.join(timeout=5)
+    time.sleep(1.2)  # one interval passes
+    with pytest.raises(bmdb.SessionExpired):
+        session.transact(_noop)
+    assert not session.alive
+
+
+def test_swept_session_is_expired(db):
+    session = db.start_session("swept", interval=1)
+    session._stopped.set()
+    session._thread.join(timeout=5)
+    time.sleep(1.2)
+    assert db.sweep().sessions_deleted == 1
+    with pytest.raises(bmdb.SessionExpired):
+        session.transact(_noop)
+
+
+def test_close_ends_the_lease_at_once(db):
+    session = db.start_session("closing", interval=30)
+    session.close()
+    assert db.sweep().sessions_deleted == 1
+    with pytest.raises(bmdb.SessionExpired):
+        session.transact(_noop)
+
+
+def test_body_errors_roll_back_and_propagate(session):
+    def body(tx: bmdb.Tx) -> None:
+        bmdb.tags.create_machine(tx)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        session.transact(body)
+    count = session.transact(
+        lambda tx: tx.execute(
+            sa.select(sa.func.count()).select_from(bmdb.schema.machines)
+        ).scalar_one()
+    )
+    assert count == 0
