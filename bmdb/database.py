@@ -90,7 +90,8 @@ def create_engine(url: str) -> Engine:
     return sa.create_engine(
         url,
         isolation_level="READ COMMITTED",  # the claim's re-check relies on it: see work.py
-        pool_pre_ping=True,
+        # No pre-ping: it costs a round trip per transaction, and a dead pooled
+        # connection already surfaces as a transient error that run_transaction retries.
         pool_size=int(os.environ.get("SHEPHERD_BMDB_POOL_SIZE", "5")),
         max_overflow=10,
         connect_args={"connect_timeout": 5, "application_name": "shepherd"},

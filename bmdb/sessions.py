@@ -101,7 +101,7 @@ class Session:
         row = conn.execute(
             sa.select(schema.sessions.c.deadline, db_now())
             .where(schema.sessions.c.id == self.id)
-            .with_for_update(key_share=True)
+            .with_for_update(read=True, key_share=True)
         ).one_or_none()
         if row is None or row.deadline <= row[1]:
             self._expired.set()

@@ -59,9 +59,6 @@ def upsert_provided(
     address: str | None = None,
     location: str | None = None,
 ) -> None:
-    started = tx.execute(
-        sa.select(sa.literal(True)).where(schema.agent_started.c.machine_id == machine_id)
-    ).scalar_one_or_none()
     _upsert(
         tx,
         schema.provided,
@@ -74,7 +71,7 @@ def upsert_provided(
             "location": location,
             "provider_status": ProviderStatus(provider_status).value,
             "updated_at": tx.now,
-            "agent_started": bool(started),
+            "agent_started": _has_tag(schema.agent_started, machine_id),
         },
     )
 
@@ -84,15 +81,12 @@ def set_agent_started(
 ) -> None:
     if len(public_key) != 32:
         raise ValueError(f"agent public key must be 32 bytes (ed25519), got {len(public_key)}")
-    seen = tx.execute(
-        sa.select(sa.literal(True)).where(schema.agent_heartbeat.c.machine_id == machine_id)
-    ).scalar_one_or_none()
     _upsert(
         tx,
         schema.agent_started,
         {"machine_id": machine_id},
         {"started_at": started_at or tx.now, "public_key": public_key,
-         "heartbeat_seen": bool(seen)},
+         "heartbeat_seen": _has_tag(schema.agent_heartbeat, machine_id)},
     )
     _mark(tx, schema.provided, machine_id, agent_started=True)
 
@@ -142,6 +136,11 @@ def set_os_installation_report(
         tx, schema.os_installation_report, {"machine_id": machine_id},
         {"generation": generation, "reported_at": tx.now, "result": dict(result)},
     )
+
+
+def _has_tag(table: sa.Table, machine_id: uuid.UUID) -> sa.Exists:
+    """The marker's value, computed inside the statement that writes it (no extra round trip)."""
+    return sa.exists().where(table.c.machine_id == machine_id)
 
 
 def _mark(tx: Tx, table: sa.Table, machine_id: uuid.UUID, **marker: bool) -> None:

@@ -1,0 +1,88 @@
+"""Backlog query latency at 10k, 100k and 1M machines, all but a handful already done.
+
+"Done" means: Provided, AgentStarted and heartbeating recently. A handful are
+in each backlog (5 awaiting AgentStart, 5 gone quiet for Recovery). The figure
+is the median time of the claim's candidate query (backlog minus busy and
+backing-off machines), which is what every idle sourcing poll pays.
+
+    .venv/bin/python -m bench.backlog_latency [--pg-url URL] [--sizes 10000 100000 1000000]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import bmdb
+from bench.common import arguments, postgres
+from bmdb import Process
+from bmdb.work import eligible
+
+HANDFUL = 5
+
+SEED = [
+    "INSERT INTO machines (id, created_at) SELECT gen_random_uuid(), now() "
+    "FROM generate_series(1, %(n)s)",
+    "INSERT INTO provided (machine_id, provider, provider_id, provider_status, updated_at, "
+    "agent_started) SELECT id, 'bench', id::text, 'Running', now(), true FROM machines",
+    "INSERT INTO agent_started (machine_id, started_at, public_key, heartbeat_seen) "
+    "SELECT id, now() - interval '2 hours', '\\x00'::bytea, true FROM machines",
+    "INSERT INTO agent_heartbeat (machine_id, last_heartbeat_at, last_signed_at) "
+    "SELECT id, now(), now() FROM machines",
+    # The handful: five never got an agent, five went quiet an hour ago.
+    "WITH pick AS (SELECT machine_id FROM provided LIMIT %(k)s) "
+    "UPDATE provided SET agent_started = false WHERE machine_id IN (SELECT * FROM pick)",
+    "DELETE FROM agent_heartbeat WHERE machine_id IN "
+    "(SELECT machine_id FROM provided WHERE NOT agent_started)",
+    "DELETE FROM agent_started WHERE machine_id IN "
+    "(SELECT machine_id FROM provided WHERE NOT agent_started)",
+    "WITH pick AS (SELECT machine_id FROM agent_heartbeat ORDER BY machine_id DESC LIMIT %(k)s) "
+    "UPDATE agent_heartbeat SET last_heartbeat_at = now() - interval '1 hour' "
+    "WHERE machine_id IN (SELECT * FROM pick)",
+    "VACUUM ANALYZE",
+]
+
+
+def seed(db: bmdb.BMDB, size: int) -> None:
+    with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for statement in SEED:
+            conn.exec_driver_sql(statement, {"n": size, "k": HANDFUL})
+
+
+def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, int]:
+    retriever = bmdb.backlog.retriever(process, db.thresholds)
+    found = 0
+    timings = []
+    with db.engine.connect() as conn:
+        for _ in range(runs):
+            started = time.perf_counter()
+            tx = bmdb.Tx(conn=conn, now=bmdb.database.read_clock(conn))
+            found = len(conn.execute(eligible(tx, process, retriever).limit(100)).all())
+            timings.append((time.perf_counter() - started) * 1000)
+            conn.rollback()
+    return statistics.median(timings), found
+
+
+def main() -> None:
+    parser = arguments(__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    args = parser.parse_args()
+    results: dict[Process, dict[int, float]] = {p: {} for p in (Process.AGENT_START,
+                                                               Process.RECOVERY)}
+    print(f"{'machines':>9} {'process':>20} {'median ms':>10} {'found':>6}")
+    for size in args.sizes:
+        with postgres(args.pg_url) as url:
+            db = bmdb.connect(url)
+            seed(db, size)
+            for process, by_size in results.items():
+                by_size[size], found = median_ms(db, process)
+                print(f"{size:>9} {process.value:>20} {by_size[size]:>10.3f} {found:>6}")
+            db.close()
+    smallest, largest = min(args.sizes), max(args.sizes)
+    for process, by_size in results.items():
+        ratio = by_size[largest] / by_size[smallest]
+        print(f"{process.value}: {largest} vs {smallest} machines: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

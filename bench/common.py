@@ -1,0 +1,52 @@
+"""What the benchmarks share: a PostgreSQL to run on and a fresh, migrated database."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import uuid
+from collections.abc import Iterator
+
+import sqlalchemy as sa
+
+import bmdb
+from tests.servers import PostgresServer
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--pg-url",
+        help="an existing PostgreSQL server (admin URL); default: a throw-away one with fsync on",
+    )
+    return parser
+
+
+@contextlib.contextmanager
+def postgres(admin_url: str | None) -> Iterator[str]:
+    """A fresh database URL, on the given server or on a throw-away one (fsync on, like prod)."""
+    server = None
+    if admin_url is None:
+        server = PostgresServer(fsync=True).start()
+        admin_url = server.url
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    url = sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        bmdb.connect(url, migrate=True).close()
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.dispose()
+        if server is not None:
+            server.destroy()
+
+
+def psycopg2_dsn(url: str) -> str:
+    parsed = sa.make_url(url)
+    return (
+        f"host={parsed.host} port={parsed.port} user={parsed.username} dbname={parsed.database}"
+    )
