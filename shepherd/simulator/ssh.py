@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 MARKER = "SHEPHERD_SIM_DEVICE"
 INSTANCE_MARKER = "SHEPHERD_SIM_INSTANCE"
 POLL = 0.05
+# paramiko logs every probe and hang-up as an error; for a simulator that is noise.
+TRANSPORT_LOG = logging.getLogger(__name__ + ".transport")
+TRANSPORT_LOG.setLevel(logging.CRITICAL)
 
 
 def generate_host_key() -> paramiko.PKey:
@@ -316,6 +319,7 @@ class DeviceSSH:
 
     def _session(self, conn: socket.socket) -> None:
         transport = paramiko.Transport(conn)
+        transport.set_log_channel(TRANSPORT_LOG.name)
         with self._lock:
             self._transports.add(transport)
         try:
@@ -323,8 +327,14 @@ class DeviceSSH:
             transport.set_subsystem_handler("sftp", paramiko.SFTPServer, SandboxSFTP,
                                             root=str(self.sandbox))
             transport.start_server(server=DeviceInterface(self))
+            # Channels act through DeviceInterface callbacks, but paramiko only holds
+            # them weakly: keep the accepted ones referenced or they close at once.
+            channels: list[paramiko.Channel] = []
             while transport.is_active() and not self._stop.is_set():
-                transport.accept(0.2)  # channels act through DeviceInterface callbacks
+                channel = transport.accept(0.2)
+                channels = [c for c in channels if not c.closed]
+                if channel is not None:
+                    channels.append(channel)
         except (paramiko.SSHException, OSError, EOFError) as error:
             log.debug("simulated device %s: SSH session ended: %s", self.device_id, error)
         finally:

@@ -1,0 +1,519 @@
+"""Equinix Metal: an API client (``requests`` + ``tenacity``) and the provider on top of it.
+
+Why the client looks the way it does (see /work/shared/reference/equinix-metal-api.md):
+
+* Every call goes through one process-wide limiter per base URL (a minimum interval
+  between calls and a cap on calls in flight), because the API's limits are per
+  token, not per thread.
+* 5xx, 429 (honouring Retry-After) and connection errors/timeouts are retried with
+  exponential backoff; 401/403/404/422 never are. Errors are typed and their text
+  is built from method, path and status only, so the token can never leak.
+* Device creation is not idempotent server-side. We use the hardware reservation
+  as the lock and a unique witness tag per creation intent: each attempt first
+  looks at the reservation; a device there with our witness is ours (an earlier
+  attempt whose reply was lost), one without it means we lost a race. The POST
+  itself is never blindly re-sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import requests
+import tenacity
+
+import bmdb
+from shepherd.providers.base import (
+    Capacity,
+    ConfigError,
+    NotFound,
+    PermanentError,
+    ProviderError,
+    ProviderMachine,
+    RaceLost,
+    TransientExhausted,
+    refuse_placeholder,
+    register_provided,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_BASE_URL = "https://api.equinix.com/metal/v1"
+MANAGED_TAG = "managed-by:shepherd"
+WITNESS_PREFIX = "shepherd-witness:"
+PERMANENT_STATUSES = frozenset({400, 401, 403, 404, 405, 409, 410, 422})
+
+STATE_MAP: dict[str, bmdb.ProviderStatus] = {
+    "queued": bmdb.ProviderStatus.PROVISIONING,
+    "provisioning": bmdb.ProviderStatus.PROVISIONING,
+    "reinstalling": bmdb.ProviderStatus.PROVISIONING,
+    "post_provisioning": bmdb.ProviderStatus.PROVISIONING,
+    "active": bmdb.ProviderStatus.RUNNING,
+    "inactive": bmdb.ProviderStatus.STOPPED,
+    "powering_off": bmdb.ProviderStatus.STOPPED,
+    "powering_on": bmdb.ProviderStatus.STOPPED,
+    "failed": bmdb.ProviderStatus.FAILED,
+    "deleted": bmdb.ProviderStatus.MISSING,
+    "deprovisioning": bmdb.ProviderStatus.MISSING,
+}
+
+
+def provider_status(state: str | None) -> bmdb.ProviderStatus:
+    """Map a device ``state`` (an open enum) to the shepherd's status."""
+    status = STATE_MAP.get(state or "")
+    if status is None:
+        log.warning("unknown Equinix device state %r, recording Unknown", state)
+        return bmdb.ProviderStatus.UNKNOWN
+    return status
+
+
+class _Transient(ProviderError):
+    """One transient failure; retried, surfacing as ``TransientExhausted`` at the end."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# -- rate limiting ------------------------------------------------------------------
+
+
+class RateLimiter:
+    """A minimum interval between call starts and a cap on calls in flight.
+
+    ``shared`` hands out one limiter per base URL for the whole process, so all
+    threads (and all clients) talking to the same API share the budget. The first
+    client to ask for a base URL sets its parameters.
+    """
+
+    _registry: dict[str, RateLimiter] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, min_interval: float, max_in_flight: int) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.min_interval = max(0.0, min_interval)
+        self.max_in_flight = max_in_flight
+        self._semaphore = threading.BoundedSemaphore(max_in_flight)
+        self._lock = threading.Lock()
+        self._next_start = 0.0
+
+    @classmethod
+    def shared(cls, key: str, min_interval: float, max_in_flight: int) -> RateLimiter:
+        with cls._registry_lock:
+            limiter = cls._registry.get(key)
+            if limiter is None:
+                limiter = cls._registry[key] = cls(min_interval, max_in_flight)
+            elif (limiter.min_interval, limiter.max_in_flight) != (min_interval, max_in_flight):
+                log.warning("rate limiter for %s already set to %.3fs / %d in flight", key,
+                            limiter.min_interval, limiter.max_in_flight)
+            return limiter
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one in-flight slot, starting no sooner than ``min_interval`` after the last."""
+        with self._semaphore:
+            with self._lock:
+                now = time.monotonic()
+                start = max(now, self._next_start)
+                self._next_start = start + self.min_interval
+            if start > now:
+                time.sleep(start - now)
+            yield
+
+
+# -- client ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to reach the API and how hard to try. ``token`` is never shown in a repr."""
+
+    token: str = field(repr=False)
+    project_id: str
+    base_url: str = DEFAULT_BASE_URL
+    min_interval: float = 0.2         # seconds between call starts, per process
+    max_in_flight: int = 3            # concurrent calls, per process
+    retries: int = 5                  # retries after the first attempt
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    retry_after_max: float = 120.0    # never sleep longer than this on a Retry-After
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    per_page: int = 100
+
+
+class EquinixClient:
+    """The Equinix Metal API subset Shepherd needs; thread-safe."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        if not config.token:
+            raise ConfigError("Equinix API token is empty")
+        refuse_placeholder("Equinix project id", config.project_id)
+        self.config = config
+        self.base_url = config.base_url.rstrip("/")
+        self.limiter = RateLimiter.shared(self.base_url, config.min_interval,
+                                          config.max_in_flight)
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"EquinixClient({self.base_url!r}, project={self.config.project_id!r})"
+
+    @property
+    def _session(self) -> requests.Session:
+        # One session per thread: requests.Session is not documented thread-safe.
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            session.headers.update({"X-Auth-Token": self.config.token,
+                                    "Accept": "application/json",
+                                    "User-Agent": "shepherd/0.1"})
+            self._local.session = session
+        return session
+
+    # -- transport ----------------------------------------------------------
+
+    def _once(self, method: str, path: str, params: dict[str, Any] | None = None,
+              body: Any = None) -> Any:
+        """One HTTP exchange; raises typed errors, ``_Transient`` for retryable ones."""
+        what = f"{method} {path}"
+        try:
+            with self.limiter.slot():
+                response = self._session.request(
+                    method, self.base_url + path, params=params, json=body,
+                    timeout=(self.config.connect_timeout, self.config.read_timeout),
+                )
+        except (requests.ConnectionError, requests.Timeout) as error:
+            raise _Transient(f"{what}: {type(error).__name__}") from None
+        except requests.RequestException as error:
+            raise ProviderError(f"{what}: {type(error).__name__}") from None
+        status = response.status_code
+        if status == 429 or status >= 500:
+            raise _Transient(f"{what}: HTTP {status}", _retry_after(response))
+        if status == 404:
+            raise NotFound(f"{what}: not found")
+        if status >= 400:
+            raise PermanentError(f"{what}: HTTP {status}: {_error_text(response)}", status)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise _Transient(f"{what}: HTTP {status} with a body that is not JSON") from None
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """Run ``call``, retrying ``_Transient`` with backoff; ``TransientExhausted`` at the end."""
+        exponential = tenacity.wait_exponential_jitter(
+            multiplier=self.config.backoff_initial, max=self.config.backoff_max,
+            jitter=self.config.backoff_initial / 2,
+        )
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            error = state.outcome.exception() if state.outcome else None
+            if isinstance(error, _Transient) and error.retry_after is not None:
+                return min(error.retry_after, self.config.retry_after_max)
+            return exponential(state)
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_Transient),
+            stop=tenacity.stop_after_attempt(self.config.retries + 1),
+            wait=wait,
+            before_sleep=lambda s: log.info("Equinix %s: %s; retry %d", what,
+                                            s.outcome.exception(), s.attempt_number),
+            reraise=True,
+        )
+        try:
+            return retrying(call)
+        except _Transient as error:
+            raise TransientExhausted(
+                f"{what}: gave up after {self.config.retries + 1} attempts: {error}"
+            ) from None
+
+    def request(self, method: str, path: str, params: dict[str, Any] | None = None,
+                body: Any = None) -> Any:
+        """One call with retries (only for calls that are safe to repeat)."""
+        return self._retrying(f"{method} {path}", lambda: self._once(method, path, params, body))
+
+    def _paginated(self, path: str, key: str, params: dict[str, Any] | None = None) -> list[Any]:
+        """Every item of a paginated list: pages 1..meta.last_page at a fixed per_page."""
+        items: list[Any] = []
+        page = 1
+        while True:
+            query = {**(params or {}), "page": page, "per_page": self.config.per_page}
+            body = self.request("GET", path, query) or {}
+            items.extend(body.get(key) or [])
+            meta = body.get("meta") or {}
+            last_page = int(meta.get("last_page") or page)
+            if page >= last_page or not meta.get("next"):
+                return items
+            page += 1
+
+    # -- endpoints ----------------------------------------------------------
+
+    def list_devices(self) -> list[dict[str, Any]]:
+        return self._paginated(f"/projects/{self.config.project_id}/devices", "devices")
+
+    def get_device(self, device_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/devices/{_segment(device_id)}")
+
+    def list_reservations(self) -> list[dict[str, Any]]:
+        return self._paginated(f"/projects/{self.config.project_id}/hardware-reservations",
+                               "hardware_reservations")
+
+    def get_reservation(self, reservation_id: str, include_device: bool = True) -> dict[str, Any]:
+        params = {"include": "device"} if include_device else None
+        return self.request("GET", f"/hardware-reservations/{_segment(reservation_id)}", params)
+
+    def list_ssh_keys(self) -> list[dict[str, Any]]:
+        body = self.request("GET", f"/projects/{self.config.project_id}/ssh-keys") or {}
+        return list(body.get("ssh_keys") or [])
+
+    def create_ssh_key(self, label: str, key: str) -> dict[str, Any]:
+        """One POST, not retried: a lost reply would otherwise register the key twice."""
+        path = f"/projects/{self.config.project_id}/ssh-keys"
+        try:
+            return self._once("POST", path, body={"label": label, "key": key})
+        except _Transient as error:
+            raise TransientExhausted(f"POST {path}: {error} (not retried)") from None
+
+    def update_ssh_key(self, key_id: str, *, label: str | None = None,
+                       key: str | None = None) -> dict[str, Any]:
+        body = {k: v for k, v in (("label", label), ("key", key)) if v is not None}
+        return self.request("PUT", f"/ssh-keys/{_segment(key_id)}", body=body)
+
+    def reboot_device(self, device_id: str) -> None:
+        """Request a reboot (202). A retry after an unanswered attempt that meets 422
+        ("wrong state") means that attempt landed and the device is rebooting already."""
+        path = f"/devices/{_segment(device_id)}/actions"
+        unanswered = False
+
+        def attempt() -> None:
+            nonlocal unanswered
+            try:
+                self._once("POST", path, body={"type": "reboot"})
+            except _Transient:
+                unanswered = True
+                raise
+            except PermanentError as error:
+                if not (unanswered and error.status == 422):
+                    raise
+
+        self._retrying(f"POST {path}", attempt)
+
+    def create_device(self, reservation_id: str, body: dict[str, Any],
+                      witness: str) -> dict[str, Any]:
+        """Create a device on ``reservation_id`` at most once for ``witness``.
+
+        Each attempt: look at the reservation (ours already? someone else's?), then
+        POST once. Transient failures repeat the whole attempt, so a POST whose reply
+        was lost is found on the reservation instead of being sent again.
+        """
+        body = {**body, "hardware_reservation_id": reservation_id,
+                "tags": _with_tags(body.get("tags"), MANAGED_TAG, witness)}
+        path = f"/projects/{self.config.project_id}/devices"
+
+        def attempt() -> dict[str, Any]:
+            existing = self._device_on(reservation_id, witness)
+            if existing is not None:
+                return existing
+            try:
+                return self._once("POST", path, body=body)
+            except PermanentError as error:
+                if error.status != 422:
+                    raise
+                # Maybe an earlier, unanswered POST of ours took it meanwhile.
+                found = self._device_on(reservation_id, witness)
+                if found is not None:
+                    return found
+                raise
+
+        return self._retrying(f"POST {path}", attempt)
+
+    def _device_on(self, reservation_id: str, witness: str) -> dict[str, Any] | None:
+        """Our device on the reservation, None if it is free; ``RaceLost`` if taken."""
+        reservation = self.get_reservation(reservation_id)
+        device = reservation.get("device")
+        if not device:
+            if reservation.get("provisionable") is False:
+                raise PermanentError(f"hardware reservation {reservation_id} is not "
+                                     "provisionable", 422)
+            return None
+        if "tags" not in device:  # href only: fetch the device itself
+            device = self.get_device(device.get("id") or device["href"].rsplit("/", 1)[-1])
+        if witness in (device.get("tags") or []):
+            return device
+        raise RaceLost(f"hardware reservation {reservation_id} was taken by device "
+                       f"{device.get('id')} (not carrying our witness tag)", 422)
+
+
+def _segment(value: str) -> str:
+    if not value or "/" in value or "?" in value:
+        raise NotFound(f"invalid id {value!r}")
+    return value
+
+
+def _with_tags(tags: Any, *extra: str) -> list[str]:
+    out = [str(t) for t in tags or []]
+    return out + [t for t in extra if t not in out]
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    """Seconds from Retry-After (delta or HTTP date), else X-RateLimit-Reset, else None."""
+    value = response.headers.get("Retry-After")
+    if value:
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            with contextlib.suppress(TypeError, ValueError):
+                return max(0.0, email.utils.parsedate_to_datetime(value).timestamp()
+                           - time.time())
+    reset = response.headers.get("X-RateLimit-Reset")
+    if reset:
+        with contextlib.suppress(ValueError):
+            return max(0.0, float(reset) - time.time())
+    return None
+
+
+def _error_text(response: requests.Response) -> str:
+    """The API's own error text (``errors`` or ``error``), shortened."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.reason or ""
+    if isinstance(body, dict):
+        errors = body.get("errors") or ([body["error"]] if body.get("error") else [])
+        return "; ".join(str(e) for e in errors)[:500]
+    return ""
+
+
+# -- provider ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    """What the provider adds on top of the client: which devices are ours, how to make them."""
+
+    device_prefix: str
+    ssh_key_label: str
+    operating_system: str = "ubuntu_22_04"
+    ssh_port: int = 22
+    name: str = "equinix"
+
+
+class EquinixProvider:
+    """``Provider`` for Equinix Metal (and the simulator, which speaks the same API)."""
+
+    def __init__(self, client: EquinixClient, config: ProviderConfig) -> None:
+        refuse_placeholder("device prefix", config.device_prefix)
+        refuse_placeholder("SSH key label", config.ssh_key_label)
+        if not 0 < config.ssh_port < 65536:
+            raise ConfigError(f"SSH port {config.ssh_port} is out of range")
+        self.client = client
+        self.config = config
+        self.ssh_key_ids: list[str] = []
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def ensure_ssh_key(self, public_key: str) -> str:
+        """Register our public key under the configured label; new devices get only it."""
+        from shepherd.providers.ssh_keys import ensure_registered
+
+        key_id = ensure_registered(self.client, self.config.ssh_key_label, public_key)
+        self.ssh_key_ids = [key_id]
+        return key_id
+
+    def machine(self, device: dict[str, Any]) -> ProviderMachine:
+        """A ``ProviderMachine`` from a ``Device`` body."""
+        state = device.get("state")
+        return ProviderMachine(
+            provider_id=str(device["id"]),
+            address=public_ipv4(device),
+            ssh_port=self.config.ssh_port,
+            location=_location(device),
+            reservation_id=_reservation_id(device),
+            status=provider_status(state),
+            failed=state == "failed",
+        )
+
+    def list_machines(self) -> list[ProviderMachine]:
+        prefix = self.config.device_prefix
+        return [self.machine(d) for d in self.client.list_devices()
+                if str(d.get("hostname") or "").startswith(prefix)]
+
+    def get_machine(self, provider_id: str) -> ProviderMachine:
+        return self.machine(self.client.get_device(provider_id))
+
+    def list_capacity(self) -> list[Capacity]:
+        """Reservations we could provision now: provisionable, empty, not in service."""
+        out = []
+        for reservation in self.client.list_reservations():
+            if (reservation.get("device") or not reservation.get("provisionable")
+                    or reservation.get("need_of_service")):
+                continue
+            facility = reservation.get("facility") or {}
+            out.append(Capacity(
+                reservation_id=str(reservation["id"]),
+                location=facility.get("code"),
+                plan=(reservation.get("plan") or {}).get("slug"),
+                details={"metro": (facility.get("metro") or {}).get("code")},
+            ))
+        return out
+
+    def create_machine(self, tx: bmdb.Tx, capacity: Capacity) -> ProviderMachine:
+        """Create the device (idempotently) and register it as Provided in ``tx``."""
+        metro = capacity.details.get("metro")
+        plan = capacity.plan
+        if not metro or not plan:
+            reservation = self.client.get_reservation(capacity.reservation_id,
+                                                      include_device=False)
+            facility = reservation.get("facility") or {}
+            metro = metro or (facility.get("metro") or {}).get("code") or "any"
+            plan = plan or (reservation.get("plan") or {}).get("slug")
+        body: dict[str, Any] = {
+            "metro": metro,
+            "plan": plan,
+            "operating_system": self.config.operating_system,
+            "hostname": f"{self.config.device_prefix}{capacity.reservation_id[:8]}",
+        }
+        if self.ssh_key_ids:
+            body["project_ssh_keys"] = list(self.ssh_key_ids)
+        device = self.client.create_device(capacity.reservation_id, body,
+                                           WITNESS_PREFIX + capacity.request_id)
+        machine = self.machine(device)
+        register_provided(tx, self.name, machine)
+        return machine
+
+    def reboot(self, provider_id: str) -> None:
+        self.client.reboot_device(provider_id)
+
+
+def public_ipv4(device: dict[str, Any]) -> str | None:
+    """The first public IPv4 address of a device, if it has one yet."""
+    for entry in device.get("ip_addresses") or []:
+        if entry.get("public") and entry.get("address_family") == 4 and entry.get("address"):
+            return str(entry["address"])
+    return None
+
+
+def _location(device: dict[str, Any]) -> str | None:
+    facility = device.get("facility") or {}
+    metro = device.get("metro") or facility.get("metro") or {}
+    return facility.get("code") or metro.get("code")
+
+
+def _reservation_id(device: dict[str, Any]) -> str | None:
+    reservation = device.get("hardware_reservation") or {}
+    if reservation.get("id"):
+        return str(reservation["id"])
+    href = reservation.get("href")
+    return href.rstrip("/").rsplit("/", 1)[-1] if href else None

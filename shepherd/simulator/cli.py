@@ -1,0 +1,87 @@
+"""``shepherd simulator``: run the simulated provider in the foreground until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from shepherd.simulator.server import Simulator, SimulatorConfig
+
+TOKEN_ENV = "SHEPHERD_SIMULATOR_TOKEN"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shepherd simulator",
+        description="A simulated Equinix Metal project whose devices are SSH servers on "
+                    "loopback addresses.",
+    )
+    parser.add_argument("--reservations", type=int, default=10,
+                        help="hardware reservations to hold (default 10)")
+    parser.add_argument("--http-port", type=int, default=8780,
+                        help="API port on 127.0.0.1 (0: any free port; default 8780)")
+    parser.add_argument("--ssh-port", type=int, default=2222,
+                        help="SSH port of every device (0: one free port; default 2222)")
+    parser.add_argument("--address-net", type=int, default=100,
+                        help="devices get 127.<net>.x.y (default 100)")
+    parser.add_argument("--project-id", default="00000000-0000-4000-8000-000000000001",
+                        help="the simulated project's id")
+    parser.add_argument("--token", default=None,
+                        help=f"API token (prefer the {TOKEN_ENV} environment variable)")
+    parser.add_argument("--provision-delay", type=float, default=5.0,
+                        help="seconds from queued to active (default 5)")
+    parser.add_argument("--reboot-delay", type=float, default=5.0,
+                        help="seconds SSH stays down after a reboot (default 5)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where device sandboxes live (default: a temporary directory)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for fault dice")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        print(f"shepherd simulator: set {TOKEN_ENV} (or --token)", file=sys.stderr)
+        return 2
+    if not 0 <= args.address_net <= 255 or args.reservations < 0:
+        print("shepherd simulator: bad --address-net or --reservations", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logging.getLogger("shepherd.simulator.ssh.transport").setLevel(logging.DEBUG)
+    config = SimulatorConfig(
+        reservations=args.reservations, project_id=args.project_id, token=token,
+        http_port=args.http_port, ssh_port=args.ssh_port, address_net=args.address_net,
+        provision_delay=args.provision_delay, reboot_delay=args.reboot_delay,
+        workdir=args.workdir, seed=args.seed,
+    )
+    done = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: done.set())
+    try:
+        sim = Simulator(config).start()
+    except OSError as error:
+        print(f"shepherd simulator: cannot listen: {error}", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps({"base_url": sim.base_url, "project_id": sim.project_id,
+                          "ssh_port": sim.ssh_port, "reservations": args.reservations}),
+              flush=True)
+        while not done.wait(0.5):
+            pass
+    finally:
+        sim.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The Equinix client and provider against the real simulator HTTP server on loopback."""
+
+# Fixtures are imported from tests.simulator_fixtures and used as arguments:
+# ruff: noqa: F401, F811
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import bmdb
+from shepherd.providers import (
+    Capacity,
+    ConfigError,
+    NotFound,
+    PermanentError,
+    ProviderError,
+    RaceLost,
+    TransientExhausted,
+)
+from shepherd.providers.equinix import (
+    MANAGED_TAG,
+    WITNESS_PREFIX,
+    ClientConfig,
+    EquinixClient,
+    EquinixProvider,
+    ProviderConfig,
+    RateLimiter,
+    provider_status,
+    public_ipv4,
+)
+from shepherd.simulator import Simulator
+from tests.simulator_fixtures import (
+    TOKEN,
+    client,
+    fast_client,
+    free_port,
+    provider,
+    simulator,
+    ssh_key,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _body(sim: Simulator, reservation_id: str, hostname: str) -> dict:
+    metro = sim.state.get_reservation(reservation_id).metro
+    return {"metro": metro, "plan": "c3.small.x86", "operating_system": "ubuntu_22_04",
+            "hostname": hostname}
+
+
+def _count(sim: Simulator, method: str, prefix: str) -> int:
+    return len(sim.requests(method, prefix))
+
+
+def _creates(sim: Simulator) -> list[int | str]:
+    """Statuses of every device-create POST the simulator saw."""
+    return [s for _, _, s in sim.requests("POST", f"/projects/{sim.project_id}/devices")]
+
+
+# -- endpoints -------------------------------------------------------------------
+
+
+def test_list_devices_reads_every_page(simulator: Simulator) -> None:
+    client = fast_client(simulator, per_page=2)
+    created = [client.create_device(r.id, _body(simulator, r.id, f"h{i}"), f"w{i}")
+               for i, r in enumerate(simulator.state.project_reservations()[:5])]
+    listed = client.list_devices()
+    assert sorted(d["id"] for d in listed) == sorted(d["id"] for d in created)
+    # 5 devices at 2 per page:
+    assert _count(simulator, "GET", f"/projects/{simulator.project_id}/devices") == 3
+
+
+def test_reservations_listed_over_pages_and_fetched_one_by_one(simulator: Simulator) -> None:
+    client = fast_client(simulator, per_page=4)
+    reservations = client.list_reservations()
+    assert len(reservations) == 6
+    assert _count(simulator, "GET", f"/projects/{simulator.project_id}/hardware-reservations") == 2
+    one = client.get_reservation(reservations[3]["id"])
+    assert one["id"] == reservations[3]["id"]
+    assert one["provisionable"] is True and one["device"] is None
+    assert one["facility"]["metro"]["code"] in {"sv", "da", "am"}
+
+
+def test_get_device_and_machine_mapping(provider: EquinixProvider, simulator: Simulator,
+                                        client: EquinixClient) -> None:
+    reservation = simulator.state.project_reservations()[0]
+    body = _body(simulator, reservation.id, "shepherd-test-a")
+    device = client.create_device(reservation.id, body, "witness-a")
+    fetched = client.get_device(device["id"])
+    assert fetched["hostname"] == "shepherd-test-a"
+    assert MANAGED_TAG in fetched["tags"] and "witness-a" in fetched["tags"]
+    machine = provider.get_machine(device["id"])
+    # The private address is listed first; the public IPv4 is the loopback one.
+    assert machine.address == simulator.devices[device["id"]].address
+    assert machine.address.startswith("127.100.")
+    assert machine.ssh_port == simulator.ssh_port
+    assert machine.location == reservation.facility
+    assert machine.reservation_id == reservation.id
+    assert machine.status in (bmdb.ProviderStatus.PROVISIONING,)
+    assert machine.failed is False
+    simulator.wait_for_state(device["id"], "active", timeout=5)
+    assert provider.get_machine(device["id"]).status == bmdb.ProviderStatus.RUNNING
+
+
+def test_ssh_key_endpoints(client: EquinixClient, simulator: Simulator) -> None:
+    created = client.create_ssh_key("label-one", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA== x")
+    assert [k["id"] for k in client.list_ssh_keys()] == [created["id"]]
+    updated = client.update_ssh_key(created["id"], label="label-two")
+    assert updated["label"] == "label-two"
+    assert simulator.state.ssh_keys[created["id"]].label == "label-two"
+
+
+def test_reboot_is_accepted_and_reaches_the_device(client: EquinixClient,
+                                                   simulator: Simulator) -> None:
+    reservation = simulator.state.project_reservations()[0]
+    device = client.create_device(reservation.id, _body(simulator, reservation.id, "x"), "w")
+    with pytest.raises(PermanentError) as wrong_state:  # still provisioning
+        client.reboot_device(device["id"])
+    assert wrong_state.value.status == 422
+    simulator.wait_for_state(device["id"], "active", timeout=5)
+    client.reboot_device(device["id"])
+    assert simulator.devices[device["id"]].reboots == 1
+    assert client.get_device(device["id"])["state"] == "powering_on"
+
+
+def test_list_machines_keeps_only_our_prefix(provider: EquinixProvider,
+                                             simulator: Simulator) -> None:
+    ours, theirs = simulator.state.project_reservations()[:2]
+    with_prefix = provider.client.create_device(
+        ours.id, _body(simulator, ours.id, "shepherd-test-1"), "w1")
+    simulator.create_foreign_device(theirs.id, hostname="other-team-box")
+    assert [m.provider_id for m in provider.list_machines()] == [with_prefix["id"]]
+
+
+def test_capacity_excludes_taken_reservations(provider: EquinixProvider,
+                                              simulator: Simulator) -> None:
+    taken = simulator.state.project_reservations()[2]
+    simulator.create_foreign_device(taken.id)
+    capacity = provider.list_capacity()
+    assert len(capacity) == 5
+    assert taken.id not in {c.reservation_id for c in capacity}
+    assert all(c.location and c.plan and c.details["metro"] for c in capacity)
+
+
+# -- retries -----------------------------------------------------------------------
+
+
+def test_5xx_is_retried_then_succeeds(client: EquinixClient, simulator: Simulator) -> None:
+    simulator.faults.fail_next(2, 500)
+    assert len(client.list_reservations()) == 6
+    assert [s for _, _, s in simulator.requests("GET")] == [500, 500, 200]
+
+
+def test_persistent_5xx_exhausts_the_retries(client: EquinixClient,
+                                             simulator: Simulator) -> None:
+    simulator.faults.set(api_error_rate=1.0)
+    with pytest.raises(TransientExhausted, match="4 attempts"):
+        client.get_reservation(simulator.state.project_reservations()[0].id)
+    assert len(simulator.requests("GET")) == 4  # 1 + retries=3
+
+
+def test_429_waits_for_retry_after(client: EquinixClient, simulator: Simulator) -> None:
+    simulator.faults.fail_next(1, 429, retry_after=0.6)
+    started = time.monotonic()
+    client.list_ssh_keys()
+    elapsed = time.monotonic() - started
+    assert elapsed >= 0.55, "Retry-After was not honoured (backoff alone is 10 ms)"
+    assert [s for _, _, s in simulator.requests("GET")] == [429, 200]
+
+
+def test_persistent_429_exhausts_the_retries(client: EquinixClient,
+                                             simulator: Simulator) -> None:
+    simulator.faults.set(api_429_rate=1.0, retry_after=0.0)
+    with pytest.raises(TransientExhausted):
+        client.list_ssh_keys()
+    assert [s for _, _, s in simulator.requests("GET")] == [429] * 4
+
+
+def test_connection_errors_are_retried(simulator: Simulator) -> None:
+    closed = f"http://127.0.0.1:{free_port()}/metal/v1"
+    dead = EquinixClient(ClientConfig(token=TOKEN, project_id="p", base_url=closed,
+                                      retries=2, backoff_initial=0.01, backoff_max=0.02,
+                                      min_interval=0.0, connect_timeout=1.0))
+    with pytest.raises(TransientExhausted, match="3 attempts"):
+        dead.list_ssh_keys()
+
+
+def test_no_retry_on_401(simulator: Simulator) -> None:
+    wrong = fast_client(simulator, token="not-the-token")
+    with pytest.raises(PermanentError) as error:
+        wrong.list_ssh_keys()
+    assert error.value.status == 401
+    assert [s for _, _, s in simulator.requests()] == [401]
+
+
+def test_no_retry_on_404(client: EquinixClient, simulator: Simulator) -> None:
+    with pytest.raises(NotFound):
+        client.get_device("00000000-0000-0000-0000-000000000000")
+    assert [s for _, _, s in simulator.requests()] == [404]
+
+
+def test_no_retry_on_422(client: EquinixClient, simulator: Simulator) -> None:
+    with pytest.raises(PermanentError) as error:
+        client.update_ssh_key(client.create_ssh_key("l", "ssh-ed25519 AAAA x")["id"],
+                              key="not a key")
+    assert error.value.status == 422 and "OpenSSH public key" in str(error.value)
+    assert [s for m, _, s in simulator.requests() if m == "PUT"] == [422]
+
+
+def test_errors_never_contain_the_token(simulator: Simulator) -> None:
+    client = fast_client(simulator, retries=1)
+    errors: list[ProviderError] = []
+    for action in (
+        lambda: fast_client(simulator, token=TOKEN + "x").list_devices(),
+        lambda: client.get_device("nope"),
+        lambda: client.create_ssh_key("l", "garbage"),
+    ):
+        with pytest.raises(ProviderError) as caught:
+            action()
+        errors.append(caught.value)
+    simulator.faults.set(api_error_rate=1.0)
+    with pytest.raises(TransientExhausted) as exhausted:
+        client.list_devices()
+    errors.append(exhausted.value)
+    for error in errors:
+        assert TOKEN not in str(error) and TOKEN not in repr(error)
+        assert error.__cause__ is None or TOKEN not in repr(error.__cause__)
+    assert TOKEN not in repr(client) and TOKEN not in repr(client.config)
+
+
+# -- idempotent create --------------------------------------------------------------
+
+
+def _provided(db: bmdb.BMDB, name: str) -> dict:
+    return db.read(lambda tx: bmdb.queries.provided_by_provider_id(tx, name))
+
+
+def test_create_machine_registers_provided(provider: EquinixProvider, simulator: Simulator,
+                                           session: bmdb.Session, db: bmdb.BMDB) -> None:
+    capacity = provider.list_capacity()[0]
+    machine = session.transact(lambda tx: provider.create_machine(tx, capacity))
+    device = simulator.devices[machine.provider_id]
+    assert device.reservation_id == capacity.reservation_id
+    assert device.hostname.startswith("shepherd-test-")
+    assert WITNESS_PREFIX + capacity.request_id in device.tags
+    assert device.ssh_key_ids == provider.ssh_key_ids
+    machine_id = _provided(db, "equinix")[machine.provider_id]
+    tags = db.read(lambda tx: bmdb.queries.machine_tags(tx, machine_id))["Provided"]
+    assert tags["address"] == device.address
+    assert tags["reservation_id"] == capacity.reservation_id
+    assert tags["location"] == capacity.location
+    assert tags["provider_status"] == "Provisioning"
+
+
+def test_lost_create_response_leaves_exactly_one_device(
+        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
+        db: bmdb.BMDB) -> None:
+    capacity = provider.list_capacity()[0]
+    simulator.faults.lose_next(1, method="POST")
+    machine = session.transact(lambda tx: provider.create_machine(tx, capacity))
+    on_reservation = [d for d in simulator.devices.values()
+                      if d.reservation_id == capacity.reservation_id]
+    assert [d.id for d in on_reservation] == [machine.provider_id]
+    assert _creates(simulator) == ["lost"]
+    assert list(_provided(db, "equinix")) == [machine.provider_id]
+
+
+def test_rerun_transaction_body_finds_the_same_device(
+        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
+        db: bmdb.BMDB) -> None:
+    capacity = provider.list_capacity()[0]
+
+    class Rollback(Exception):
+        pass
+
+    def first_run(tx: bmdb.Tx) -> None:
+        provider.create_machine(tx, capacity)
+        raise Rollback  # as if the commit failed and the body must run again
+
+    with pytest.raises(Rollback):
+        session.transact(first_run)
+    assert _provided(db, "equinix") == {}
+    machine = session.transact(lambda tx: provider.create_machine(tx, capacity))
+    assert len(simulator.devices) == 1
+    assert list(_provided(db, "equinix")) == [machine.provider_id]
+
+
+def test_reservation_taken_by_someone_else_is_a_lost_race(
+        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
+        db: bmdb.BMDB) -> None:
+    capacity = provider.list_capacity()[0]
+    simulator.create_foreign_device(capacity.reservation_id)
+    with pytest.raises(RaceLost):
+        session.transact(lambda tx: provider.create_machine(tx, capacity))
+    assert len(simulator.devices) == 1
+    assert _creates(simulator) == []  # never even tried to create
+    assert _provided(db, "equinix") == {}
+
+
+def test_race_lost_between_check_and_post(provider: EquinixProvider,
+                                          simulator: Simulator) -> None:
+    reservation = simulator.state.project_reservations()[0]
+    capacity = Capacity(reservation.id, reservation.facility, reservation.plan,
+                        {"metro": reservation.metro})
+    original = provider.client.get_reservation
+
+    def sneaky(reservation_id: str, include_device: bool = True) -> dict:
+        answer = original(reservation_id, include_device)
+        if not simulator.devices:  # someone else creates right after our check
+            simulator.create_foreign_device(reservation_id)
+        return answer
+
+    provider.client.get_reservation = sneaky  # type: ignore[method-assign]
+    with pytest.raises(RaceLost):
+        provider.client.create_device(capacity.reservation_id, _body(simulator, reservation.id,
+                                                                     "shepherd-test-x"), "w")
+    assert _creates(simulator) == [422]
+
+
+# -- rate limits and config -----------------------------------------------------------
+
+
+def test_min_interval_spaces_calls(simulator: Simulator) -> None:
+    limiter = RateLimiter(min_interval=0.1, max_in_flight=4)
+    started = time.monotonic()
+    for _ in range(5):
+        with limiter.slot():
+            pass
+    assert time.monotonic() - started >= 0.39
+
+
+def test_in_flight_cap_is_shared_by_threads(simulator: Simulator) -> None:
+    simulator.faults.set(api_latency=0.2)
+    clients = [fast_client(simulator, max_in_flight=2) for _ in range(2)]
+    assert clients[0].limiter is clients[1].limiter  # one budget per process and API
+    started = time.monotonic()
+    threads = [threading.Thread(target=clients[i % 2].list_ssh_keys) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    elapsed = time.monotonic() - started
+    assert 0.55 <= elapsed < 2.0, elapsed  # 6 calls, 2 at a time, 0.2 s each
+    assert len(simulator.requests("GET")) == 6
+
+
+@pytest.mark.parametrize("prefix,label", [("CHANGEME-", "shepherd"), ("", "shepherd"),
+                                          ("shepherd-", "example"), ("shepherd-", " "),
+                                          ("FIXME", "shepherd")])
+def test_placeholder_config_is_refused(client: EquinixClient, prefix: str, label: str) -> None:
+    with pytest.raises(ConfigError, match="placeholder"):
+        EquinixProvider(client, ProviderConfig(device_prefix=prefix, ssh_key_label=label))
+
+
+def test_empty_token_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        EquinixClient(ClientConfig(token="", project_id="p"))
+
+
+@pytest.mark.parametrize("state,status", [
+    ("queued", "Provisioning"), ("provisioning", "Provisioning"), ("active", "Running"),
+    ("inactive", "Stopped"), ("powering_off", "Stopped"), ("failed", "Failed"),
+    ("something_new", "Unknown"),
+])
+def test_state_mapping(state: str, status: str) -> None:
+    assert provider_status(state).value == status
+
+
+def test_public_ipv4_skips_private_and_v6() -> None:
+    device = {"ip_addresses": [
+        {"address": "10.0.0.2", "address_family": 4, "public": False},
+        {"address": "2604::1", "address_family": 6, "public": True},
+        {"address": "198.51.100.7", "address_family": 4, "public": True},
+    ]}
+    assert public_ipv4(device) == "198.51.100.7"
+    assert public_ipv4({"ip_addresses": []}) is None

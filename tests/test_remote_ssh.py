@@ -1,0 +1,189 @@
+"""Fabric (through shepherd.remote) against the simulator's real per-device SSH servers."""
+
+# Fixtures are imported from tests.simulator_fixtures and used as arguments:
+# ruff: noqa: F401, F811
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from shepherd.providers import ssh_keys
+from shepherd.providers.equinix import EquinixProvider
+from shepherd.remote import (
+    AuthenticationFailed,
+    ConnectionRefused,
+    ConnectTimeout,
+    ExecTimeout,
+    Remote,
+    RemoteError,
+)
+from shepherd.simulator import Simulator
+from shepherd.simulator.ssh import MARKER, find_processes
+from tests.simulator_fixtures import client, provider, simulator, ssh_key
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def device(provider: EquinixProvider, simulator: Simulator) -> str:
+    """An active device made through the provider, SSH up, our key registered."""
+    capacity = provider.list_capacity()[0]
+    device = provider.client.create_device(
+        capacity.reservation_id,
+        {"metro": capacity.details["metro"], "plan": capacity.plan,
+         "operating_system": "ubuntu_22_04", "hostname": "shepherd-test-ssh",
+         "project_ssh_keys": provider.ssh_key_ids}, "witness")
+    simulator.wait_for_state(device["id"], "active", timeout=5)
+    simulator.wait_for_ssh(device["id"], timeout=5)
+    return device["id"]
+
+
+def _remote(provider: EquinixProvider, device: str, key: Path, **kwargs: float) -> Remote:
+    machine = provider.get_machine(device)
+    assert machine.address is not None
+    return Remote(machine.address, machine.ssh_port, key, **kwargs)
+
+
+def test_upload_then_run_with_stdin(provider: EquinixProvider, simulator: Simulator,
+                                    device: str, ssh_key: Path, tmp_path: Path) -> None:
+    script = tmp_path / "agent.sh"
+    script.write_text("#!/bin/bash\ncat > got-stdin\necho out-$SHEPHERD_SIM_DEVICE\n"
+                      "echo err >&2\nexit 3\n")
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as remote:
+        remote.upload(script, "opt/shepherd/agent", mode=0o755)
+        result = remote.run("opt/shepherd/agent", stdin=b"hello\x00world")
+    assert result == (3, f"out-{device}\n", "err\n")
+    sandbox = simulator.sandbox(device)
+    uploaded = sandbox / "opt/shepherd/agent"
+    assert stat.S_IMODE(uploaded.stat().st_mode) == 0o755
+    assert uploaded.read_bytes() == script.read_bytes()
+    assert (sandbox / "got-stdin").read_bytes() == b"hello\x00world"
+    assert not (sandbox / "opt/shepherd/agent.upload-tmp").exists()
+
+
+def test_absolute_upload_paths_stay_in_the_sandbox(provider: EquinixProvider,
+                                                   simulator: Simulator, device: str,
+                                                   ssh_key: Path, tmp_path: Path) -> None:
+    payload = tmp_path / "payload"
+    payload.write_text("x")
+    with _remote(provider, device, ssh_key, connect_timeout=3) as remote:
+        remote.upload(payload, "/../../etc/shepherd-escape", mode=0o600)
+    assert (simulator.sandbox(device) / "etc/shepherd-escape").read_text() == "x"
+    assert not Path("/etc/shepherd-escape").exists()
+
+
+def test_unregistered_key_is_rejected(provider: EquinixProvider, device: str,
+                                      tmp_path: Path) -> None:
+    stranger = tmp_path / "stranger"
+    ssh_keys.load_or_create(stranger)
+    with pytest.raises(AuthenticationFailed):
+        _remote(provider, device, stranger, connect_timeout=3).connect()
+
+
+def test_hung_device_times_out_on_connect(provider: EquinixProvider, simulator: Simulator,
+                                          device: str, ssh_key: Path) -> None:
+    simulator.faults.set(device_id=device, ssh_hang=True)
+    remote = _remote(provider, device, ssh_key, connect_timeout=0.5, exec_timeout=30)
+    started = time.monotonic()
+    with pytest.raises(ConnectTimeout):
+        remote.connect()
+    elapsed = time.monotonic() - started
+    assert 0.4 <= elapsed < 2.0, elapsed  # the connect timeout, not the exec timeout
+    remote.close()
+
+
+def test_long_command_times_out_on_exec(provider: EquinixProvider, simulator: Simulator,
+                                        device: str, ssh_key: Path) -> None:
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=0.7) as remote:
+        started = time.monotonic()
+        with pytest.raises(ExecTimeout):
+            remote.run("sleep 30")
+        elapsed = time.monotonic() - started
+    assert 0.6 <= elapsed < 3.0, elapsed
+    _wait_until(lambda: not find_processes(MARKER, device), "sleep was not killed")
+
+
+def test_refused_ssh(provider: EquinixProvider, simulator: Simulator, device: str,
+                     ssh_key: Path) -> None:
+    simulator.faults.set(device_id=device, ssh_refused=True)
+    _wait_until(lambda: _refused(provider, device, ssh_key), "SSH kept accepting")
+    simulator.faults.set(device_id=device, ssh_refused=False)
+    simulator.wait_for_ssh(device, timeout=3)
+    with _remote(provider, device, ssh_key, connect_timeout=3) as remote:
+        assert remote.run("echo back").stdout == "back\n"
+
+
+def _refused(provider: EquinixProvider, device: str, key: Path) -> bool:
+    remote = _remote(provider, device, key, connect_timeout=1)
+    try:
+        remote.connect()
+    except ConnectionRefused:
+        return True
+    except RemoteError:  # e.g. reset while the listener was closing: not refused yet
+        return False
+    finally:
+        remote.close()
+    return False
+
+
+DETACH = "setsid bash -c 'sleep 300' </dev/null >/dev/null 2>&1 & echo started"
+
+
+def test_reboot_kills_detached_processes_and_ssh_comes_back(
+        provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path) -> None:
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as remote:
+        assert remote.run(DETACH).stdout == "started\n"
+    _wait_until(lambda: find_processes(MARKER, device), "detached process not running")
+    provider.reboot(device)
+    assert find_processes(MARKER, device) == []
+    with pytest.raises(ConnectionRefused):
+        _remote(provider, device, ssh_key, connect_timeout=1).connect()
+    simulator.wait_for_state(device, "active", timeout=5)
+    simulator.wait_for_ssh(device, timeout=5)
+    with _remote(provider, device, ssh_key, connect_timeout=3) as remote:
+        assert remote.run("echo up").exit_code == 0
+
+
+def test_agent_killed_fault(provider: EquinixProvider, simulator: Simulator, device: str,
+                            ssh_key: Path) -> None:
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as remote:
+        remote.run(DETACH)
+    _wait_until(lambda: find_processes(MARKER, device), "detached process not running")
+    assert simulator.kill_agent(device) >= 1
+    assert find_processes(MARKER, device) == []
+
+
+def test_simulator_stop_leaves_no_processes(tmp_path: Path, ssh_key: Path) -> None:
+    from tests.simulator_fixtures import fast_client, free_port
+
+    sim = Simulator(reservations=1, ssh_port=free_port(), provision_delay=0.0,
+                    workdir=tmp_path / "s").start()
+    try:
+        client = fast_client(sim)
+        key_id = client.create_ssh_key(
+            "k", ssh_keys.public_key_openssh(ssh_keys.load_or_create(ssh_key)))["id"]
+        reservation = sim.state.project_reservations()[0]
+        dev = client.create_device(reservation.id, {
+            "metro": reservation.metro, "plan": "p", "operating_system": "o",
+            "project_ssh_keys": [key_id]}, "w")["id"]
+        sim.wait_for_ssh(dev, timeout=5)
+        with Remote(sim.devices[dev].address, sim.ssh_port, ssh_key, connect_timeout=3) as r:
+            r.run(DETACH)
+        _wait_until(lambda: find_processes(MARKER, dev), "detached process not running")
+    finally:
+        sim.stop()
+    assert find_processes(MARKER, dev) == []
+    assert not os.path.exists(tmp_path / "s" / "devices" / dev / "nothing")
+
+
+def _wait_until(predicate, message: str, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(message)
+        time.sleep(0.05)
