@@ -31,6 +31,8 @@ Configuration (flag, else environment variable, else default):
   --foreground                            do not detach (debugging)
 """
 
+from __future__ import annotations
+
 import argparse
 import base64
 import hashlib
@@ -47,6 +49,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from typing import Any
 
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
 PID_FILE = "agent.pid"
@@ -64,7 +67,7 @@ class TakeoverFailed(Exception):
 # -- configuration ---------------------------------------------------------
 
 
-def parse_args(argv):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     sandbox = os.environ.get("SHEPHERD_SIM_SANDBOX")
     default_state = (os.path.join(sandbox, "shepherd-agent") if sandbox
@@ -87,7 +90,7 @@ def parse_args(argv):
     return args
 
 
-def read_init(raw):
+def read_init(raw: str) -> tuple:
     """Parse and check the TakeoverInit; returns (the object as sent, machine id, endpoint, CA)."""
     try:
         init = json.loads(raw)
@@ -109,7 +112,7 @@ def read_init(raw):
     return init, machine_id, endpoint.rstrip("/"), ca
 
 
-def ssl_context(endpoint, ca):
+def ssl_context(endpoint: str, ca: str | None) -> ssl.SSLContext | None:
     """The TLS context that verifies the server (None for plain HTTP)."""
     if not endpoint.startswith("https:"):
         return None
@@ -122,7 +125,7 @@ def ssl_context(endpoint, ca):
 # -- the key -----------------------------------------------------------------
 
 
-def load_or_create_key(path, warnings):
+def load_or_create_key(path: str, warnings: list[str]) -> Any:
     """The machine's ed25519 key: reused if present, so a repeated takeover keeps it."""
     try:
         from cryptography.hazmat.primitives import serialization
@@ -148,14 +151,14 @@ def load_or_create_key(path, warnings):
     return key
 
 
-def fix_mode(path, warnings):
+def fix_mode(path: str, warnings: list[str]) -> None:
     mode = os.stat(path).st_mode & 0o777
     if mode != 0o600:
         os.chmod(path, 0o600)
         warnings.append(f"key {path} had mode {mode:o}; set it to 600")
 
 
-def write_private(path, data):
+def write_private(path: str, data: bytes) -> None:
     """Write a file that is mode 0600 from its first byte, atomically."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
@@ -167,7 +170,7 @@ def write_private(path, data):
     os.replace(temporary, path)
 
 
-def raw_public_key(key):
+def raw_public_key(key: Any) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.public_key().public_bytes(serialization.Encoding.Raw,
@@ -177,7 +180,7 @@ def raw_public_key(key):
 # -- detaching -----------------------------------------------------------------
 
 
-def detach(pid_path):
+def detach(pid_path: str) -> bool:
     """Double fork + setsid. Returns True in the daemon; False in the original process
     once the daemon has written its pid file and let go of stdin/stdout/stderr."""
     read_end, write_end = os.pipe()
@@ -211,14 +214,14 @@ def detach(pid_path):
     return True
 
 
-def write_pid(pid_path):
+def write_pid(pid_path: str) -> None:
     temporary = pid_path + ".tmp"
     with open(temporary, "w") as handle:
         handle.write(f"{os.getpid()}\n")
     os.replace(temporary, pid_path)
 
 
-def superseded(pid_path):
+def superseded(pid_path: str) -> bool:
     """True when a newer agent took over this state dir (its pid is in the pid file)."""
     try:
         with open(pid_path) as handle:
@@ -227,7 +230,7 @@ def superseded(pid_path):
         return True
 
 
-def setup_logging(state_dir):
+def setup_logging(state_dir: str) -> None:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     handler = logging.handlers.RotatingFileHandler(
         os.path.join(state_dir, LOG_FILE), maxBytes=1 << 20, backupCount=2)
@@ -239,7 +242,7 @@ def setup_logging(state_dir):
 # -- hardware ----------------------------------------------------------------
 
 
-def hardware_report(root="/"):
+def hardware_report(root: str = "/") -> dict[str, Any]:
     """CPU, memory, disks and NICs from /proc and /sys, with a warning for each gap."""
     warnings = []
     return {
@@ -251,12 +254,12 @@ def hardware_report(root="/"):
     }
 
 
-def read_text(root, path):
+def read_text(root: str, path: str) -> str:
     with open(os.path.join(root, path.lstrip("/"))) as handle:
         return handle.read()
 
 
-def read_cpu(root, warnings):
+def read_cpu(root: str, warnings: list[str]) -> dict[str, Any]:
     try:
         text = read_text(root, "/proc/cpuinfo")
     except OSError as error:
@@ -276,7 +279,7 @@ def read_cpu(root, warnings):
     return {"model": model or "unknown", "cores": cores}
 
 
-def read_memory(root, warnings):
+def read_memory(root: str, warnings: list[str]) -> int:
     try:
         text = read_text(root, "/proc/meminfo")
     except OSError as error:
@@ -293,7 +296,7 @@ def read_memory(root, warnings):
     return 0
 
 
-def list_dir(root, path, warnings, what):
+def list_dir(root: str, path: str, warnings: list[str], what: str) -> list[str]:
     try:
         return sorted(os.listdir(os.path.join(root, path.lstrip("/"))))
     except OSError as error:
@@ -301,7 +304,7 @@ def list_dir(root, path, warnings, what):
         return []
 
 
-def read_block_devices(root, warnings):
+def read_block_devices(root: str, warnings: list[str]) -> list[dict[str, Any]]:
     devices = []
     for name in list_dir(root, "/sys/block", warnings, "block devices"):
         if name.startswith(("loop", "ram", "zram")):
@@ -315,7 +318,7 @@ def read_block_devices(root, warnings):
     return devices
 
 
-def read_network_interfaces(root, warnings):
+def read_network_interfaces(root: str, warnings: list[str]) -> list[dict[str, str]]:
     interfaces = []
     for name in list_dir(root, "/sys/class/net", warnings, "network interfaces"):
         if name == "lo":
@@ -335,7 +338,8 @@ def read_network_interfaces(root, warnings):
 class Heartbeater:
     """Sends signed heartbeats and carries out what the answers ask for."""
 
-    def __init__(self, key, machine_id, endpoint, context, args):
+    def __init__(self, key: Any, machine_id: str, endpoint: str,
+                 context: ssl.SSLContext | None, args: argparse.Namespace) -> None:
         self.key = key
         self.machine_id = machine_id
         self.url = endpoint + HEARTBEAT_PATH
@@ -351,8 +355,11 @@ class Heartbeater:
             handlers.append(urllib.request.HTTPSHandler(context=context))
         self.opener = urllib.request.build_opener(*handlers)
 
-    def run(self, pid_path):
+    def run(self, pid_path: str) -> None:
         failures = 0
+        # The initializer records our key only after this takeover's answer: give it
+        # one interval, rather than start with a refused heartbeat and a backoff.
+        self.stop.wait(self.args.interval)
         while not self.stop.is_set() and not superseded(pid_path):
             try:
                 self.beat()
@@ -365,12 +372,12 @@ class Heartbeater:
             self.stop.wait(self.delay(failures))
         log.info("agent stopping (superseded=%s)", superseded(pid_path))
 
-    def delay(self, failures):
+    def delay(self, failures: int) -> float:
         if failures == 0:
             return self.args.interval
         return min(self.args.max_backoff, self.args.interval * 2 ** min(failures, 20))
 
-    def beat(self):
+    def beat(self) -> None:
         body = {"machine_id": self.machine_id}
         if self.hardware is not None:
             body["hardware_report"] = self.hardware
@@ -386,7 +393,7 @@ class Heartbeater:
             self.installation_report = None
         self.handle(answer)
 
-    def handle(self, answer):
+    def handle(self, answer: Any) -> None:
         request = answer.get("os_installation_request") if isinstance(answer, dict) else None
         if not isinstance(request, dict) or request.get("generation") == self.reported_generation:
             return
@@ -395,7 +402,7 @@ class Heartbeater:
         self.installation_report = {"generation": generation,
                                     "result": install_os(request.get("request"))}
 
-    def post(self, body):
+    def post(self, body: bytes) -> Any:
         timestamp = f"{time.time():.6f}"
         digest = hashlib.sha256(body).hexdigest()
         payload = "\n".join(["POST", self.path, timestamp, digest]).encode()
@@ -413,7 +420,7 @@ class Heartbeater:
             raise RuntimeError(f"server answered {error.code} {error.reason}") from error
 
 
-def install_os(request):
+def install_os(request: Any) -> dict[str, Any]:
     """First version: no installation kind is supported yet; say so in the report."""
     kind = request.get("kind", "unspecified") if isinstance(request, dict) else "unspecified"
     return {"status": "error",
@@ -423,7 +430,7 @@ def install_os(request):
 # -- main --------------------------------------------------------------------
 
 
-def takeover(args, raw_init):
+def takeover(args: argparse.Namespace, raw_init: str) -> tuple:
     """Everything that can fail before the answer; returns what the daemon needs."""
     init, machine_id, endpoint, ca = read_init(raw_init)
     context = ssl_context(endpoint, ca)
@@ -437,18 +444,39 @@ def takeover(args, raw_init):
     return init, machine_id, endpoint, context, key, warnings
 
 
-def answer(document):
+def read_stdin(fd: int = 0, limit: int = 1 << 20) -> str:
+    """One JSON document from ``fd``: stop as soon as what arrived parses, so the
+    takeover goes on even if the SSH client never closes our stdin."""
+    data = b""
+    while len(data) < limit:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+        try:
+            json.loads(data)
+            break
+        except ValueError:
+            continue
+    return data.decode("utf-8", "replace")
+
+
+def answer(document: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(document) + "\n")
     sys.stdout.flush()
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     if sys.version_info < (3, 8):  # noqa: UP036 (runs on the machine's python3)
         answer({"error": {"message": f"python3 is too old: {sys.version.split()[0]}"}})
         return 1
-    args = parse_args(argv)
     try:
-        init, machine_id, endpoint, context, key, warnings = takeover(args, sys.stdin.read())
+        args = parse_args(argv)
+    except (ValueError, SystemExit) as error:  # argparse exits on bad flags
+        answer({"error": {"message": f"bad agent arguments or environment: {error}"}})
+        return 1
+    try:
+        init, machine_id, endpoint, context, key, warnings = takeover(args, read_stdin())
         heartbeater = Heartbeater(key, machine_id, endpoint, context, args)
         pid_path = os.path.join(args.state_dir, PID_FILE)
         if args.foreground:
@@ -458,6 +486,9 @@ def main(argv=None):
             return 0
     except TakeoverFailed as error:
         answer({"error": {"message": str(error)}})
+        return 1
+    except Exception as error:  # whatever went wrong, the initializer gets an answer
+        answer({"error": {"message": f"agent failed: {error!r}"}})
         return 1
     if args.foreground:
         answer(success(init, key, warnings + heartbeater.hardware["warnings"]))
@@ -472,7 +503,7 @@ def main(argv=None):
     return 0
 
 
-def success(init, key, warnings):
+def success(init: dict[str, Any], key: Any, warnings: list[str]) -> dict[str, Any]:
     return {"success": {"init_message": init,
                         "key": base64.b64encode(raw_public_key(key)).decode(),
                         "warnings": warnings}}

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import sqlalchemy as sa
 from flask import Flask, Response, jsonify, request
@@ -81,7 +81,6 @@ class SessionHolder:
 def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
     """The WSGI app. ``app.extensions["shepherd"]`` holds the BMDB session (close it at exit)."""
     app = Flask("shepherd.server")
-    app.config["MAX_CONTENT_LENGTH"] = config.max_body
     holder = SessionHolder(db or bmdb.connect(config.bmdb_url), config)
     app.extensions["shepherd"] = holder
 
@@ -117,12 +116,19 @@ def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
 def read_body(limit: int) -> bytes:
     """The whole body, refusing (413) past ``limit`` bytes while reading it.
 
-    Werkzeug already refuses a Content-Length over the limit and stops a chunked
-    body at it; counting here as well keeps the limit whatever the stream does.
+    A declared Content-Length over the limit is refused before reading anything;
+    a chunked body (or one longer than declared) is counted as it arrives. This
+    reads the server's ``wsgi.input`` itself: cheroot ends it at the declared
+    length or the last chunk, and Werkzeug's own limit refuses a body of exactly
+    ``limit`` bytes once it is read to the end.
     """
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise RequestEntityTooLarge()
+    stream = request.environ["wsgi.input"]
     chunks: list[bytes] = []
     size = 0
-    while chunk := request.stream.read(min(65536, limit + 1 - size)):
+    while chunk := stream.read(min(65536, limit + 1 - size)):
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
@@ -153,6 +159,3 @@ def register_error_handlers(app: Flask) -> None:
     def no_store(response: Response) -> Response:
         response.headers["Cache-Control"] = "no-store"
         return response
-
-    def _unused(*_: Any) -> None:  # keeps type checkers quiet about the decorators
-        return None

@@ -31,7 +31,7 @@ from shepherd.agent.protocol import (
 _DUMMY_KEY = bytes(range(32))
 
 
-class Unauthorized(Exception):  # noqa: N818 (named for the HTTP answer it becomes)
+class Unauthorized(Exception):
     """The request is not authenticated; the message is for the server's log only."""
 
 

@@ -23,7 +23,7 @@ from bmdb import schema
 from shepherd.server.auth import SignedHeaders, Unauthorized, check_fresh, verify
 
 
-class BadRequest(Exception):  # noqa: N818 (named for the HTTP answer it becomes)
+class BadRequest(Exception):
     """An authenticated request whose body is not a valid heartbeat; the text says why."""
 
 
