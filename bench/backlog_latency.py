@@ -49,18 +49,26 @@ def seed(db: bmdb.BMDB, size: int) -> None:
             conn.exec_driver_sql(statement, {"n": size, "k": HANDFUL})
 
 
-def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, int]:
+def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, float, int]:
+    """Median through the library (clock read, build, execute) and of the bare SQL alone."""
     retriever = bmdb.backlog.retriever(process, db.thresholds)
     found = 0
-    timings = []
+    library, bare = [], []
     with db.engine.connect() as conn:
         for _ in range(runs):
             started = time.perf_counter()
             tx = bmdb.Tx(conn=conn, now=bmdb.database.read_clock(conn))
-            found = len(conn.execute(eligible(tx, process, retriever).limit(100)).all())
-            timings.append((time.perf_counter() - started) * 1000)
+            query = eligible(tx, process, retriever).limit(100)
+            found = len(conn.execute(query).all())
+            library.append((time.perf_counter() - started) * 1000)
+            sql = str(query.compile(conn, compile_kwargs={"literal_binds": True}))
+            cursor = conn.connection.dbapi_connection.cursor()
+            started = time.perf_counter()
+            cursor.execute(sql)
+            cursor.fetchall()
+            bare.append((time.perf_counter() - started) * 1000)
             conn.rollback()
-    return statistics.median(timings), found
+    return statistics.median(library), statistics.median(bare), found
 
 
 def main() -> None:
@@ -69,19 +77,20 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[Process, dict[int, float]] = {p: {} for p in (Process.AGENT_START,
                                                                Process.RECOVERY)}
-    print(f"{'machines':>9} {'process':>20} {'median ms':>10} {'found':>6}")
+    print(f"{'machines':>9} {'process':>20} {'library ms':>10} {'bare SQL ms':>11} {'found':>6}")
     for size in args.sizes:
         with postgres(args.pg_url) as url:
             db = bmdb.connect(url)
             seed(db, size)
             for process, by_size in results.items():
-                by_size[size], found = median_ms(db, process)
-                print(f"{size:>9} {process.value:>20} {by_size[size]:>10.3f} {found:>6}")
+                library, bare, found = median_ms(db, process)
+                by_size[size] = bare
+                print(f"{size:>9} {process.value:>20} {library:>10.3f} {bare:>11.3f} {found:>6}")
             db.close()
     smallest, largest = min(args.sizes), max(args.sizes)
     for process, by_size in results.items():
         ratio = by_size[largest] / by_size[smallest]
-        print(f"{process.value}: {largest} vs {smallest} machines: {ratio:.2f}x")
+        print(f"{process.value}: bare SQL at {largest} vs {smallest} machines: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
