@@ -23,9 +23,9 @@ Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer
 """
 
 from bmdb import backlog, queries, schema, tags
-from bmdb.api import BMDB, connect, default_backoff
+from bmdb.api import BMDB, connect
 from bmdb.backlog import Thresholds
-from bmdb.backoff import Backoff, next_interval
+from bmdb.backoff import Backoff, default_backoff, next_interval
 from bmdb.database import CommitOutcomeUnknown, Tx
 from bmdb.errors import (
     BMDBError,

@@ -9,20 +9,12 @@ from typing import TypeVar
 from sqlalchemy.engine import Engine
 
 from bmdb.backlog import Thresholds
-from bmdb.backoff import AGENT_START_BACKOFF, RECOVERY_BACKOFF, Backoff
 from bmdb.database import Tx, create_engine, run_transaction
-from bmdb.processes import Process
 from bmdb.sessions import Session
 from bmdb.sweep import SweepResult, sweep
 
 T = TypeVar("T")
 MIGRATIONS = Path(__file__).parent / "migrations"
-
-
-def default_backoff(process: Process) -> Backoff:
-    return {Process.AGENT_START: AGENT_START_BACKOFF, Process.RECOVERY: RECOVERY_BACKOFF}.get(
-        Process(process), Backoff(initial=60, maximum=3600, exponent=1.2)
-    )
 
 
 class BMDB:

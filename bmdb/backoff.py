@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bmdb.processes import Process
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -60,3 +62,10 @@ def _ceil_seconds(seconds: float) -> int:
 #: Defaults from the design; workflows may pick another for a particular failure.
 AGENT_START_BACKOFF = Backoff(initial=5 * 60, maximum=4 * 3600, exponent=1.2)
 RECOVERY_BACKOFF = Backoff(initial=60, maximum=3600, exponent=1.2)
+OTHER_BACKOFF = Backoff(initial=60, maximum=3600, exponent=1.2)
+
+
+def default_backoff(process: Process | str) -> Backoff:
+    """The backoff a failure of ``process`` gets when the workflow names none."""
+    defaults = {Process.AGENT_START: AGENT_START_BACKOFF, Process.RECOVERY: RECOVERY_BACKOFF}
+    return defaults.get(Process(process), OTHER_BACKOFF)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from bmdb import schema
+from bmdb import backlog, schema, work
 from bmdb.database import CommitOutcomeUnknown, Tx, run_transaction
 from bmdb.errors import SessionExpired
 from bmdb.types import db_now
@@ -133,29 +133,21 @@ class Session:
     def claim(self, process: Process, retriever: Retriever, limit: int = 1,
               dispatch_ttl: float | None = None) -> list[Work]:
         """Claim up to ``limit`` machines that ``retriever`` selects; see ``work.claim``."""
-        from bmdb import work
-
         return work.claim(self, process, retriever, limit=limit, dispatch_ttl=dispatch_ttl)
 
     def claim_backlog(self, process: Process, limit: int,
                       dispatch_ttl: float | None = None) -> list[Work]:
         """Claim up to ``limit`` machines from the process's backlog in one transaction."""
-        from bmdb import backlog
-
         return self.claim(process, backlog.retriever(process, self.db.thresholds), limit,
                           dispatch_ttl=dispatch_ttl)
 
     def claim_machine(self, process: Process, machine_id: uuid.UUID) -> Work:
         """Claim one named machine, or raise why not (busy, in backoff, not in the backlog)."""
-        from bmdb import work
-
         return work.claim_machine(self, process, machine_id)
 
     def adopt(self, work_id: uuid.UUID, machine_id: uuid.UUID | None = None,
               process: Process | None = None) -> Work:
         """Take over a claim handed off by another session; ``WorkGone`` if it is not there."""
-        from bmdb import work
-
         return work.adopt(self, work_id, machine_id=machine_id, process=process)
 
     def held_work(self) -> Sequence[uuid.UUID]:

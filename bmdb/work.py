@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from bmdb import schema
-from bmdb.backoff import Backoff, next_interval
+from bmdb import backlog, schema
+from bmdb.backoff import Backoff, default_backoff, next_interval
 from bmdb.database import Tx
 from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, WorkGone
 from bmdb.processes import Process, exclusion_group
@@ -77,8 +77,6 @@ class Work:
 
     def fail(self, cause: str, backoff: Backoff | None = None) -> int:
         """Release the machine as failed; it sits out a backoff. Returns the interval (s)."""
-        from bmdb.api import default_backoff
-
         chosen = backoff or default_backoff(self.process)
 
         def body(tx: Tx) -> int:
@@ -187,8 +185,6 @@ def _insert_work(
 
 def claim_machine(session: Session, process: Process, machine_id: uuid.UUID) -> Work:
     """Claim one named machine from its process's backlog, or say why it cannot be."""
-    from bmdb import backlog
-
     process = Process(process)
     in_backlog = backlog.retriever(process, session.db.thresholds)
 

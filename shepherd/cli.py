@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 DEFAULT_BMDB_URL = "sqlite:///var/bmdb.sqlite"
 
@@ -52,15 +52,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str) -> Callable[[argparse.Namespace], int]:
-    """Subcommands with their own argument parser (they own their flags)."""
-
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return importlib.import_module(module).main(args.rest)
-
-    return run
+#: Subcommands with an argument parser of their own: everything after the name is theirs.
+DELEGATED = {
+    "serve": ("shepherd.server.serve", "run the agent callback server"),
+    "simulator": ("shepherd.simulator.cli", "run the provider simulator"),
+}
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -88,18 +84,22 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sweep", help="release work of dead sessions now").set_defaults(run=cmd_sweep)
     sub.add_parser("up", help="run the whole control plane").set_defaults(run=cmd_up)
-    for name, module, text in (
-        ("serve", "shepherd.server.serve", "run the agent callback server"),
-        ("simulator", "shepherd.simulator.cli", "run the provider simulator"),
-    ):
-        delegated = sub.add_parser(name, help=text, add_help=False)
-        delegated.add_argument("rest", nargs=argparse.REMAINDER)
-        delegated.set_defaults(run=_delegate(module))
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    top = parser()
+    args, rest = top.parse_known_args(argv)
+    if args.command in DELEGATED:
+        import importlib
+
+        if args.bmdb_url and args.command == "serve":
+            rest = ["--bmdb-url", args.bmdb_url, *rest]
+        return importlib.import_module(DELEGATED[args.command][0]).main(rest)
+    if rest:
+        top.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
 
 

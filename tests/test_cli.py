@@ -28,3 +28,15 @@ def test_unknown_command_is_a_usage_error():
     result = shepherd("frobnicate")
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+def test_delegated_commands_own_their_flags():
+    result = shepherd("simulator", "--help")
+    assert result.returncode == 0
+    assert "--reservations" in result.stdout
+
+
+def test_unknown_flag_is_a_usage_error(tmp_path):
+    result = shepherd("--bmdb-url", f"sqlite:///{tmp_path / 'x.sqlite'}", "fleet", "--bogus")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in result.stderr
