@@ -144,6 +144,12 @@ class Remote:
         except invoke.CommandTimedOut as error:
             raise ExecTimeout(f"{self.address}:{self.port}: {command!r} did not finish "
                               f"within {limit}s") from error
+        except invoke.ThreadException as error:
+            # The command exited (or the channel closed) while its stdin was still
+            # being written: whatever it answered is lost.
+            found = "; ".join(f"{type(w.value).__name__}: {w.value}" for w in error.exceptions)
+            raise RemoteError(f"{self.address}:{self.port}: streams to {command!r} failed: "
+                              f"{found or 'unknown stream error'}") from error
         except (OSError, paramiko.SSHException, EOFError) as error:
             raise RemoteError(f"{self.address}:{self.port}: running {command!r} failed: "
                               f"{error}") from error

@@ -1,0 +1,28 @@
+"""The per-machine workflows as plain Python (no Celery): AgentStart and Recovery.
+
+A Celery task adopts (or claims) a ``bmdb.Work`` and calls::
+
+    result = initialize(work, provider, InitializerSettings(ssh_key_path=..., bmaas_endpoint=...))
+    result = recover(work, provider, RecovererSettings(reboot_wait=60))
+    reason = recovery_paused(db, thresholds)        # before sourcing Recovery at all
+
+Both workflows finish or fail the work on every path and return a ``WorkflowResult``
+(JSON-able via ``to_json``, no secrets); only ``WorkGone``, ``SessionExpired`` and
+``CommitOutcomeUnknown`` propagate.
+"""
+
+from shepherd.workflows.common import PERMANENT_BACKOFF, WorkflowFailure, WorkflowResult
+from shepherd.workflows.guard import recovery_paused
+from shepherd.workflows.initializer import InitializerSettings, initialize
+from shepherd.workflows.recoverer import RecovererSettings, recover
+
+__all__ = [
+    "PERMANENT_BACKOFF",
+    "InitializerSettings",
+    "RecovererSettings",
+    "WorkflowFailure",
+    "WorkflowResult",
+    "initialize",
+    "recover",
+    "recovery_paused",
+]

@@ -1,0 +1,128 @@
+"""AgentStart: SSH into a Provided machine, upload and start the agent, record its key.
+
+Plain Python, no Celery: a task adopts or claims the work and calls ``initialize``.
+The one rule every path keeps: the work is finished or failed before returning, so a
+machine is never left held by a live session. Only ``WorkGone`` / ``SessionExpired``
+(the claim is no longer ours, nothing to release) and ``CommitOutcomeUnknown``
+(the sweep settles it) propagate.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import bmdb
+from shepherd.agent import AGENT_PATH
+from shepherd.agent.protocol import ProtocolError, TakeoverInit, parse_takeover_response
+from shepherd.providers.base import (
+    NotFound,
+    Provider,
+    ProviderMachine,
+)
+from shepherd.remote import Remote, RemoteError
+from shepherd.workflows.common import (
+    PERMANENT_BACKOFF,
+    WorkflowFailure,
+    WorkflowResult,
+    provider_id_of,
+    run_work,
+)
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class InitializerSettings:
+    """How to reach machines and what to tell their agents.
+
+    ``agent_target`` is relative on purpose: it lands in root's home directory (the
+    sandbox on simulated devices) and is run as ``./<target>`` by its shebang, not
+    through a named interpreter. ``agent_args`` are appended (e.g. a short
+    ``--interval`` for tests and the demo).
+    """
+
+    ssh_key_path: Path
+    bmaas_endpoint: str
+    ca_certificate: str | None = None
+    connect_timeout: float = 10.0
+    exec_timeout: float = 60.0
+    ssh_user: str = "root"
+    #: Not "shepherd-agent": on simulated devices that is the agent's default state
+    #: directory ($SHEPHERD_SIM_SANDBOX/shepherd-agent), and the two would collide.
+    agent_target: str = "shepherd-agent.py"
+    agent_args: tuple[str, ...] = ()
+    permanent_backoff: bmdb.Backoff = PERMANENT_BACKOFF
+
+
+def initialize(work: bmdb.Work, provider: Provider,
+               settings: InitializerSettings) -> WorkflowResult:
+    """Start the agent on ``work``'s machine; finish with AgentStarted or fail with a cause."""
+
+    def body() -> Callable[[bmdb.Tx], None]:
+        machine = reachable_machine(work, provider, settings.permanent_backoff)
+        key = take_over(machine, work.machine_id, settings)
+        return lambda tx: bmdb.tags.set_agent_started(tx, work.machine_id, key)
+
+    return run_work(work, body)
+
+
+def reachable_machine(work: bmdb.Work, provider: Provider,
+                      permanent: bmdb.Backoff) -> ProviderMachine:
+    """The provider's current view of the machine, which must have an address."""
+    provider_id = provider_id_of(work, provider, permanent)
+    try:
+        machine = provider.get_machine(provider_id)
+    except NotFound as error:
+        raise WorkflowFailure(f"provider {provider.name}: device {provider_id} not found: "
+                              f"{error}", permanent) from error
+    if not machine.address:
+        raise WorkflowFailure(f"provider {provider.name}: device {provider_id} has no address")
+    if machine.status is not bmdb.ProviderStatus.RUNNING:
+        raise WorkflowFailure(f"provider {provider.name}: device {provider_id} is "
+                              f"{machine.status.value}, not Running")
+    return machine
+
+
+def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
+              settings: InitializerSettings) -> bytes:
+    """Upload and run the agent over SSH; return its validated 32-byte public key."""
+    assert machine.address is not None
+    try:
+        init = TakeoverInit(machine_id, settings.bmaas_endpoint, settings.ca_certificate)
+    except ProtocolError as error:
+        raise WorkflowFailure(f"config: unusable takeover settings: {error}") from error
+    remote = Remote(machine.address, machine.ssh_port, settings.ssh_key_path,
+                    user=settings.ssh_user, connect_timeout=settings.connect_timeout,
+                    exec_timeout=settings.exec_timeout)
+    try:
+        remote.connect()
+        remote.upload(AGENT_PATH, settings.agent_target, mode=0o755)
+        result = remote.run(agent_command(settings), stdin=init.encode())
+    except RemoteError as error:
+        raise WorkflowFailure(f"ssh: {type(error).__name__}: {error}") from error
+    finally:
+        remote.close()
+    if not result.stdout.strip():
+        raise WorkflowFailure(f"agent: exited {result.exit_code} without an answer; "
+                              f"stderr: {result.stderr.strip()[-300:]!r}")
+    try:
+        response = parse_takeover_response(result.stdout, init)
+    except ProtocolError as error:
+        raise WorkflowFailure(f"agent: bad answer (exit {result.exit_code}): {error}") from error
+    if response.error is not None:
+        raise WorkflowFailure(f"agent: reported error: {response.error}")
+    for warning in response.warnings:
+        log.warning("agent on %s warns: %s", machine_id, warning)
+    assert response.key is not None
+    return response.key
+
+
+def agent_command(settings: InitializerSettings) -> str:
+    """``./shepherd-agent.py [args]``: a bare name would be looked up on PATH, not in cwd."""
+    target = settings.agent_target
+    path = target if "/" in target else f"./{target}"
+    return shlex.join([path, *settings.agent_args])
