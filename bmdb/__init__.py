@@ -19,10 +19,12 @@ are released by the sweep if nobody adopts them in time.
 
 Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer),
 ``backlog`` (what needs doing), ``work`` (claim/adopt/finish/fail/cancel),
-``sessions`` (leases), ``sweep``, ``backoff``, ``queries`` (reads), ``errors``.
+``sessions`` (leases), ``sweep``, ``backoff``, ``queries`` (reads), ``errors``,
+``singletons`` (at most one holder fleet-wide, e.g. reconcile), ``capacity``
+(cooldowns for capacity that failed to provision).
 """
 
-from bmdb import backlog, queries, schema, tags
+from bmdb import backlog, capacity, queries, schema, singletons, tags
 from bmdb.api import BMDB, connect
 from bmdb.backlog import Thresholds
 from bmdb.backoff import Backoff, default_backoff, next_interval
@@ -63,11 +65,13 @@ __all__ = [
     "Work",
     "WorkGone",
     "backlog",
+    "capacity",
     "connect",
     "default_backoff",
     "exclusion_group",
     "next_interval",
     "queries",
     "schema",
+    "singletons",
     "tags",
 ]

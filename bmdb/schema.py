@@ -216,3 +216,29 @@ history = Table(
     Column("cause", Text),
     Index("ix_history_machine_id_id", "machine_id", "id"),
 )
+
+# -- beyond machines ---------------------------------------------------------
+
+capacity_cooldown = Table(
+    "capacity_cooldown",
+    metadata,
+    # Free capacity at a provider (a hardware reservation, say) that failed to
+    # become a machine sits out until ``until``: provisioning skips it meanwhile.
+    Column("provider", String(64), primary_key=True),
+    Column("capacity_id", String(128), primary_key=True),
+    Column("until", UTCDateTime, nullable=False),
+    Column("cause", Text, nullable=False),
+)
+
+singletons = Table(
+    "singletons",
+    metadata,
+    # At most one holder per name fleet-wide (the primary key), and only while the
+    # holder's session lives: a dead session's hold is taken over at once, and the
+    # sweep's deletion of the session removes it (ON DELETE CASCADE).
+    Column("name", String(64), primary_key=True),
+    Column(
+        "session_id", Uuid, ForeignKey("sessions.id", ondelete="CASCADE"), nullable=False
+    ),
+    Column("acquired_at", UTCDateTime, nullable=False),
+)

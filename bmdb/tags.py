@@ -31,7 +31,8 @@ class ProviderStatus(enum.StrEnum):
     MISSING = "Missing"
 
 
-def _upsert(tx: Tx, table: sa.Table, key: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+def upsert(tx: Tx, table: sa.Table, key: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    """INSERT, or UPDATE on a conflict over ``key``: one statement on either backend."""
     dialect_insert = postgresql.insert if tx.dialect == "postgresql" else sqlite.insert
     statement = dialect_insert(table).values(**key, **values)
     tx.execute(statement.on_conflict_do_update(index_elements=list(key), set_=dict(values)))
@@ -59,7 +60,7 @@ def upsert_provided(
     address: str | None = None,
     location: str | None = None,
 ) -> None:
-    _upsert(
+    upsert(
         tx,
         schema.provided,
         {"machine_id": machine_id},
@@ -81,7 +82,7 @@ def set_agent_started(
 ) -> None:
     if len(public_key) != 32:
         raise ValueError(f"agent public key must be 32 bytes (ed25519), got {len(public_key)}")
-    _upsert(
+    upsert(
         tx,
         schema.agent_started,
         {"machine_id": machine_id},
@@ -98,7 +99,7 @@ def delete_agent_started(tx: Tx, machine_id: uuid.UUID) -> None:
 
 
 def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime) -> None:
-    _upsert(
+    upsert(
         tx,
         schema.agent_heartbeat,
         {"machine_id": machine_id},
@@ -114,7 +115,7 @@ def delete_heartbeat(tx: Tx, machine_id: uuid.UUID) -> None:
 
 
 def set_hardware_report(tx: Tx, machine_id: uuid.UUID, report: Mapping[str, Any]) -> None:
-    _upsert(
+    upsert(
         tx, schema.hardware_report, {"machine_id": machine_id},
         {"reported_at": tx.now, "report": dict(report)},
     )
@@ -123,7 +124,7 @@ def set_hardware_report(tx: Tx, machine_id: uuid.UUID, report: Mapping[str, Any]
 def set_os_installation_request(
     tx: Tx, machine_id: uuid.UUID, generation: int, request: Mapping[str, Any]
 ) -> None:
-    _upsert(
+    upsert(
         tx, schema.os_installation_request, {"machine_id": machine_id},
         {"generation": generation, "request": dict(request)},
     )
@@ -132,7 +133,7 @@ def set_os_installation_request(
 def set_os_installation_report(
     tx: Tx, machine_id: uuid.UUID, generation: int, result: Mapping[str, Any]
 ) -> None:
-    _upsert(
+    upsert(
         tx, schema.os_installation_report, {"machine_id": machine_id},
         {"generation": generation, "reported_at": tx.now, "result": dict(result)},
     )

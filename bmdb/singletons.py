@@ -1,0 +1,57 @@
+"""Fleet-wide singletons: at most one holder of a name at a time, across every host.
+
+Used for work that must not run twice at once whatever starts it (reconcile from
+two beats, or from a beat and an operator). A hold belongs to a session: it ends
+when released, or when the session dies (taken over at once by the next claimant,
+and deleted with the session by the sweep). Enforced by the primary key on
+``singletons.name``; the take-over condition sits in the upsert's WHERE clause,
+so two claimants racing for a dead holder's name cannot both win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from bmdb import schema
+from bmdb.database import Tx
+
+if TYPE_CHECKING:
+    from bmdb.sessions import Session
+
+
+def try_acquire(tx: Tx, name: str) -> bool:
+    """Take ``name`` for ``tx``'s session if it is free or its holder's session is dead."""
+    s, t = schema.sessions, schema.singletons
+    insert = (postgresql.insert if tx.dialect == "postgresql" else sqlite.insert)(t)
+    holder_dead = ~sa.exists().where(s.c.id == t.c.session_id, s.c.deadline > tx.now)
+    tx.execute(
+        insert.values(name=name, session_id=tx.session_id, acquired_at=tx.now)
+        .on_conflict_do_update(
+            index_elements=[t.c.name],
+            set_={"session_id": tx.session_id, "acquired_at": tx.now},
+            where=holder_dead,
+        )
+    )
+    holder = tx.execute(sa.select(t.c.session_id).where(t.c.name == name)).scalar_one()
+    return holder == tx.session_id
+
+
+def release(tx: Tx, name: str) -> None:
+    t = schema.singletons
+    tx.execute(sa.delete(t).where(t.c.name == name, t.c.session_id == tx.session_id))
+
+
+@contextlib.contextmanager
+def hold(session: Session, name: str) -> Iterator[bool]:
+    """``with hold(session, "reconcile") as held:`` — ``held`` is False if another holds it."""
+    held = session.transact(lambda tx: try_acquire(tx, name))
+    try:
+        yield held
+    finally:
+        if held:
+            session.transact(lambda tx: release(tx, name))
