@@ -1,22 +1,105 @@
 """The ``shepherd`` command: one entry point for every role and for operators.
 
-Subcommands whose issue has not landed yet say so and exit 1 rather than pretend.
+Operator commands (tables for people, ``--json`` for scripts)::
+
+    shepherd machines [--tag T]... [--without T]... [--provider P] [--work PROC|any]
+                      [--backoff PROC|any] [--limit N] [--json]
+    shepherd show MACHINE [--history N] [--json]
+    shepherd explain MACHINE [--json]
+    shepherd clear-backoff MACHINE PROCESS
+    shepherd start PROCESS MACHINE [--wait S]      PROCESS: agent-start | recovery
+    shepherd reconcile
+    shepherd sessions [--alive] [--json]
+    shepherd fleet [--json] | migrate [REV] | sweep | serve ... | simulator ... | up
+
+MACHINE is a BMDB machine id (UUID); PROCESS a full name (``ShepherdRecovery``) or a
+short one (``recovery``). Exit status: 0 done; 1 could not be done now (machine busy,
+in backoff or not in the backlog, Recovery paused, no worker layer, BMDB unreadable);
+2 a bad argument (malformed id, unknown machine, process or tag), with one line on
+stderr saying which.
+
+``start`` and ``reconcile`` hand over to the Celery layer through ``start_hooks`` and
+``reconcile_hook``, which the module named by ``$SHEPHERD_CLI_HOOKS`` (default
+``tasks.cli_hooks``) fills in when imported. Without them the CLI says the worker
+layer is not available and exits 1 (a claim it made is cancelled): it never fakes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 DEFAULT_BMDB_URL = "sqlite:///var/bmdb.sqlite"
+EXIT_OK, EXIT_FAILED, EXIT_BAD_ARGUMENT = 0, 1, 2
+
+#: Process -> callable(work) that dispatches the per-machine task with ``work.id``
+#: (the worker adopts the claim); its return value (a task id, say) is printed.
+start_hooks: dict[Any, Callable[[Any], object]] = {}
+#: Callable() that runs (or dispatches) a reconcile now; its return value is printed.
+reconcile_hook: Callable[[], object] | None = None
+HOOKS_MODULE = "tasks.cli_hooks"
+
+
+class Failed(Exception):
+    """The command could not be done now; the message is the one line to show (exit 1)."""
 
 
 def bmdb_url(args: argparse.Namespace) -> str:
     return args.bmdb_url or os.environ.get("SHEPHERD_BMDB_URL") or DEFAULT_BMDB_URL
+
+
+def settings(args: argparse.Namespace) -> Any:
+    from shepherd.config import Settings
+
+    return Settings.from_env().with_overrides(bmdb_url=bmdb_url(args))
+
+
+@contextlib.contextmanager
+def connected(args: argparse.Namespace) -> Iterator[Any]:
+    """The BMDB with the configured thresholds, closed at the end."""
+    import bmdb
+
+    db = bmdb.connect(bmdb_url(args), thresholds=settings(args).thresholds)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def guard_limits(config: Any) -> Any:
+    """The guard's share and budget from the settings. No callback-server health check:
+    the worker checks that itself when it adopts a Recovery claim."""
+    from shepherd.workflows.guard import GuardLimits
+
+    return GuardLimits(max_share=config.recovery_max_share,
+                       min_silent=config.recovery_min_silent,
+                       reboots_per_hour=config.reboots_per_hour)
+
+
+def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
+    if getattr(args, "json", False):
+        from shepherd.operator import jsonable
+
+        print(json.dumps(jsonable(data), indent=None))
+    else:
+        print(text())
+
+
+def machine_arg(text: str) -> uuid.UUID:
+    from shepherd.operator import parse_machine_id
+
+    return parse_machine_id(text)
+
+
+# -- commands ----------------------------------------------------------------------
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -32,9 +115,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     import bmdb
 
-    db = bmdb.connect(bmdb_url(args))
-    counts = dataclasses.asdict(db.read(lambda tx: bmdb.queries.fleet_counts(tx, db.thresholds)))
-    db.close()
+    with connected(args) as db:
+        counts = dataclasses.asdict(db.read(lambda tx: bmdb.queries.fleet_counts(tx,
+                                                                                 db.thresholds)))
     if args.json:
         print(json.dumps(counts))
     else:
@@ -44,17 +127,254 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    import bmdb
-
-    db = bmdb.connect(bmdb_url(args))
-    print(db.sweep())
-    db.close()
+    with connected(args) as db:
+        print(db.sweep())
     return 0
+
+
+def cmd_machines(args: argparse.Namespace) -> int:
+    from shepherd import operator, tables
+
+    f = operator.MachineFilter(
+        tags=tuple(operator.parse_tag(t) for t in args.tag),
+        without=tuple(operator.parse_tag(t) for t in args.without),
+        provider=args.provider, work=operator.parse_process_filter(args.work),
+        backoff=operator.parse_process_filter(args.backoff), limit=args.limit,
+    )
+    with connected(args) as db:
+        found = db.read(lambda tx: operator.list_machines(tx, f))
+
+    def text() -> str:
+        counts = "  ".join(f"{tag}={n}" for tag, n in found.tag_counts.items())
+        rows = [(m.id, m.provider, m.provider_id, m.provider_status, m.address,
+                 [operator.short_tag(t) for t in m.tags], m.work, m.backoffs)
+                for m in found.machines]
+        shown = (f"{len(found.machines)} of {found.matched} matching" if
+                 found.matched > len(found.machines) else f"{found.matched} matching")
+        return "\n".join([
+            f"fleet: {found.total} machines  {counts}",
+            tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
+                          "WORK", "BACKOFF"], rows),
+            f"({shown}; tags: {operator.TAG_LEGEND})",
+        ])
+
+    emit(args, found, text)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from shepherd import operator
+
+    machine_id = machine_arg(args.machine)
+    with connected(args) as db:
+        detail = db.read(lambda tx: operator.show_machine(tx, machine_id, args.history))
+    emit(args, detail, lambda: render_show(detail))
+    return 0
+
+
+def render_show(d: Any) -> str:
+    from shepherd import tables
+
+    lines = [f"machine {d.id}  (created {tables.when(d.created_at)}; "
+             f"BMDB time {tables.when(d.now)} UTC)", "", "TAGS"]
+    if not d.tags:
+        lines.append("  (none)")
+    for name, values in d.tags.items():
+        shown = ", ".join(f"{k}={_value(v)}" for k, v in values.items()
+                          if k not in ("agent_started", "heartbeat_seen"))
+        lines.append(f"  {name}: {shown}")
+    lines += ["", "WORK"]
+    if not d.work:
+        lines.append("  (none)")
+    for w in d.work:
+        lines.append(f"  {w.process} work {w.id} since {tables.when(w.started_at)}")
+        lines.append(f"    {_session_line(w, d.now)}")
+        if w.dispatch_deadline is not None:
+            lines.append(f"    waiting to be adopted until {tables.when(w.dispatch_deadline)}")
+    lines += ["", "BACKOFFS"]
+    if d.backoffs:
+        lines.append(tables.table(
+            ["PROCESS", "UNTIL", "STATE", "INTERVAL", "CAUSE"],
+            [(b.process, b.until, "active, " + tables.relative(b.until, d.now) if b.active
+              else "expired", tables.duration(b.interval_s), b.cause) for b in d.backoffs]))
+    else:
+        lines.append("  (none)")
+    lines += ["", "HISTORY (newest first)"]
+    if d.history:
+        lines.append(tables.table(
+            ["AT", "PROCESS", "EVENT", "SESSION", "CAUSE"],
+            [(h["at"], h["process"], h["event"], h["session_id"], h["cause"])
+             for h in d.history], max_width=80))
+    else:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def _value(value: Any) -> str:
+    from shepherd import tables
+
+    if isinstance(value, bytes):
+        return value.hex()[:16] + "…"
+    if hasattr(value, "astimezone"):
+        return tables.when(value)
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def _session_line(work: Any, now: Any) -> str:
+    from shepherd import tables
+
+    s = work.session
+    if s is None:
+        return f"session {work.session_id}: gone (the sweep releases this work)"
+    state = (f"alive, deadline {tables.relative(s.deadline, now)}" if s.alive else
+             f"DEAD since {tables.when(s.deadline)} (the sweep releases this work)")
+    return f"session {s.id} ({s.component} on {s.holder}): {state}"
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from shepherd import operator
+
+    machine_id = machine_arg(args.machine)
+    limits = guard_limits(settings(args))
+    with connected(args) as db:
+        found = db.read(lambda tx: operator.explain(tx, machine_id, db.thresholds, limits))
+    data = {**operator.jsonable(found),
+            "processes": [{**operator.jsonable(p), "claimable": p.claimable,
+                           "summary": p.summary} for p in found.processes]}
+    emit(args, data, lambda: render_explain(found))
+    return 0
+
+
+def render_explain(e: Any) -> str:
+    from shepherd import tables
+
+    lines = [f"machine {e.id}  tags: {', '.join(e.tags) or '(none)'}",
+             f"BMDB time {tables.when(e.now)} UTC"]
+    for p in e.processes:
+        lines += ["", f"{p.process}: {'CLAIMABLE NOW' if p.claimable else 'not claimable'}"]
+        lines.append(f"  backlog: {'yes' if p.in_backlog else 'no'} — {p.backlog}")
+        if p.work is None:
+            lines.append("  work:    none in its exclusion group")
+        else:
+            lines.append(f"  work:    {p.work.process} work {p.work.id} since "
+                         f"{tables.when(p.work.started_at)}")
+            lines.append(f"           {_session_line(p.work, e.now)}")
+        b = p.backoff
+        if b is None:
+            lines.append("  backoff: none")
+        elif b.active:
+            lines.append(f"  backoff: until {tables.when(b.until)} "
+                         f"({tables.relative(b.until, e.now)}) after: {b.cause}")
+        else:
+            lines.append(f"  backoff: expired at {tables.when(b.until)} (was: {b.cause})")
+        if p.guard:
+            g = p.guard
+            if p.paused:
+                lines.append(f"  guard:   PAUSED — {p.paused}")
+            else:
+                lines.append(f"  guard:   not paused ({g['silent']} of {g['started']} started "
+                             f"agents silent, max share {g['max_share']:.0%}; "
+                             f"{g['reboots_last_hour']} of {g['reboots_per_hour']} reboots "
+                             "in the last hour)")
+    return "\n".join(lines)
+
+
+def cmd_clear_backoff(args: argparse.Namespace) -> int:
+    from shepherd import operator, tables
+
+    machine_id = machine_arg(args.machine)
+    process = operator.parse_process(args.process)
+    with connected(args) as db, db.start_session("operator-cli") as session:
+        cleared = operator.clear_backoff(session, machine_id, process)
+    if cleared is None:
+        print(f"machine {machine_id} had no {process.value} backoff")
+    else:
+        state = "active" if cleared.active else "already expired"
+        print(f"cleared {process.value} backoff of machine {machine_id} ({state}, until "
+              f"{tables.when(cleared.until)}, after: {cleared.cause})")
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import bmdb
+    from shepherd import operator
+
+    process = operator.parse_process(args.process, operator.BACKLOG_PROCESSES)
+    machine_id = machine_arg(args.machine)
+    config = settings(args)
+    load_hooks()
+    hook = start_hooks.get(process)
+    with connected(args) as db, db.start_session("operator-cli") as session:
+        limits = guard_limits(config)
+        try:
+            work = operator.claim_for_handoff(session, process, machine_id,
+                                              config.dispatch_ttl, limits)
+        except (bmdb.NotClaimable, operator.RecoveryPaused) as error:
+            raise Failed(str(error)) from None
+        if hook is None:
+            work.cancel("operator start: no worker layer to hand the claim to")
+            raise Failed(f"machine {machine_id}: {process.value} is claimable, but the worker "
+                         "layer is not available (no start hook); claim cancelled")
+        try:
+            result = hook(work)
+        except Exception as error:
+            with contextlib.suppress(bmdb.WorkGone):
+                work.cancel(f"operator start: dispatch failed: {type(error).__name__}")
+            raise Failed(f"machine {machine_id}: could not dispatch {process.value}: "
+                         f"{error}") from None
+        wait = args.wait if args.wait is not None else config.dispatch_ttl
+        if not operator.wait_adopted(session, work, wait):
+            # WorkGone here means a worker adopted it at the last moment: a success.
+            with contextlib.suppress(bmdb.WorkGone):
+                work.cancel(f"operator start: no worker adopted the claim within {wait:g}s")
+                raise Failed(f"machine {machine_id}: no worker took {process.value} within "
+                             f"{wait:g}s; claim cancelled")
+    print(f"{process.value} started on machine {machine_id}: work {work.id}"
+          + (f", task {result}" if result is not None else ""))
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    load_hooks()
+    if reconcile_hook is None:
+        raise Failed("the worker layer is not available (no reconcile hook); nothing done")
+    try:
+        result = reconcile_hook()
+    except Exception as error:
+        raise Failed(f"reconcile failed: {type(error).__name__}: {error}") from None
+    print(f"reconcile: {result}" if result is not None else "reconcile: started")
+    return 0
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from shepherd import operator, tables
+
+    with connected(args) as db:
+        now, found = db.read(lambda tx: operator.list_sessions(tx, not args.alive))
+    rows = [(s.id, s.component, s.holder, s.started_at,
+             tables.relative(s.deadline, now) if s.alive else f"DEAD {tables.when(s.deadline)}",
+             s.work) for s in found]
+    emit(args, {"now": now, "sessions": found},
+         lambda: tables.table(["SESSION", "COMPONENT", "HOLDER", "STARTED", "DEADLINE", "WORK"],
+                              rows) + f"\n({len(found)} sessions)")
+    return 0
+
+
+def load_hooks() -> None:
+    """Import the module that registers the worker layer's hooks, if it exists."""
+    name = os.environ.get("SHEPHERD_CLI_HOOKS", HOOKS_MODULE)
+    if not name:
+        return
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not name.startswith(error.name):
+            raise
 
 
 #: Subcommands with an argument parser of their own: everything after the name is theirs.
 DELEGATED = {
-    "serve": ("shepherd.server.serve", "run the agent callback server"),
+    "serve": ("shepherd.server.serve", "run the agent callback server and the web view"),
     "simulator": ("shepherd.simulator.cli", "run the provider simulator"),
 }
 
@@ -69,10 +389,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 1
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit status 2 (scripts parse it, people read it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_ARGUMENT, f"{self.prog}: error: {message} "
+                                     f"(see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="shepherd", description=__doc__.splitlines()[0])
+    top = Parser(prog="shepherd", description=__doc__.replace("``", ""),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--bmdb-url", help="BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)")
-    sub = top.add_subparsers(dest="command", required=True)
+    sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     migrate = sub.add_parser("migrate", help="bring the BMDB schema up to date")
     migrate.add_argument("revision", nargs="?", default="head")
@@ -82,6 +411,51 @@ def parser() -> argparse.ArgumentParser:
     fleet.add_argument("--json", action="store_true")
     fleet.set_defaults(run=cmd_fleet)
 
+    machines = sub.add_parser("machines", help="list machines, with filters")
+    machines.add_argument("--tag", action="append", default=[], metavar="TAG",
+                          help="only machines with this tag (repeatable)")
+    machines.add_argument("--without", action="append", default=[], metavar="TAG",
+                          help="only machines without this tag (repeatable)")
+    machines.add_argument("--provider", help="only machines of this provider")
+    machines.add_argument("--work", metavar="PROCESS|any",
+                          help="only machines held by work of this process")
+    machines.add_argument("--backoff", metavar="PROCESS|any",
+                          help="only machines in an active backoff of this process")
+    machines.add_argument("--limit", type=_positive, default=500)
+    machines.add_argument("--json", action="store_true")
+    machines.set_defaults(run=cmd_machines)
+
+    show = sub.add_parser("show", help="one machine: tags, work, backoffs, history")
+    show.add_argument("machine", metavar="MACHINE")
+    show.add_argument("--history", type=_positive, default=50, help="history rows (newest)")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(run=cmd_show)
+
+    explain = sub.add_parser("explain", help="why a machine is or is not in each backlog")
+    explain.add_argument("machine", metavar="MACHINE")
+    explain.add_argument("--json", action="store_true")
+    explain.set_defaults(run=cmd_explain)
+
+    clear = sub.add_parser("clear-backoff", help="delete a machine's backoff for a process")
+    clear.add_argument("machine", metavar="MACHINE")
+    clear.add_argument("process", metavar="PROCESS")
+    clear.set_defaults(run=cmd_clear_backoff)
+
+    start = sub.add_parser("start", help="start AgentStart or Recovery on a machine now")
+    start.add_argument("process", metavar="PROCESS", help="agent-start or recovery")
+    start.add_argument("machine", metavar="MACHINE")
+    start.add_argument("--wait", type=float, metavar="SECONDS",
+                       help="how long a worker may take to adopt the claim "
+                            "(default: SHEPHERD_DISPATCH_TTL)")
+    start.set_defaults(run=cmd_start)
+
+    sub.add_parser("reconcile", help="run a reconcile now").set_defaults(run=cmd_reconcile)
+
+    sessions = sub.add_parser("sessions", help="BMDB sessions and the work each holds")
+    sessions.add_argument("--alive", action="store_true", help="only live sessions")
+    sessions.add_argument("--json", action="store_true")
+    sessions.set_defaults(run=cmd_sessions)
+
     sub.add_parser("sweep", help="release work of dead sessions now").set_defaults(run=cmd_sweep)
     sub.add_parser("up", help="run the whole control plane").set_defaults(run=cmd_up)
     for name, (_, text) in DELEGATED.items():
@@ -89,18 +463,59 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     top = parser()
     args, rest = top.parse_known_args(argv)
     if args.command in DELEGATED:
-        import importlib
-
         if args.bmdb_url and args.command == "serve":
             rest = ["--bmdb-url", args.bmdb_url, *rest]
         return importlib.import_module(DELEGATED[args.command][0]).main(rest)
     if rest:
         top.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.run(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; its expected failures become one line on stderr and an exit status."""
+    import sqlalchemy as sa
+
+    from shepherd.config import SettingsError
+    from shepherd.operator import BadArgument
+
+    try:
+        return args.run(args)
+    except (BadArgument, SettingsError) as error:
+        return _fail(args, error, EXIT_BAD_ARGUMENT)
+    except Failed as error:
+        return _fail(args, error, EXIT_FAILED)
+    except sa.exc.SQLAlchemyError as error:
+        reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+        return _fail(args, f"cannot use the BMDB at {_safe_url(args)}: {reason} "
+                           "(is it migrated? `shepherd migrate`)", EXIT_FAILED)
+
+
+def _fail(args: argparse.Namespace, error: object, status: int) -> int:
+    print(f"shepherd {args.command}: {error}", file=sys.stderr)
+    return status
+
+
+def _safe_url(args: argparse.Namespace) -> str:
+    import sqlalchemy as sa
+
+    try:
+        return sa.make_url(bmdb_url(args)).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "(unparsable URL)"
 
 
 if __name__ == "__main__":

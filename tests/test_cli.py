@@ -40,3 +40,247 @@ def test_unknown_flag_is_a_usage_error(tmp_path):
     result = shepherd("--bmdb-url", f"sqlite:///{tmp_path / 'x.sqlite'}", "fleet", "--bogus")
     assert result.returncode == 2
     assert "unrecognized arguments: --bogus" in result.stderr
+
+
+# -- operator commands against a seeded BMDB (in-process: fast, same exit statuses) ---
+
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+
+import bmdb  # noqa: E402
+from shepherd import cli  # noqa: E402
+from tests.operator_fixtures import THRESHOLD_ENV, Fleet, seed_fleet  # noqa: E402
+
+UNKNOWN = "00000000-0000-4000-8000-000000000000"
+
+
+@pytest.fixture
+def fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str,
+          monkeypatch: pytest.MonkeyPatch) -> Fleet:
+    for name, value in THRESHOLD_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SHEPHERD_BMDB_URL", db_url)
+    monkeypatch.setenv("SHEPHERD_CLI_HOOKS", "")
+    monkeypatch.setattr(cli, "start_hooks", {})
+    monkeypatch.setattr(cli, "reconcile_hook", None)
+    return seed_fleet(db, session)
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_line_error(err: str, status: int, expected: int = 2) -> str:
+    assert status == expected
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_machines_lists_and_filters(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "machines")
+    assert status == 0
+    assert "fleet: 9 machines" in out and "AgentStarted=5" in out
+    assert all(str(m) in out for m in fleet.all)
+
+    status, out, _ = run(capsys, "machines", "--json", "--work", "agent-start")
+    assert status == 0
+    listed = json.loads(out)
+    assert [m["id"] for m in listed["machines"]] == [str(fleet.busy)]
+    assert listed["machines"][0]["work"] == ["ShepherdAgentStart"]
+
+    status, out, _ = run(capsys, "machines", "--json", "--backoff", "any")
+    assert {m["id"] for m in json.loads(out)["machines"]} == {str(fleet.backing_off)}
+
+    status, out, _ = run(capsys, "machines", "--json", "--tag", "agentheartbeat")
+    assert {m["id"] for m in json.loads(out)["machines"]} == {str(fleet.healthy),
+                                                              str(fleet.quiet)}
+    status, out, _ = run(capsys, "machines", "--json", "--provider", "elsewhere")
+    assert json.loads(out)["matched"] == 0
+    status, out, _ = run(capsys, "machines", "--json", "--tag", "Provided", "--without",
+                         "AgentStarted", "--limit", "2")
+    listed = json.loads(out)
+    assert (listed["matched"], len(listed["machines"])) == (4, 2)
+
+
+def test_machines_bad_filters_are_one_line_and_status_2(fleet: Fleet, capsys) -> None:
+    status, _, err = run(capsys, "machines", "--tag", "Shiny")
+    assert "unknown tag 'Shiny'" in one_line_error(err, status)
+    status, _, err = run(capsys, "machines", "--work", "dance")
+    assert "unknown process 'dance'" in one_line_error(err, status)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["machines", "--limit", "0"])
+    assert exit_.value.code == 2
+    assert "must be at least 1" in one_line_error(capsys.readouterr().err, 2)
+
+
+def test_show_has_tags_work_backoffs_and_history_newest_first(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "show", str(fleet.healthy), "--json")
+    assert status == 0
+    shown = json.loads(out)
+    assert set(shown["tags"]) == {"Provided", "AgentStarted", "AgentHeartbeat"}
+    assert [(b["process"], b["active"]) for b in shown["backoffs"]] == [
+        ("ShepherdRecovery", False)]
+    assert [h["event"] for h in shown["history"]] == ["Failed", "Started"]
+
+    status, out, _ = run(capsys, "show", str(fleet.busy))
+    assert status == 0
+    assert str(fleet.busy_work.id) in out and "alive" in out
+
+    status, out, _ = run(capsys, "show", str(fleet.orphaned))
+    assert "DEAD since" in out and str(fleet.dead_session) in out
+
+
+@pytest.mark.parametrize("command", ["show", "explain"])
+def test_bad_machine_ids_are_one_line_and_status_2(fleet: Fleet, capsys, command: str) -> None:
+    status, out, err = run(capsys, command, "not-a-uuid")
+    assert "'not-a-uuid' is not a machine id" in one_line_error(err, status)
+    assert out == ""
+    status, _, err = run(capsys, command, UNKNOWN)
+    assert one_line_error(err, status) == f"shepherd {command}: no machine {UNKNOWN} in the BMDB"
+
+
+def test_explain_says_why_for_each_process(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "explain", str(fleet.new), "--json")
+    assert status == 0
+    by_process = {p["process"]: p for p in json.loads(out)["processes"]}
+    assert by_process["ShepherdAgentStart"]["claimable"] is True
+    assert "no AgentStarted tag" in by_process["ShepherdRecovery"]["backlog"]
+
+    status, out, _ = run(capsys, "explain", str(fleet.orphaned))
+    assert status == 0
+    assert "ShepherdRecovery: not claimable" in out
+    assert f"session {fleet.dead_session}" in out and "DEAD since" in out
+    assert "guard:   PAUSED" in out  # 4 of 5 started agents look silent
+
+    status, out, _ = run(capsys, "explain", str(fleet.backing_off))
+    assert "backoff: until" in out and "ssh: connection refused" in out
+    status, out, _ = run(capsys, "explain", str(fleet.stopped))
+    assert "provider status is Stopped, not Running" in out
+    status, out, _ = run(capsys, "explain", str(fleet.fresh_agent))
+    assert "first heartbeat not yet due" in out
+
+
+def test_clear_backoff(fleet: Fleet, db: bmdb.BMDB, capsys) -> None:
+    status, out, _ = run(capsys, "clear-backoff", str(fleet.backing_off), "agent-start")
+    assert status == 0 and "cleared ShepherdAgentStart backoff" in out
+    status, out, _ = run(capsys, "machines", "--json", "--backoff", "any")
+    assert json.loads(out)["matched"] == 0
+    status, out, _ = run(capsys, "clear-backoff", str(fleet.backing_off), "agent-start")
+    assert status == 0 and "had no ShepherdAgentStart backoff" in out
+    status, _, err = run(capsys, "clear-backoff", UNKNOWN, "recovery")
+    assert "no machine" in one_line_error(err, status)
+    status, _, err = run(capsys, "clear-backoff", str(fleet.backing_off), "reboot")
+    assert "unknown process 'reboot'" in one_line_error(err, status)
+
+
+def test_start_without_worker_layer_cancels_its_claim(fleet: Fleet, db: bmdb.BMDB,
+                                                       capsys) -> None:
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.new))
+    assert "worker layer is not available" in one_line_error(err, status, expected=1)
+    history = db.read(lambda tx: bmdb.queries.history(tx, fleet.new))
+    assert [h["event"] for h in history] == ["Canceled", "Started"]
+
+
+def test_start_says_why_not(fleet: Fleet, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(cli.start_hooks, bmdb.Process.AGENT_START,
+                        lambda work: pytest.fail("must not dispatch"))
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.busy))
+    assert "held by ShepherdAgentStart work" in one_line_error(err, status, expected=1)
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.backing_off))
+    assert "in backoff until" in one_line_error(err, status, expected=1)
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.healthy))
+    assert "not in backlog: has AgentStarted" in one_line_error(err, status, expected=1)
+    status, _, err = run(capsys, "start", "recovery", str(fleet.silent))
+    assert "recovery paused" in one_line_error(err, status, expected=1)
+    status, _, err = run(capsys, "start", "agent-start", UNKNOWN)
+    assert "no machine" in one_line_error(err, status)
+    status, _, err = run(capsys, "start", "os-install", str(fleet.new))
+    assert "unknown process 'os-install'" in one_line_error(err, status)
+
+
+def test_start_hands_the_claim_to_a_worker_that_adopts_it(fleet: Fleet, db: bmdb.BMDB,
+                                                          capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1")
+    with db.start_session("fake-worker", interval=2) as worker:
+        adopted: list[bmdb.Work] = []
+
+        def dispatch(work: bmdb.Work) -> str:
+            adopted.append(worker.adopt(work.id, machine_id=work.machine_id,
+                                        process=work.process))
+            return "task-1"
+
+        monkeypatch.setitem(cli.start_hooks, bmdb.Process.RECOVERY, dispatch)
+        status, out, _ = run(capsys, "start", "ShepherdRecovery", str(fleet.silent))
+        assert status == 0, out
+        assert "ShepherdRecovery started on machine" in out and "task task-1" in out
+        assert adopted[0].session is worker
+        adopted[0].finish()
+    assert [h["event"] for h in db.read(lambda tx: bmdb.queries.history(tx, fleet.silent))
+            ] == ["Finished", "Started"]
+
+
+def test_start_cancels_when_no_worker_adopts_in_time(fleet: Fleet, db: bmdb.BMDB, capsys,
+                                                     monkeypatch) -> None:
+    monkeypatch.setitem(cli.start_hooks, bmdb.Process.AGENT_START, lambda work: None)
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.new), "--wait", "0.5")
+    assert "no worker took ShepherdAgentStart" in one_line_error(err, status, expected=1)
+    history = db.read(lambda tx: bmdb.queries.history(tx, fleet.new))
+    assert [h["event"] for h in history] == ["Canceled", "Started"]
+
+
+def test_reconcile_needs_the_worker_layer(fleet: Fleet, capsys, monkeypatch) -> None:
+    status, _, err = run(capsys, "reconcile")
+    assert "worker layer is not available" in one_line_error(err, status, expected=1)
+    monkeypatch.setattr(cli, "reconcile_hook", lambda: "dispatched task 7")
+    status, out, _ = run(capsys, "reconcile")
+    assert status == 0 and "dispatched task 7" in out
+
+
+def test_sessions_lists_alive_and_dead(fleet: Fleet, session: bmdb.Session, capsys) -> None:
+    status, out, _ = run(capsys, "sessions", "--json")
+    assert status == 0
+    found = {s["id"]: s for s in json.loads(out)["sessions"]}
+    assert found[str(session.id)]["alive"] is True and found[str(session.id)]["work"] == 1
+    assert found[str(fleet.dead_session)]["alive"] is False
+    status, out, _ = run(capsys, "sessions", "--alive")
+    assert str(session.id) in out and str(fleet.dead_session) not in out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["sessions", "--dead"])
+    assert exit_.value.code == 2
+
+
+def test_fleet_counts_seeded(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "fleet", "--json")
+    assert status == 0
+    counts = json.loads(out)
+    assert (counts["machines"], counts["agent_started"]) == (9, 5)
+    assert counts["backlog"] == {"ShepherdAgentStart": 1, "ShepherdRecovery": 2}
+
+
+def test_unmigrated_bmdb_is_one_line_and_status_1(tmp_path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.sqlite'}"
+    status, _, err = run(capsys, "--bmdb-url", url, "machines")
+    assert "shepherd migrate" in one_line_error(err, status, expected=1)
+
+
+def test_invalid_uuid_in_a_real_process(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    result = shepherd("--bmdb-url", url, "explain", str(uuid.uuid4())[:-1])
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "is not a machine id" in result.stderr
+
+
+def test_hooks_come_from_the_hooks_module(fleet: Fleet, capsys, monkeypatch, tmp_path) -> None:
+    name = f"hooks_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text(
+        "from shepherd import cli\n"
+        "cli.reconcile_hook = lambda: 'from the hooks module'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SHEPHERD_CLI_HOOKS", name)
+    status, out, _ = run(capsys, "reconcile")
+    assert status == 0 and "from the hooks module" in out

@@ -30,6 +30,7 @@ import requests
 import tenacity
 
 import bmdb
+from shepherd import metrics
 from shepherd.providers.base import (
     Capacity,
     ConfigError,
@@ -186,11 +187,12 @@ class EquinixClient:
         """One HTTP exchange; raises typed errors, ``_Transient`` for retryable ones."""
         what = f"{method} {path}"
         try:
-            with self.limiter.slot():
+            with self.limiter.slot(), metrics.provider_call(method, path) as call:
                 response = self._session.request(
                     method, self.base_url + path, params=params, json=body,
                     timeout=(self.config.connect_timeout, self.config.read_timeout),
                 )
+                call.status = response.status_code
         except (requests.ConnectionError, requests.Timeout) as error:
             raise _Transient(f"{what}: {type(error).__name__}") from None
         except requests.RequestException as error:

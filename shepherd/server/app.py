@@ -9,6 +9,11 @@ synchronous, which suits a BMDB accessed through blocking SQLAlchemy.
 Endpoints:
   POST /agent/v1/heartbeat   signed agent heartbeat (see ``heartbeat.py``, ``auth.py``)
   GET  /healthz              200 {"status": "ok"} when the BMDB answers, else 503
+  GET  /metrics              Prometheus: fleet counts and task outcomes from the BMDB,
+                             this process's provider calls (``shepherd.metrics``)
+  GET  /, /machines, /machines/<id>, /sessions
+                             the operator's web view (``web.py``), unless
+                             ``ServerConfig.operator_views`` is off
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 import bmdb
+from shepherd import metrics
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.server import auth
 from shepherd.server.heartbeat import BadRequest, accept
@@ -43,6 +49,8 @@ class ServerConfig:
     clock_window: float = 60.0
     session_interval: float = 5.0
     component: str = "callback-server"
+    #: Serve the operator's pages (fleet inventory: keep them off untrusted networks).
+    operator_views: bool = True
 
 
 class SessionHolder:
@@ -109,6 +117,17 @@ def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
             return jsonify({"status": "unavailable", "error": "BMDB does not answer"}), 503
         return jsonify({"status": "ok"}), 200
 
+    registry = metrics.server_registry(holder.db)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        body, content_type = metrics.exposition(registry)
+        return Response(body, 200, content_type=content_type)
+
+    if config.operator_views:
+        from shepherd.server import web
+
+        web.register(app)
     register_error_handlers(app)
     return app
 

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(env("SHEPHERD_SERVE_CLOCK_WINDOW", "60")),
                         help="seconds a heartbeat's timestamp may differ from the server clock")
     parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--no-operator-views", dest="operator_views", action="store_false",
+                        default=env("SHEPHERD_SERVE_OPERATOR_VIEWS", "true").lower()
+                        not in ("0", "false", "no", "off"),
+                        help="do not serve the web view (/machines, /sessions); agent "
+                             "callbacks, /healthz and /metrics stay (env "
+                             "SHEPHERD_SERVE_OPERATOR_VIEWS=false)")
     return parser
 
 
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = ServerConfig(bmdb_url=args.bmdb_url, max_body=args.max_body,
-                          clock_window=args.clock_window)
+                          clock_window=args.clock_window, operator_views=args.operator_views)
     host, port = args.listen
     try:
         running = start_server(config, host, port, tls_cert=args.tls_cert,

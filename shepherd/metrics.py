@@ -1,0 +1,266 @@
+"""Prometheus metrics: fleet counts and task outcomes from the BMDB, provider API calls.
+
+Two kinds of source, and why each lives where it does:
+
+* **From the BMDB, at scrape time** (``BMDBCollector``): fleet counts
+  (``bmdb.queries.fleet_counts``) and per-machine task outcomes by process, counted
+  from the history table. History is written by every worker on every host in the
+  same transaction as the outcome, so these numbers are fleet-wide and survive
+  worker restarts, which in-process counters in Celery children are not. Any
+  process with a BMDB handle can serve them; the callback server does at ``/metrics``.
+* **In the process that calls the provider** (``PROVIDER_CALLS``,
+  ``PROVIDER_LATENCY``): counted where the call happens (Celery worker children, or
+  whoever uses ``EquinixClient``), labelled by endpoint template and outcome. A
+  process's ``/metrics`` shows its own calls. Celery's prefork children are separate
+  processes: set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory, before the worker
+  starts) and prometheus_client keeps these in shared files that
+  ``worker_registry()`` / ``serve_worker_metrics()`` aggregate across children; call
+  ``child_exited(pid)`` from the worker's process-shutdown signal.
+
+Scrape cost: the BMDB collector counts whole tables (history included) once per
+scrape; at a 15-60 s scrape interval that is cheap up to millions of rows, and a
+failing BMDB yields ``shepherd_bmdb_up 0`` instead of an error page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+import bmdb
+
+log = logging.getLogger(__name__)
+
+#: History events that end a work item, exposed as ``outcome`` labels.
+OUTCOMES = (bmdb.Event.FINISHED, bmdb.Event.FAILED, bmdb.Event.CANCELED, bmdb.Event.ABANDONED)
+
+PROVIDER_CALLS = Counter(
+    "shepherd_provider_api_calls", "Provider API calls made by this process (each HTTP "
+    "exchange, retries included), by endpoint template and outcome (ok, 4xx, 5xx, error).",
+    ["provider", "endpoint", "outcome"],
+)
+PROVIDER_LATENCY = Histogram(
+    "shepherd_provider_api_call_seconds", "Provider API call latency in seconds (the HTTP "
+    "exchange, not the rate limiter's wait), by endpoint template and outcome.",
+    ["provider", "endpoint", "outcome"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+
+#: Path segments that follow these names are ids: replaced by ``{id}`` so the endpoint
+#: label has one value per API operation, not one per device.
+_ID_AFTER = frozenset({"projects", "devices", "hardware-reservations", "ssh-keys",
+                       "organizations", "facilities", "metros", "ips"})
+_UUIDISH = re.compile(r"^[0-9a-fA-F-]{8,}$")
+
+
+def endpoint_template(method: str, path: str) -> str:
+    """``GET /devices/{id}`` from ``GET /devices/3f2a…``: bounded label values."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    out = []
+    for i, part in enumerate(parts):
+        if i > 0 and (parts[i - 1] in _ID_AFTER or _UUIDISH.match(part)):
+            out.append("{id}")
+        else:
+            out.append(part)
+    return f"{method.upper()} /{'/'.join(out)}"
+
+
+def outcome_of(status: int | None) -> str:
+    if status is None:
+        return "error"
+    if status >= 500:
+        return "5xx"
+    if status >= 400:
+        return "4xx"
+    return "ok"
+
+
+class ProviderCall:
+    """What ``provider_call`` measures; the caller sets ``status`` once it has a response."""
+
+    status: int | None = None
+
+
+@contextlib.contextmanager
+def provider_call(method: str, path: str, provider: str = "equinix") -> Iterator[ProviderCall]:
+    """Count and time one provider API exchange. No status set (an exception, a
+    connection error) counts as ``error``."""
+    call = ProviderCall()
+    started = time.perf_counter()
+    try:
+        yield call
+    finally:
+        labels = (provider, endpoint_template(method, path), outcome_of(call.status))
+        PROVIDER_CALLS.labels(*labels).inc()
+        PROVIDER_LATENCY.labels(*labels).observe(time.perf_counter() - started)
+
+
+# -- from the BMDB -----------------------------------------------------------------
+
+
+def task_outcomes(tx: bmdb.Tx) -> dict[tuple[str, str], int]:
+    """(process, event) -> count over the whole history, every known pair present."""
+    h = bmdb.schema.history
+    rows = tx.execute(sa.select(h.c.process, h.c.event, sa.func.count())
+                      .group_by(h.c.process, h.c.event))
+    counts = {(p.value, e): 0 for p in bmdb.Process for e in (bmdb.Event.STARTED, *OUTCOMES)}
+    for process, event, count in rows:
+        counts[(process, event)] = int(count)
+    return counts
+
+
+class BMDBCollector(Collector):
+    """Fleet counts and task outcomes, read from the BMDB on every scrape."""
+
+    def __init__(self, db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None) -> None:
+        self.db = db
+        self.thresholds = thresholds or db.thresholds
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names depend on nothing but are read live; skip the describe-time query
+
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily("shepherd_bmdb_up", "1 when the BMDB answered this scrape.")
+        started = time.perf_counter()
+        try:
+            counts, outcomes = self.db.read(
+                lambda tx: (bmdb.queries.fleet_counts(tx, self.thresholds), task_outcomes(tx)))
+        except Exception as error:  # a scrape must answer even when the BMDB does not
+            log.warning("metrics: BMDB read failed: %s", error)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        took = GaugeMetricFamily("shepherd_bmdb_scrape_seconds",
+                                 "Time spent reading the BMDB for this scrape.")
+        took.add_metric([], time.perf_counter() - started)
+        yield took
+        yield from _fleet(counts)
+        yield from _outcomes(outcomes)
+
+
+def _gauge(name: str, text: str, value: int) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, text)
+    family.add_metric([], value)
+    return family
+
+
+def _per_process(name: str, text: str, values: dict[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, text, labels=["process"])
+    for process, value in sorted(values.items()):
+        family.add_metric([process], value)
+    return family
+
+
+def _fleet(c: bmdb.queries.FleetCounts) -> Iterator[Metric]:
+    yield _gauge("shepherd_fleet_machines", "Machines in the BMDB.", c.machines)
+    yield _gauge("shepherd_fleet_provided", "Machines with a Provided tag.", c.provided)
+    yield _gauge("shepherd_fleet_agent_started", "Machines with AgentStarted.", c.agent_started)
+    yield _gauge("shepherd_fleet_heartbeating",
+                 "Machines whose last heartbeat is within the heartbeat threshold.",
+                 c.heartbeating)
+    yield _per_process("shepherd_fleet_backlog",
+                       "Machines claimable now, per process (backlog minus work and backoff).",
+                       c.backlog)
+    yield _per_process("shepherd_fleet_active_work", "Work items held, per process.",
+                       c.active_work)
+    yield _per_process("shepherd_fleet_active_backoffs", "Backoffs not yet expired, per process.",
+                       c.active_backoffs)
+
+
+def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
+    started = CounterMetricFamily(
+        "shepherd_machine_tasks_started", "Per-machine work items started (claimed), per "
+        "process, fleet-wide (BMDB history).", labels=["process"])
+    ended = CounterMetricFamily(
+        "shepherd_machine_task_outcomes", "Per-machine work items ended, per process and "
+        "outcome (Finished, Failed, Canceled, Abandoned), fleet-wide (BMDB history).",
+        labels=["process", "outcome"])
+    for (process, event), count in sorted(outcomes.items()):
+        if event == bmdb.Event.STARTED:
+            started.add_metric([process], count)
+        elif event in OUTCOMES:
+            ended.add_metric([process, event], count)
+    yield started
+    yield ended
+
+
+# -- registries and exposition -------------------------------------------------------
+
+
+class _ProcessMetrics(Collector):
+    """This process's own metrics (the default registry: provider calls, process and
+    Python runtime), folded into another registry."""
+
+    def collect(self) -> Iterable[Metric]:
+        return REGISTRY.collect()
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def process_collector(registry: CollectorRegistry) -> None:
+    """Add this process's metrics to ``registry``: aggregated over every process sharing
+    ``PROMETHEUS_MULTIPROC_DIR`` when it is set, else this process's default registry."""
+    if multiprocess_dir():
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry.register(_ProcessMetrics())
+
+
+def server_registry(db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None
+                    ) -> CollectorRegistry:
+    """What the callback server's ``/metrics`` shows: BMDB metrics plus its process's."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BMDBCollector(db, thresholds))
+    process_collector(registry)
+    return registry
+
+
+def worker_registry() -> CollectorRegistry:
+    """What a worker host's endpoint shows: provider calls of all its processes."""
+    registry = CollectorRegistry(auto_describe=False)
+    process_collector(registry)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The text format and its content type."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def serve_worker_metrics(port: int, addr: str = "127.0.0.1") -> Any:
+    """Serve ``worker_registry()`` on ``addr:port`` from a daemon thread (call it in the
+    worker's main process; returns prometheus_client's server and thread)."""
+    from prometheus_client import start_http_server
+
+    return start_http_server(port, addr=addr, registry=worker_registry())
+
+
+def child_exited(pid: int) -> None:
+    """Tell multiprocess mode a worker child is gone (its gauges stop counting)."""
+    if multiprocess_dir():
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)

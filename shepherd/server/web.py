@@ -1,0 +1,137 @@
+"""The operator's web view, served by ``shepherd serve`` next to the agent callbacks.
+
+Server-rendered HTML (Flask + Jinja, no JavaScript), from the same ``shepherd.operator``
+reads as the CLI, so the page and ``shepherd show`` never disagree:
+
+  GET /                      redirect to /machines
+  GET /machines              machines with tag columns, per-tag counts, filters by query
+                             string: tag=T (has, repeatable), without=T, provider=P,
+                             work=PROCESS|any, backoff=PROCESS|any, limit=N
+  GET /machines/<id>         tags, work and its session, backoffs (expired ones marked),
+                             why it is or is not in each backlog, history newest first
+  GET /sessions              BMDB sessions, alive or dead, and the work each holds
+
+Read-only: nothing here changes the BMDB (the CLI does that), so the pages need no
+CSRF protection. They do show the fleet's inventory: put ``shepherd serve`` behind
+the same network boundary as the BMDB, or run it with ``--no-operator-views``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from flask import Blueprint, Flask, current_app, redirect, render_template, request, url_for
+from werkzeug.wrappers import Response
+
+import bmdb
+from shepherd import operator, tables
+from shepherd.workflows.guard import GuardLimits
+
+bp = Blueprint("web", __name__, template_folder="templates")
+HISTORY_ROWS = 200
+
+
+def register(app: Flask, limits: GuardLimits | None = None) -> None:
+    """Mount the pages on ``app`` (whose ``extensions["shepherd"]`` holds the BMDB)."""
+    app.extensions["shepherd_guard_limits"] = limits or _configured_limits()
+    app.register_blueprint(bp)
+
+
+def _configured_limits() -> GuardLimits:
+    """The guard's share and budget from ``SHEPHERD_RECOVERY_*`` (defaults if unusable:
+    the page only reports them)."""
+    from shepherd.config import Settings, SettingsError
+
+    try:
+        s = Settings.from_env()
+    except SettingsError:
+        return GuardLimits()
+    return GuardLimits(max_share=s.recovery_max_share, min_silent=s.recovery_min_silent,
+                       reboots_per_hour=s.reboots_per_hour)
+
+
+def _db() -> bmdb.BMDB:
+    return current_app.extensions["shepherd"].db
+
+
+@bp.app_template_filter("when")
+def _when(value: dt.datetime | None) -> str:
+    return tables.when(value)
+
+
+@bp.app_template_filter("relative")
+def _relative(value: dt.datetime, now: dt.datetime) -> str:
+    return tables.relative(value, now)
+
+
+@bp.app_template_filter("process")
+def _process(names: list[str]) -> str:
+    """Process names without the common prefix, for narrow columns."""
+    return ", ".join(n.removeprefix("Shepherd") for n in names) or "—"
+
+
+@bp.app_template_filter("short")
+def _short(value: Any) -> str:
+    return str(value)[:8]
+
+
+def _error(status: int, message: str) -> tuple[str, int]:
+    return render_template("error.html", status=status, message=message), status
+
+
+@bp.get("/")
+def index() -> Response:
+    return redirect(url_for("web.machines"))
+
+
+@bp.get("/machines")
+def machines() -> tuple[str, int] | str:
+    args = request.args
+    try:
+        limit = int(args.get("limit") or 500)
+        if limit < 1:
+            raise ValueError
+    except ValueError:
+        return _error(400, f"limit must be a positive whole number, got {args.get('limit')!r}")
+    try:
+        f = operator.MachineFilter(
+            tags=tuple(operator.parse_tag(t) for t in args.getlist("tag") if t),
+            without=tuple(operator.parse_tag(t) for t in args.getlist("without") if t),
+            provider=args.get("provider") or None,
+            work=operator.parse_process_filter(args.get("work")),
+            backoff=operator.parse_process_filter(args.get("backoff")),
+            limit=limit,
+        )
+    except operator.BadArgument as error:
+        return _error(400, str(error))
+    found = _db().read(lambda tx: operator.list_machines(tx, f))
+    return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
+                           short_tags=operator.SHORT_TAGS,
+                           processes=[p.value for p in bmdb.Process])
+
+
+@bp.get("/machines/<machine>")
+def machine(machine: str) -> tuple[str, int] | str:
+    try:
+        machine_id = operator.parse_machine_id(machine)
+    except operator.BadArgument as error:
+        return _error(404, str(error))
+    db = _db()
+    limits = current_app.extensions["shepherd_guard_limits"]
+
+    def read(tx: bmdb.Tx) -> tuple[operator.MachineDetail, operator.Explanation]:
+        return (operator.show_machine(tx, machine_id, HISTORY_ROWS),
+                operator.explain(tx, machine_id, db.thresholds, limits))
+
+    try:
+        detail, why = db.read(read)
+    except operator.UnknownMachine as error:
+        return _error(404, str(error))
+    return render_template("machine.html", d=detail, why=why, history_rows=HISTORY_ROWS)
+
+
+@bp.get("/sessions")
+def sessions() -> str:
+    now, found = _db().read(lambda tx: operator.list_sessions(tx))
+    return render_template("sessions.html", now=now, sessions=found)

@@ -1,0 +1,158 @@
+"""Prometheus metrics: scraped over HTTP from the callback server and parsed with the
+Prometheus client's own parser; provider calls made through the real client against
+the simulator in this process; multiprocess mode across real processes."""
+
+# Fixtures are imported from tests.simulator_fixtures and used as arguments:
+# ruff: noqa: F401, F811
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import bmdb
+from shepherd import metrics
+from shepherd.providers import NotFound, TransientExhausted
+from shepherd.server import ServerConfig, start_server
+from shepherd.simulator import Simulator
+from tests.operator_fixtures import Fleet, seed_fleet
+from tests.simulator_fixtures import TOKEN, fast_client, free_port, simulator
+
+pytestmark = pytest.mark.timeout(60)
+Samples = dict[tuple[str, frozenset], float]
+
+
+def parse(text: str) -> Samples:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def scrape(url: str) -> Samples:
+    answer = requests.get(f"{url}/metrics", timeout=10)
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"].startswith("text/plain; version=")
+    return parse(answer.text)
+
+
+@pytest.fixture
+def server_and_fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str):
+    fleet = seed_fleet(db, session)
+    with start_server(ServerConfig(bmdb_url=db_url), db=db) as server:
+        yield server, fleet
+
+
+def test_fleet_counts_and_task_outcomes_from_the_bmdb(server_and_fleet, db: bmdb.BMDB) -> None:
+    server, _ = server_and_fleet
+    samples = scrape(server.url)
+    assert value(samples, "shepherd_bmdb_up") == 1
+    assert value(samples, "shepherd_fleet_machines") == 9
+    assert value(samples, "shepherd_fleet_agent_started") == 5
+    assert value(samples, "shepherd_fleet_backlog", process="ShepherdAgentStart") == 1
+    assert value(samples, "shepherd_fleet_backlog", process="ShepherdRecovery") == 2
+    assert value(samples, "shepherd_fleet_active_work", process="ShepherdRecovery") == 1
+    assert value(samples, "shepherd_fleet_active_backoffs", process="ShepherdAgentStart") == 1
+    outcome = "shepherd_machine_task_outcomes_total"
+    assert value(samples, outcome, process="ShepherdAgentStart", outcome="Failed") == 1
+    assert value(samples, outcome, process="ShepherdRecovery", outcome="Failed") == 1
+    assert value(samples, "shepherd_machine_tasks_started_total",
+                 process="ShepherdAgentStart") == 2
+
+    # The dead session's work is swept: an Abandoned outcome, fleet-wide, on the next scrape.
+    assert db.sweep().abandoned == 1
+    samples = scrape(server.url)
+    assert value(samples, outcome, process="ShepherdRecovery", outcome="Abandoned") == 1
+    assert value(samples, "shepherd_fleet_active_work", process="ShepherdRecovery") == 0
+
+
+def test_provider_calls_of_this_process_show_on_the_endpoint(simulator: Simulator,
+                                                             sqlite_url: str) -> None:
+    with start_server(ServerConfig(bmdb_url=sqlite_url)) as server:
+        before = scrape(server.url)
+        client = fast_client(simulator)
+        client.list_devices()
+        client.list_devices()
+        with pytest.raises(NotFound):
+            client.get_device("no-such-device")
+        dead = fast_client(simulator, base_url=f"http://127.0.0.1:{free_port()}", retries=0)
+        with pytest.raises(TransientExhausted):
+            dead.get_device("abc")
+        after = scrape(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    calls = "shepherd_provider_api_calls_total"
+    listed = {"provider": "equinix", "endpoint": "GET /projects/{id}/devices", "outcome": "ok"}
+    assert delta(calls, **listed) == 2
+    assert delta(calls, provider="equinix", endpoint="GET /devices/{id}", outcome="4xx") == 1
+    assert delta(calls, provider="equinix", endpoint="GET /devices/{id}", outcome="error") == 1
+    assert delta("shepherd_provider_api_call_seconds_count", **listed) == 2
+    assert delta("shepherd_provider_api_call_seconds_bucket", le="+Inf", **listed) == 2
+    assert delta("shepherd_provider_api_call_seconds_sum", **listed) > 0
+    assert value(after, "shepherd_bmdb_up") == 1
+
+
+def test_an_unreadable_bmdb_is_reported_not_raised(tmp_path: Path) -> None:
+    db = bmdb.connect(f"sqlite:///{tmp_path / 'never-migrated.sqlite'}")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics.BMDBCollector(db))
+    samples = parse(generate_latest(registry).decode())
+    assert value(samples, "shepherd_bmdb_up") == 0
+    assert ("shepherd_fleet_machines", frozenset()) not in samples
+    db.close()
+
+
+@pytest.mark.parametrize(("method", "path", "expected"), [
+    ("get", "/projects/p-1/devices", "GET /projects/{id}/devices"),
+    ("GET", "/devices/3f2a/actions", "GET /devices/{id}/actions"),
+    ("POST", "/projects/p/ssh-keys", "POST /projects/{id}/ssh-keys"),
+    ("PUT", "/ssh-keys/k1", "PUT /ssh-keys/{id}"),
+    ("GET", "/hardware-reservations/r1?include=device", "GET /hardware-reservations/{id}"),
+    ("GET", "/unknown/0f8e5c3a-7b1d-4c2e-9a6f-3d2b1c0e9f8a", "GET /unknown/{id}"),
+])
+def test_endpoint_templates_bound_the_label_values(method: str, path: str,
+                                                   expected: str) -> None:
+    assert metrics.endpoint_template(method, path) == expected
+
+
+@pytest.mark.parametrize(("status", "outcome"), [
+    (200, "ok"), (202, "ok"), (404, "4xx"), (429, "4xx"), (500, "5xx"), (None, "error")])
+def test_outcomes(status: int | None, outcome: str) -> None:
+    assert metrics.outcome_of(status) == outcome
+
+
+def test_multiprocess_mode_aggregates_worker_children(tmp_path: Path) -> None:
+    """Celery's prefork children each count their own calls; with PROMETHEUS_MULTIPROC_DIR
+    the worker registry shows their sum."""
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(directory), "PATH": "/usr/bin:/bin"}
+    child = textwrap.dedent("""
+        from shepherd import metrics
+        for _ in range(3):
+            with metrics.provider_call("GET", "/devices/abc") as call:
+                call.status = 200
+    """)
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", child], env=env, check=True, timeout=60)
+    reader = textwrap.dedent("""
+        from prometheus_client import generate_latest
+        from shepherd import metrics
+        print(generate_latest(metrics.worker_registry()).decode())
+    """)
+    result = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True,
+                            text=True, timeout=60, check=True)
+    samples = parse(result.stdout)
+    assert value(samples, "shepherd_provider_api_calls_total", provider="equinix",
+                 endpoint="GET /devices/{id}", outcome="ok") == 6

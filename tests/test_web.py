@@ -1,0 +1,208 @@
+"""The operator's web view, loaded in a real headless Chromium from the distribution.
+
+The server runs in-process on loopback with a seeded BMDB; Chromium renders each page
+and dumps the DOM, which the tests read with the standard library's HTML parser.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import requests
+
+import bmdb
+from shepherd.server import RunningServer, ServerConfig, start_server
+from tests.operator_fixtures import Fleet, seed_fleet
+
+pytestmark = pytest.mark.timeout(120)
+VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
+                  "source", "track", "wbr"})
+BROWSER_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1366,900")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("Chromium is missing: install it with `apt-get install -y chromium` "
+                    "(./dev test does as root)")
+    return path
+
+
+@pytest.fixture
+def web(sqlite_url: str) -> Iterator[tuple[RunningServer, bmdb.BMDB, Fleet]]:
+    db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
+    with db.start_session("test", interval=2) as session:
+        fleet = seed_fleet(db, session)
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db) as server:
+            yield server, db, fleet
+    db.close()
+
+
+@pytest.fixture
+def browse(chromium: str, tmp_path: Path):
+    def load(url: str) -> Page:
+        result = subprocess.run(
+            [chromium, *BROWSER_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}",
+             "--dump-dom", url],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return Page.parse(result.stdout)
+
+    return load
+
+
+class Page(HTMLParser):
+    """Rows (``tr``) with their attributes and text, and the text of elements with an id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[dict[str, str], str]] = []
+        self.by_id: dict[str, str] = {}
+        self.title = ""
+        self._row: tuple[dict[str, str], list[str]] | None = None
+        self._ids: list[list] = []  # [tag, id, text parts, depth of that tag]
+        self._in_title = False
+        self.text_parts: list[str] = []
+
+    @classmethod
+    def parse(cls, html: str) -> Page:
+        page = cls()
+        page.feed(html)
+        return page
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.text_parts)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = {k: v or "" for k, v in attrs}
+        if tag == "tr":
+            self._row = (attributes, [])
+        if tag in VOID:
+            return
+        for open_ in self._ids:
+            if open_[0] == tag:
+                open_[3] += 1
+        if "id" in attributes:
+            self._ids.append([tag, attributes["id"], [], 1])
+        self._in_title = tag == "title"
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tr" and self._row is not None:
+            self.rows.append((self._row[0], " ".join(" ".join(self._row[1]).split())))
+            self._row = None
+        for open_ in list(self._ids):
+            if open_[0] == tag:
+                open_[3] -= 1
+                if open_[3] == 0:
+                    self._ids.remove(open_)
+                    self.by_id[open_[1]] = " ".join(" ".join(open_[2]).split())
+        self._in_title = False
+
+    def handle_data(self, data: str) -> None:
+        self.text_parts.append(data)
+        if self._in_title:
+            self.title += data
+        if self._row is not None:
+            self._row[1].append(data)
+        for open_ in self._ids:
+            open_[2].append(data)
+
+    def rows_with(self, attribute: str) -> list[tuple[dict[str, str], str]]:
+        return [(a, t) for a, t in self.rows if attribute in a]
+
+
+def test_machines_page_shows_tags_counts_and_filters(web, browse) -> None:
+    server, _, fleet = web
+    page = browse(f"{server.url}/")  # redirects to /machines
+    assert page.title.startswith("Machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert set(rows) == {str(m) for m in fleet.all}
+    assert "AgentStart" in rows[str(fleet.busy)]
+    assert "Stopped" in rows[str(fleet.stopped)]
+    counts = page.by_id["tag-counts"]
+    for expected in ("machines 9", "Provided 9", "AgentStarted 5", "AgentHeartbeat 2",
+                     "HardwareReport 0"):
+        assert expected in counts
+
+    filtered = browse(f"{server.url}/machines?tag=AgentStarted&without=AgentHeartbeat")
+    assert {a["data-machine"] for a, _ in filtered.rows_with("data-machine")} == {
+        str(fleet.silent), str(fleet.orphaned), str(fleet.fresh_agent)}
+    assert filtered.by_id["matched"].startswith("3 matching")
+    backing_off = browse(f"{server.url}/machines?backoff=any")
+    assert [a["data-machine"] for a, _ in backing_off.rows_with("data-machine")] == [
+        str(fleet.backing_off)]
+    held = browse(f"{server.url}/machines?work=recovery")
+    assert [a["data-machine"] for a, _ in held.rows_with("data-machine")] == [
+        str(fleet.orphaned)]
+
+
+def test_machine_page_shows_work_backoffs_and_history(web, browse) -> None:
+    server, db, fleet = web
+    healthy = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert healthy.by_id["machine-id"] == str(fleet.healthy)
+    assert {a["data-tag"] for a, _ in healthy.rows_with("data-tag")} == {
+        "Provided", "AgentStarted", "AgentHeartbeat"}
+    (backoff,) = healthy.rows_with("data-backoff")
+    assert backoff[0]["class"] == "expired" and "expired" in backoff[1]
+    assert "reboot: API 500" in backoff[1]
+    assert [a["data-event"] for a, _ in healthy.rows_with("data-event")] == ["Failed", "Started"]
+
+    orphaned = browse(f"{server.url}/machines/{fleet.orphaned}")
+    (work,) = orphaned.rows_with("data-work")
+    assert str(fleet.dead_session) in work[1] and "dead" in work[1]
+    explain = {a["data-explain"]: t for a, t in orphaned.rows_with("data-explain")}
+    assert "held by work" in explain["ShepherdRecovery"]
+    assert "PAUSED" in explain["ShepherdRecovery"]
+
+    busy = browse(f"{server.url}/machines/{fleet.backing_off}")
+    ((attributes, active),) = busy.rows_with("data-backoff")
+    assert attributes["class"] == "active"
+    assert "active, ends in" in active and "ssh: connection refused" in active
+
+    # The history of a machine with more events is newest first.
+    session = db.start_session("more", interval=2)
+    try:
+        work = session.claim_machine(bmdb.Process.AGENT_START, fleet.new)
+        work.finish(lambda tx: bmdb.tags.set_agent_started(tx, fleet.new, b"\x03" * 32))
+    finally:
+        session.close()
+    new = browse(f"{server.url}/machines/{fleet.new}")
+    assert [a["data-event"] for a, _ in new.rows_with("data-event")] == ["Finished", "Started"]
+
+
+def test_unknown_and_malformed_machines_get_a_404_page(web, browse) -> None:
+    server, _, _ = web
+    missing = "00000000-0000-4000-8000-000000000000"
+    page = browse(f"{server.url}/machines/{missing}")
+    assert page.by_id["error"] == f"no machine {missing} in the BMDB"
+    assert requests.get(f"{server.url}/machines/{missing}", timeout=10).status_code == 404
+    page = browse(f"{server.url}/machines/not-a-uuid")
+    assert "is not a machine id" in page.by_id["error"]
+    answer = requests.get(f"{server.url}/machines?work=dance", timeout=10)
+    assert answer.status_code == 400 and "unknown process" in answer.text
+
+
+def test_sessions_page(web, browse) -> None:
+    server, _, fleet = web
+    page = browse(f"{server.url}/sessions")
+    sessions = {a["data-session"]: (a["data-alive"], t) for a, t in page.rows_with("data-session")}
+    assert sessions[str(fleet.dead_session)][0] == "no"
+    assert "doomed-worker" in sessions[str(fleet.dead_session)][1]
+    assert any(alive == "yes" and "test" in text for alive, text in sessions.values())
+
+
+def test_operator_views_can_be_turned_off(sqlite_url: str) -> None:
+    config = ServerConfig(bmdb_url=sqlite_url, operator_views=False)
+    with start_server(config) as server:
+        assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
+        assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 200
