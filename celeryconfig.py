@@ -1,15 +1,39 @@
-"""Celery settings, read from SHEPHERD_* environment variables.
+"""Celery settings, from ``shepherd.config.Settings.from_env()`` (``SHEPHERD_*`` variables).
 
 Embedded default: a SQLite-backed broker under ./var, so one host needs no Redis;
 production points SHEPHERD_BROKER_URL at Redis.
+
+Reliability, and why it is safe (DESIGN.md section 3):
+
+* Messages are acknowledged after the task ran (``task_acks_late``) and given back
+  when a worker process dies under them (``task_reject_on_worker_lost``), so a lost
+  worker loses no message. A per-machine message delivered twice cannot work a
+  machine twice: the second delivery fails to adopt its claim (``WorkGone``: already
+  adopted, or released) and ends as SUCCESS with ``{"outcome": "gone"}``, untouched.
+* Each worker process takes one message at a time (prefetch 1): a slow SSH task must
+  not sit on messages another process could run, and with late acks a prefetched
+  message would wait out the whole task.
+* The Redis visibility timeout (after which an unacknowledged message is delivered
+  again) is far above the per-machine hard time limit.
+* Nothing is retried by Celery: failures go to the BMDB as backoffs.
 """
 
 from __future__ import annotations
 
-import os
+from kombu import Exchange, Queue
 
-broker_url = os.environ.get("SHEPHERD_BROKER_URL", "sqla+sqlite:///var/broker.sqlite")
-result_backend = os.environ.get("SHEPHERD_RESULT_BACKEND", "db+sqlite:///var/results.sqlite")
+from shepherd.config import Settings
+
+_settings = Settings.from_env()
+
+CONTROL_QUEUE = "shepherd.control"
+MACHINES_QUEUE = "shepherd.machines"
+
+broker_url = _settings.broker_url
+result_backend = _settings.result_backend
+broker_connection_retry_on_startup = True
+broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+result_backend_transport_options = {"visibility_timeout": _settings.visibility_timeout}
 
 task_serializer = "json"
 result_serializer = "json"
@@ -17,6 +41,55 @@ accept_content = ["json"]
 timezone = "UTC"
 enable_utc = True
 
-# Flower shows every task with its name and arguments (which never carry secrets).
+# Control work (reconcile, update, sourcing, sweep) never waits behind slow SSH work.
+task_queues = tuple(Queue(name, Exchange(name, type="direct"), routing_key=name)
+                    for name in (CONTROL_QUEUE, MACHINES_QUEUE))
+task_default_queue = CONTROL_QUEUE
+task_default_exchange = CONTROL_QUEUE
+task_default_routing_key = CONTROL_QUEUE
+task_routes = {
+    "shepherd.agent_start": {"queue": MACHINES_QUEUE},
+    "shepherd.recovery": {"queue": MACHINES_QUEUE},
+    "shepherd.*": {"queue": CONTROL_QUEUE},
+}
+
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+# A lost broker connection must not cancel running SSH work: the redelivered message
+# fails to adopt its claim and ends as "gone" (see above).
+worker_cancel_long_running_tasks_on_connection_loss = False
+task_annotations = {
+    "shepherd.agent_start": {"time_limit": _settings.machine_task_time_limit},
+    "shepherd.recovery": {"time_limit": _settings.machine_task_time_limit},
+}
+
+# Flower shows every task with its name, arguments and result (which never carry secrets).
 worker_send_task_events = True
 task_send_sent_event = True
+task_track_started = True
+result_extended = True
+
+
+#: The shortest life of a beat message. Why not just the interval: a message waits for
+#: a free pool process, and with sub-second intervals (tests, demos) it would expire
+#: before it ran whenever SSH work keeps the pool busy, starving sourcing.
+MIN_EXPIRES = 10.0
+
+
+def _every(seconds: float, task: str, *args: str) -> dict[str, object]:
+    # A stale beat message (the next one is on its way) expires, so that a backed-up
+    # control queue does not run the same periodic work many times over.
+    expires = max(seconds, MIN_EXPIRES)
+    return {"task": task, "schedule": seconds, "args": args, "options": {"expires": expires}}
+
+
+_schedule = {
+    "reconcile": (_settings.reconcile_interval, "shepherd.reconcile"),
+    "update": (_settings.update_interval, "shepherd.update"),
+    "source-agent-start": (_settings.source_interval, "shepherd.source", "ShepherdAgentStart"),
+    "source-recovery": (_settings.source_interval, "shepherd.source", "ShepherdRecovery"),
+    "sweep": (_settings.sweep_interval, "shepherd.sweep"),
+}
+#: An interval of 0 leaves that entry out (e.g. a deployment without reconcile).
+beat_schedule = {name: _every(*entry) for name, entry in _schedule.items() if entry[0] > 0}

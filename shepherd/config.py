@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,37 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a whole number") from error
 
 
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = _get(env, name, "true" if default else "false").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off", ""):
+        return False
+    raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a boolean (true/false)")
+
+
+def _share(env: Mapping[str, str], name: str, default: float) -> float:
+    """A fraction in [0, 1]; ``10%`` is accepted too."""
+    raw = _get(env, name, str(default)).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError as error:
+        raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a fraction") from error
+    if not 0 <= value <= 1:
+        raise SettingsError(f"SHEPHERD_{name}={raw!r} must be between 0 and 1 (or 0%..100%)")
+    return value
+
+
+def _args(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    raw = env.get(f"SHEPHERD_{name}")
+    if raw is None:
+        return default
+    try:
+        return tuple(shlex.split(raw))
+    except ValueError as error:
+        raise SettingsError(f"SHEPHERD_{name}={raw!r}: {error}") from error
+
+
 def _backoff(env: Mapping[str, str], name: str, default: bmdb.Backoff) -> bmdb.Backoff:
     """``SHEPHERD_<NAME>_BACKOFF=initial,maximum,exponent`` (seconds, seconds, factor)."""
     raw = env.get(f"SHEPHERD_{name}_BACKOFF")
@@ -71,10 +103,17 @@ class Settings:
     provider_project: str = ""
     provider_token: str = field(default="", repr=False)
     static_inventory: str = ""
+    # Provider API budget per worker process: seconds between calls, calls in flight.
+    provider_min_interval: float = 0.2
+    provider_max_in_flight: int = 3
+    # SSH port of the provider's machines (the simulator serves every device on one port).
+    provider_ssh_port: int = 22
     device_prefix: str = "shepherd-"
     ssh_key_label: str = "shepherd"
     ssh_key_path: Path = Path("var/ssh/shepherd_ed25519")
     bmaas_endpoint: str = "http://127.0.0.1:8080"
+    # PEM file of the CA agents verify the callback server against (empty: plain HTTP).
+    bmaas_ca_file: str = ""
     # Intervals (seconds) of what beat schedules.
     reconcile_interval: float = 60.0
     update_interval: float = 60.0
@@ -84,6 +123,16 @@ class Settings:
     batch_size: int = 20
     in_flight_cap: int = 100
     dispatch_ttl: float = 120.0
+    # Broker: unacknowledged messages come back after this long (Redis transport);
+    # must stay well above the longest task (see ``machine_task_time_limit``).
+    visibility_timeout: float = 3600.0
+    # Provisioning (reconcile) bounds and updater batches.
+    max_machines: int = 100
+    chunk_size: int = 10
+    creation_rate: float = 1.0
+    capacity_cooldown: float = 3600.0
+    assimilate: bool = False
+    update_batch_size: int = 100
     # Sessions and thresholds.
     session_interval: float = 5.0
     first_heartbeat_timeout: float = 30 * 60.0
@@ -91,9 +140,28 @@ class Settings:
     # SSH.
     ssh_connect_timeout: float = 10.0
     ssh_exec_timeout: float = 60.0
+    # The agent: extra command-line arguments (e.g. a short --interval for demos).
+    agent_args: tuple[str, ...] = ()
+    # Recovery and its blast-radius guard.
+    reboot_wait: float = 60.0
+    recovery_max_share: float = 0.10
+    recovery_min_silent: int = 0
+    reboots_per_hour: int = 50
+    healthz_timeout: float = 5.0
     # Backoffs.
     agent_start_backoff: bmdb.Backoff = bmdb.backoff.AGENT_START_BACKOFF
     recovery_backoff: bmdb.Backoff = bmdb.backoff.RECOVERY_BACKOFF
+
+    @property
+    def machine_task_time_limit(self) -> float:
+        """Hard limit of a per-machine task: SSH connect + run, or a reboot wait, plus slack.
+
+        Why a limit: a hung task keeps its BMDB session alive, so without one a machine
+        could stay held for ever; killing the child ends the session and the sweep
+        releases the work (``Abandoned``).
+        """
+        return (self.ssh_connect_timeout + 2 * self.ssh_exec_timeout + self.reboot_wait
+                + 120.0)
 
     @property
     def thresholds(self) -> bmdb.Thresholds:
@@ -118,10 +186,16 @@ class Settings:
             provider_project=_get(env, "PROVIDER_PROJECT", d.provider_project),
             provider_token=_read_secret(env, "PROVIDER_TOKEN"),
             static_inventory=_get(env, "STATIC_INVENTORY", d.static_inventory),
+            provider_ssh_port=_int(env, "PROVIDER_SSH_PORT", d.provider_ssh_port),
+            provider_min_interval=_float(env, "PROVIDER_MIN_INTERVAL",
+                                         d.provider_min_interval),
+            provider_max_in_flight=_int(env, "PROVIDER_MAX_IN_FLIGHT",
+                                        d.provider_max_in_flight),
             device_prefix=_get(env, "DEVICE_PREFIX", d.device_prefix),
             ssh_key_label=_get(env, "SSH_KEY_LABEL", d.ssh_key_label),
             ssh_key_path=Path(_get(env, "SSH_KEY_PATH", str(d.ssh_key_path))),
             bmaas_endpoint=_get(env, "BMAAS_ENDPOINT", d.bmaas_endpoint),
+            bmaas_ca_file=_get(env, "BMAAS_CA_FILE", d.bmaas_ca_file),
             reconcile_interval=_float(env, "RECONCILE_INTERVAL", d.reconcile_interval),
             update_interval=_float(env, "UPDATE_INTERVAL", d.update_interval),
             source_interval=_float(env, "SOURCE_INTERVAL", d.source_interval),
@@ -129,6 +203,13 @@ class Settings:
             batch_size=_int(env, "BATCH_SIZE", d.batch_size),
             in_flight_cap=_int(env, "IN_FLIGHT_CAP", d.in_flight_cap),
             dispatch_ttl=_float(env, "DISPATCH_TTL", d.dispatch_ttl),
+            visibility_timeout=_float(env, "VISIBILITY_TIMEOUT", d.visibility_timeout),
+            max_machines=_int(env, "MAX_MACHINES", d.max_machines),
+            chunk_size=_int(env, "CHUNK_SIZE", d.chunk_size),
+            creation_rate=_float(env, "CREATION_RATE", d.creation_rate),
+            capacity_cooldown=_float(env, "CAPACITY_COOLDOWN", d.capacity_cooldown),
+            assimilate=_bool(env, "ASSIMILATE", d.assimilate),
+            update_batch_size=_int(env, "UPDATE_BATCH_SIZE", d.update_batch_size),
             session_interval=_float(env, "SESSION_INTERVAL", d.session_interval),
             first_heartbeat_timeout=_float(
                 env, "FIRST_HEARTBEAT_TIMEOUT", d.first_heartbeat_timeout
@@ -136,6 +217,12 @@ class Settings:
             heartbeat_timeout=_float(env, "HEARTBEAT_TIMEOUT", d.heartbeat_timeout),
             ssh_connect_timeout=_float(env, "SSH_CONNECT_TIMEOUT", d.ssh_connect_timeout),
             ssh_exec_timeout=_float(env, "SSH_EXEC_TIMEOUT", d.ssh_exec_timeout),
+            agent_args=_args(env, "AGENT_ARGS", d.agent_args),
+            reboot_wait=_float(env, "REBOOT_WAIT", d.reboot_wait),
+            recovery_max_share=_share(env, "RECOVERY_MAX_SHARE", d.recovery_max_share),
+            recovery_min_silent=_int(env, "RECOVERY_MIN_SILENT", d.recovery_min_silent),
+            reboots_per_hour=_int(env, "REBOOTS_PER_HOUR", d.reboots_per_hour),
+            healthz_timeout=_float(env, "HEALTHZ_TIMEOUT", d.healthz_timeout),
             agent_start_backoff=_backoff(env, "AGENT_START", d.agent_start_backoff),
             recovery_backoff=_backoff(env, "RECOVERY", d.recovery_backoff),
         )

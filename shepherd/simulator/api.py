@@ -68,6 +68,9 @@ class Handler(BaseHTTPRequestHandler):
     server: ApiServer
     protocol_version = "HTTP/1.1"
     timeout = 30
+    # Headers and body go out in separate writes; without TCP_NODELAY each reply
+    # waits ~40 ms on Nagle and the client's delayed ACK.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("api %s " + format, self.client_address[0], *args)

@@ -24,6 +24,7 @@ class FaultSettings:
     lost_response_rate: float = 0.0   # share of API calls applied but never answered
     ssh_refused: bool = False         # the device's SSH port refuses connections
     ssh_hang: bool = False            # TCP accepted, SSH banner never sent
+    ssh_latency: float = 0.0          # seconds each SSH connection waits before its banner
 
 
 FIELDS = {f.name for f in dataclasses.fields(FaultSettings)}

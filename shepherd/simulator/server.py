@@ -131,6 +131,7 @@ class Simulator:
             instance=self.instance,
             is_up=lambda: self._ssh_up(device.id),
             hangs=lambda: self.faults.effective(device.id).ssh_hang,
+            latency=lambda: self.faults.effective(device.id).ssh_latency,
             authorized_keys=self.state.authorized_key_blobs,
         )
         self._endpoints[device.id] = endpoint.start()

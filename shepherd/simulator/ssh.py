@@ -240,7 +240,8 @@ class DeviceSSH:
     def __init__(self, *, device_id: str, address: str, port: int, sandbox: Path,
                  host_key: paramiko.PKey, instance: str,
                  is_up: Callable[[], bool], hangs: Callable[[], bool],
-                 authorized_keys: Callable[[], set[str]]) -> None:
+                 authorized_keys: Callable[[], set[str]],
+                 latency: Callable[[], float] = lambda: 0.0) -> None:
         self.device_id = device_id
         self.address = address
         self.port = port
@@ -250,6 +251,7 @@ class DeviceSSH:
         self.is_up = is_up
         self.hangs = hangs
         self.authorized_keys = authorized_keys
+        self.latency = latency
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._transports: set[paramiko.Transport] = set()
@@ -318,6 +320,10 @@ class DeviceSSH:
         thread.start()
 
     def _session(self, conn: socket.socket) -> None:
+        delay = self.latency()
+        if delay > 0 and self._stop.wait(delay):  # a slow or far-away machine
+            conn.close()
+            return
         transport = paramiko.Transport(conn)
         transport.set_log_channel(TRANSPORT_LOG.name)
         with self._lock:

@@ -1,0 +1,140 @@
+"""Everything a worker builds from ``Settings``: the BMDB handle, the provider, and the
+settings objects of each workflow. No Celery here, so a shell or a test can use it too::
+
+    settings = Settings.from_env()
+    db = runtime.connect_bmdb(settings)
+    provider = runtime.build_provider(settings)          # registers our SSH key once
+    initialize(work, provider, runtime.initializer_settings(settings))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import bmdb
+from shepherd.config import Settings, SettingsError
+from shepherd.providers import Provider, ssh_keys
+from shepherd.workflows import InitializerSettings, RecovererSettings
+from shepherd.workflows.guard import GuardLimits
+
+if TYPE_CHECKING:
+    from shepherd.workflows.provisioner import ProvisionerSettings
+    from shepherd.workflows.updater import UpdaterSettings
+
+log = logging.getLogger(__name__)
+HTTP_PROVIDERS = ("simulator", "equinix")
+
+
+def connect_bmdb(settings: Settings) -> bmdb.BMDB:
+    """The BMDB with the configured silence thresholds (the schema is migrated elsewhere:
+    ``shepherd migrate``, so that many workers starting at once do not race on it)."""
+    return bmdb.connect(settings.bmdb_url, thresholds=settings.thresholds)
+
+
+def build_provider(settings: Settings) -> Provider:
+    """The configured provider, with the shepherd's SSH key registered at it.
+
+    Called once per worker process: registration is idempotent (``ensure_registered``)
+    but costs API calls, and the key must be known before the first device is created.
+    """
+    if settings.provider in HTTP_PROVIDERS:
+        from shepherd.providers.equinix import (
+            DEFAULT_BASE_URL,
+            ClientConfig,
+            EquinixClient,
+            EquinixProvider,
+            ProviderConfig,
+        )
+
+        client = EquinixClient(ClientConfig(
+            token=settings.provider_token, project_id=settings.provider_project,
+            base_url=settings.provider_url or DEFAULT_BASE_URL,
+            min_interval=settings.provider_min_interval,
+            max_in_flight=settings.provider_max_in_flight,
+        ))
+        provider = EquinixProvider(client, ProviderConfig(
+            device_prefix=settings.device_prefix, ssh_key_label=settings.ssh_key_label,
+            ssh_port=settings.provider_ssh_port,
+        ))
+        key = ssh_keys.load_or_create(settings.ssh_key_path)
+        provider.ensure_ssh_key(ssh_keys.public_key_openssh(key))
+        return provider
+    if settings.provider == "static":
+        from shepherd.providers.static import StaticProvider
+
+        if not settings.static_inventory:
+            raise SettingsError("SHEPHERD_PROVIDER=static needs SHEPHERD_STATIC_INVENTORY")
+        ssh_keys.load_or_create(settings.ssh_key_path)  # operators install it by hand
+        return StaticProvider(settings.static_inventory)
+    raise SettingsError(f"SHEPHERD_PROVIDER={settings.provider!r}: expected simulator, "
+                        "equinix or static")
+
+
+def initializer_settings(settings: Settings) -> InitializerSettings:
+    ca = Path(settings.bmaas_ca_file).read_text() if settings.bmaas_ca_file else None
+    return InitializerSettings(
+        ssh_key_path=settings.ssh_key_path, bmaas_endpoint=settings.bmaas_endpoint,
+        ca_certificate=ca, connect_timeout=settings.ssh_connect_timeout,
+        exec_timeout=settings.ssh_exec_timeout, agent_args=settings.agent_args,
+    )
+
+
+def recoverer_settings(settings: Settings) -> RecovererSettings:
+    return RecovererSettings(reboot_wait=settings.reboot_wait)
+
+
+def guard_limits(settings: Settings) -> GuardLimits:
+    return GuardLimits(
+        max_share=settings.recovery_max_share, min_silent=settings.recovery_min_silent,
+        reboots_per_hour=settings.reboots_per_hour,
+        healthz_url=settings.bmaas_endpoint.rstrip("/") + "/healthz",
+        healthz_timeout=settings.healthz_timeout,
+    )
+
+
+def provisioner_settings(settings: Settings) -> ProvisionerSettings:
+    from shepherd.workflows.provisioner import ProvisionerSettings
+
+    return ProvisionerSettings(
+        max_machines=settings.max_machines, chunk_size=settings.chunk_size,
+        creation_rate=settings.creation_rate, cooldown=settings.capacity_cooldown,
+        assimilate=settings.assimilate,
+    )
+
+
+def updater_settings(settings: Settings) -> UpdaterSettings:
+    from shepherd.workflows.updater import UpdaterSettings
+
+    return UpdaterSettings(batch_size=settings.update_batch_size)
+
+
+def default_backoff(settings: Settings, process: bmdb.Process) -> bmdb.Backoff:
+    """The configured backoff of ``process`` (``SHEPHERD_<PROCESS>_BACKOFF``)."""
+    if process is bmdb.Process.AGENT_START:
+        return settings.agent_start_backoff
+    if process is bmdb.Process.RECOVERY:
+        return settings.recovery_backoff
+    return bmdb.default_backoff(process)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfiguredWork(bmdb.Work):
+    """A ``Work`` whose failures default to the configured backoff, not the built-in one.
+
+    Why a subclass: the workflows call ``work.fail(cause)`` when they have no specific
+    backoff in mind; this keeps them unaware of settings while honouring
+    ``SHEPHERD_AGENT_START_BACKOFF`` / ``SHEPHERD_RECOVERY_BACKOFF``.
+    """
+
+    default: bmdb.Backoff | None = None
+
+    def fail(self, cause: str, backoff: bmdb.Backoff | None = None) -> int:
+        return super().fail(cause, backoff or self.default)
+
+
+def configured(work: bmdb.Work, settings: Settings) -> ConfiguredWork:
+    return ConfiguredWork(work.id, work.machine_id, work.process, work.session,
+                          default=default_backoff(settings, work.process))

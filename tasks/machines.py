@@ -1,0 +1,155 @@
+"""Per-machine tasks: ``shepherd.agent_start`` and ``shepherd.recovery``.
+
+Each takes ``(machine_id, work_id=None)`` as strings. With a ``work_id`` (dispatched
+by sourcing) it adopts that claim into this process's BMDB session; a claim that is
+gone (adopted already: a redelivered message; or released: dispatched too late)
+ends the task as SUCCESS ``{"outcome": "gone"}`` without touching the machine.
+Without one (called by hand) it claims the machine itself under the same rules and
+fails with the BMDB's reason when the machine is busy, backing off or not due.
+
+The workflow finishes or fails the work itself; a failure (already in the BMDB with
+its backoff) is then raised as ``MachineWorkFailed`` so the task is FAILURE in Flower.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import bmdb
+from shepherd import runtime
+from shepherd.workflows import WorkflowResult, initialize, recover
+from shepherd.workflows import guard as recovery_guard
+from tasks import app
+from tasks.errors import (
+    MachineNotClaimable,
+    MachineWorkFailed,
+    MachineWorkLost,
+    RecoveryPaused,
+    ShepherdTaskError,
+)
+from tasks.worker_state import STATE
+
+log = logging.getLogger(__name__)
+#: The fleet-wide hold under which Recovery is claimed, so the hourly reboot budget
+#: is checked and spent by one claimer at a time (sourcing and manual calls alike).
+RECOVERY_CLAIMS = "source:ShepherdRecovery"
+Workflow = Callable[[bmdb.Work], WorkflowResult]
+
+
+def gone(process: bmdb.Process, machine_id: str, work_id: str, why: str) -> dict[str, Any]:
+    log.info("%s on %s: claim %s is gone (%s); nothing done", process.value, machine_id,
+             work_id, why)
+    return {"machine_id": machine_id, "process": process.value, "work_id": work_id,
+            "outcome": "gone", "cause": why}
+
+
+def adopt(process: bmdb.Process, machine_id: str, work_id: str) -> bmdb.Work | None:
+    """The dispatched claim, now ours; None when it is gone."""
+    try:
+        return STATE.session.adopt(uuid.UUID(work_id), machine_id=uuid.UUID(machine_id),
+                                   process=process)
+    except bmdb.WorkGone:
+        return None
+
+
+def claim(process: bmdb.Process, machine_id: str) -> bmdb.Work:
+    """Claim one named machine (a call by hand), or say why not, touching nothing."""
+    try:
+        return STATE.session.claim_machine(process, uuid.UUID(machine_id))
+    except bmdb.NotClaimable as error:
+        raise MachineNotClaimable(str(error)) from None
+
+
+def run(process: bmdb.Process, work: bmdb.Work, workflow: Workflow) -> dict[str, Any]:
+    """Run the workflow on ``work`` (failures use the configured backoff) and report."""
+    try:
+        result = workflow(runtime.configured(work, STATE.settings))
+    except (bmdb.WorkGone, bmdb.SessionExpired, bmdb.CommitOutcomeUnknown) as error:
+        raise MachineWorkLost(f"{process.value} on machine {work.machine_id}: the claim was "
+                              f"lost mid-way ({type(error).__name__}: {error}); the sweep "
+                              "releases it") from None
+    if not result.ok:
+        raise MachineWorkFailed(f"{process.value} failed on machine {work.machine_id}: "
+                                f"{result.cause} (backoff {result.backoff_seconds}s)")
+    return result.to_json() | {"work_id": str(work.id)}
+
+
+def _initialize(work: bmdb.Work) -> WorkflowResult:
+    return initialize(work, STATE.provider, runtime.initializer_settings(STATE.settings))
+
+
+def _recover(work: bmdb.Work) -> WorkflowResult:
+    return recover(work, STATE.provider, runtime.recoverer_settings(STATE.settings))
+
+
+def guard_pause(budget: bool) -> recovery_guard.GuardDecision | None:
+    """The guard's decision when it pauses Recovery now, else None."""
+    settings = STATE.settings
+    decision = recovery_guard.evaluate(STATE.db, settings.thresholds,
+                                       runtime.guard_limits(settings), budget=budget)
+    return decision if decision.paused else None
+
+
+@app.task(name="shepherd.agent_start", throws=(ShepherdTaskError,))
+def agent_start(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
+    """Start the agent on one machine (AgentStart)."""
+    process = bmdb.Process.AGENT_START
+    if work_id is None:
+        return run(process, claim(process, machine_id), _initialize)
+    work = adopt(process, machine_id, work_id)
+    if work is None:
+        return gone(process, machine_id, work_id, "already adopted or released")
+    return run(process, work, _initialize)
+
+
+@app.task(name="shepherd.recovery", throws=(ShepherdTaskError,))
+def recovery(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
+    """Reboot one silent machine and send it back to AgentStart (Recovery).
+
+    The blast-radius guard is asked again here, right before the reboot: the callback
+    server may have failed since the claim was sourced.
+    """
+    process = bmdb.Process.RECOVERY
+    if work_id is None:
+        work = claim_by_hand_under_guard(machine_id)
+    else:
+        adopted = adopt(process, machine_id, work_id)
+        if adopted is None:
+            return gone(process, machine_id, work_id, "already adopted or released")
+        work = adopted
+        paused = guard_pause(budget=False)
+        if paused is not None:
+            log.error("RECOVERY PAUSED, not rebooting %s: %s", machine_id, paused.paused)
+            work.cancel(f"recovery paused: {paused.paused}")
+            return {"machine_id": machine_id, "process": process.value, "work_id": work_id,
+                    "outcome": "paused", "cause": paused.paused, "guard": paused.to_json()}
+    return run(process, work, _recover)
+
+
+def claim_by_hand_under_guard(machine_id: str, wait: float = 10.0) -> bmdb.Work:
+    """Claim for a manual Recovery call: guard (budget included) first, then the claim,
+    under the same fleet-wide hold as sourcing so the hourly budget stays exact."""
+    session = STATE.session
+    deadline = time.monotonic() + wait
+    while True:
+        with bmdb.singletons.hold(session, RECOVERY_CLAIMS) as held:
+            if held:
+                paused = guard_pause(budget=True)
+                if paused is not None:
+                    log.error("RECOVERY PAUSED, refusing the manual call on %s: %s",
+                              machine_id, paused.paused)
+                    raise RecoveryPaused(f"machine {machine_id} not rebooted: "
+                                         f"{paused.paused}")
+                return claim(bmdb.Process.RECOVERY, machine_id)
+        if time.monotonic() > deadline:
+            raise MachineNotClaimable(f"machine {machine_id}: Recovery claims are held by "
+                                      f"another claimer for over {wait:.0f}s; try again")
+        time.sleep(0.2)
+
+
+#: The per-machine task of each process that sourcing dispatches.
+TASKS = {bmdb.Process.AGENT_START: agent_start, bmdb.Process.RECOVERY: recovery}

@@ -1,0 +1,111 @@
+"""Per worker process state: settings, the BMDB handle, the provider, one BMDB session.
+
+Why per process: Celery's prefork pool forks children from the main process. A
+session's keep-alive thread does not survive a fork and a forked SQLAlchemy pool
+would share sockets with the parent, so each child builds its own on first use
+(``worker_process_init`` drops anything inherited) and ends its session on
+``worker_process_shutdown``. A session that expired (``alive`` False) is replaced
+on the next use; the sweep releases whatever the old one held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery.signals import worker_process_init, worker_process_shutdown
+
+import bmdb
+from shepherd import runtime
+from shepherd.config import Settings
+from shepherd.providers import Provider
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState:
+    """Lazily built, replaced when dead; thread-safe for thread pools too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._settings: Settings | None = None
+        self._db: bmdb.BMDB | None = None
+        self._provider: Provider | None = None
+        self._session: bmdb.Session | None = None
+        self.pid = os.getpid()
+
+    @property
+    def settings(self) -> Settings:
+        with self._lock:
+            if self._settings is None:
+                self._settings = Settings.from_env()
+            return self._settings
+
+    @property
+    def db(self) -> bmdb.BMDB:
+        with self._lock:
+            if self._db is None:
+                self._db = runtime.connect_bmdb(self.settings)
+            return self._db
+
+    @property
+    def provider(self) -> Provider:
+        with self._lock:
+            if self._provider is None:
+                self._provider = runtime.build_provider(self.settings)
+            return self._provider
+
+    @property
+    def session(self) -> bmdb.Session:
+        with self._lock:
+            if self._session is None or not self._session.alive:
+                if self._session is not None:
+                    log.warning("BMDB session %s is no longer alive; starting a new one",
+                                self._session.id)
+                    self._session.close()
+                self._session = self.db.start_session(
+                    f"worker:{os.getpid()}", interval=self.settings.session_interval)
+                log.info("BMDB session %s started in process %d", self._session.id,
+                         os.getpid())
+            return self._session
+
+    def forget_inherited(self) -> None:
+        """After a fork: drop the parent's objects without touching what they share with it.
+
+        ``dispose(close=False)`` leaves the parent's pooled connections open for the
+        parent while this child forgets them.
+        """
+        with self._lock:
+            if self._db is not None:
+                self._db.engine.dispose(close=False)
+            self._db = None
+            self._session = None
+            self._provider = None
+            self.pid = os.getpid()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+STATE = WorkerState()
+
+
+@worker_process_init.connect
+def _after_fork(**_: Any) -> None:
+    STATE.forget_inherited()
+
+
+@worker_process_shutdown.connect
+def _on_shutdown(**_: Any) -> None:
+    try:
+        STATE.close()
+    except Exception as error:  # shutting down: the deadline lapses by itself anyway
+        log.info("closing the BMDB session at shutdown failed: %s", error)
