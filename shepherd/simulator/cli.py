@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hardware reservations to hold (default 10)")
     parser.add_argument("--http-port", type=int, default=8780,
                         help="API port on 127.0.0.1 (0: any free port; default 8780)")
+    parser.add_argument("--api-host", default="127.0.0.1",
+                        help="address the API listens on (default 127.0.0.1; 0.0.0.0 in a "
+                             "container so other containers reach it)")
     parser.add_argument("--ssh-port", type=int, default=2222,
                         help="SSH port of every device (0: one free port; default 2222)")
     parser.add_argument("--address-net", type=int, default=100,
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("shepherd.simulator.ssh.transport").setLevel(logging.DEBUG)
     config = SimulatorConfig(
         reservations=args.reservations, project_id=args.project_id, token=token,
-        http_port=args.http_port, ssh_port=args.ssh_port, address_net=args.address_net,
+        http_port=args.http_port, api_host=args.api_host, ssh_port=args.ssh_port,
+        address_net=args.address_net,
         provision_delay=args.provision_delay, reboot_delay=args.reboot_delay,
         workdir=args.workdir, seed=args.seed,
     )

@@ -31,6 +31,7 @@ class SimulatorConfig:
     project_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     token: str = "simulator-token"
     http_port: int = 0               # 0: a free port
+    api_host: str = "127.0.0.1"      # "0.0.0.0" in a container, so other containers reach it
     ssh_port: int = 2222             # every device's SSH port; 0: one free port for all
     address_net: int = 100           # devices live on 127.<address_net>.x.y
     provision_delay: float = 1.0     # seconds from queued to active
@@ -73,7 +74,7 @@ class Simulator:
     def start(self) -> Simulator:
         if self.ssh_port == 0:
             self.ssh_port = _free_port()
-        self._api = ApiServer((self.HOST, self.config.http_port), self)
+        self._api = ApiServer((self.config.api_host, self.config.http_port), self)
         self._api_thread = threading.Thread(target=self._api.serve_forever,
                                             kwargs={"poll_interval": 0.1},
                                             name="sim-api", daemon=True)

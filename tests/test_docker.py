@@ -1,0 +1,205 @@
+"""docker/: what can be checked without a container engine.
+
+The compose file is valid against the Compose Specification's schema and
+``docker-compose config`` accepts it; every service runs a real entry point of
+the package; and each role's command, run here with the compose environment
+(PostgreSQL and Redis URLs pointed at the test servers, addresses at loopback),
+starts and answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from tests.servers import free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+BIN = Path(sys.executable).parent
+
+
+def compose_services() -> dict[str, dict]:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
+
+
+def test_compose_file_matches_the_compose_specification():
+    result = subprocess.run(
+        [BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec",
+         DOCKER / "compose.yaml"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_docker_compose_accepts_it(tmp_path):
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose not installed: apt-get install -y docker-compose"
+    (tmp_path / "docker").mkdir()
+    shutil.copy(DOCKER / "compose.yaml", tmp_path / "docker")
+    shutil.copy(DOCKER / "shepherd.env.example", tmp_path / "docker" / "shepherd.env")
+    for profile in ("demo", "fleet"):
+        result = subprocess.run(
+            [binary, "-f", "compose.yaml", "--profile", profile, "config", "-q"],
+            cwd=tmp_path / "docker", capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+
+
+def test_secrets_stay_out_of_the_repository():
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert "docker/shepherd.env" in ignored
+    assert not (DOCKER / "shepherd.env").exists() or "docker/shepherd.env" in ignored
+
+
+@pytest.mark.parametrize("name", sorted(
+    name for name, service in compose_services().items() if "command" in service
+    and service["command"][0] in ("shepherd", "celery")
+))
+def test_every_command_is_a_real_entry_point(name):
+    command = compose_services()[name]["command"]
+    probe = (
+        [BIN / "shepherd", command[1], "--help"] if command[0] == "shepherd"
+        else [BIN / "celery", *command[1:4], "--help"]
+    )
+    result = subprocess.run(probe, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_machine_and_control_workers_consume_separate_queues():
+    services = compose_services()
+    queues = {
+        name: next(arg for arg in services[name]["command"] if arg.startswith("--queues="))
+        for name in ("control-worker", "worker", "demo-worker")
+    }
+    assert queues == {
+        "control-worker": "--queues=shepherd.control",
+        "worker": "--queues=shepherd.machines",
+        "demo-worker": "--queues=shepherd.machines",
+    }
+
+
+# -- each role, started here with the compose environment ----------------------
+
+
+def compose_environment(pg_url: str, redis_url: str, tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for line in (DOCKER / "shepherd.env.example").read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    broker = redis_url.rsplit("/", 1)[0]
+    env.update({
+        "SHEPHERD_BMDB_URL": pg_url,
+        "SHEPHERD_BROKER_URL": f"{broker}/5",
+        "SHEPHERD_RESULT_BACKEND": f"{broker}/6",
+        "SHEPHERD_STATE_DIR": str(tmp_path),
+        "SHEPHERD_SSH_KEY_PATH": str(tmp_path / "ssh" / "key"),
+    })
+    return env
+
+
+def on_loopback(command: list[str], port: int, tmp_path: Path) -> list[str]:
+    """The compose command with listen addresses moved to loopback and free ports."""
+    swaps = {"--address=0.0.0.0": "--address=127.0.0.1", "--port=5555": f"--port={port}",
+             "0.0.0.0:8080": f"127.0.0.1:{port}", "0.0.0.0": "127.0.0.1",
+             "8780": str(port),
+             "--schedule=/var/lib/shepherd/beat/celerybeat-schedule":
+                 f"--schedule={tmp_path / 'beat-schedule'}",
+             "/var/lib/shepherd/simulator": str(tmp_path / "simulator")}
+    return [str(BIN / command[0])] + [swaps.get(arg, arg) for arg in command[1:]]
+
+
+@contextlib.contextmanager
+def role(name: str, env: dict[str, str], tmp_path: Path, port: int) -> Iterator[None]:
+    command = on_loopback(compose_services()[name]["command"], port, tmp_path)
+    log = (tmp_path / f"{name}.log").open("w")
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield
+        assert process.poll() is None, (tmp_path / f"{name}.log").read_text()[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 15)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture
+def env(pg_url, redis_url, tmp_path) -> dict[str, str]:
+    return compose_environment(pg_url, redis_url, tmp_path)
+
+
+def test_migrate_role(env, tmp_path):
+    command = on_loopback(compose_services()["migrate"]["command"], 0, tmp_path)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", ["control-worker", "worker"])
+def test_worker_roles_answer_ping(name, env, tmp_path):
+    with role(name, env, tmp_path, 0):
+        deadline = time.monotonic() + 60
+        while True:
+            ping = subprocess.run([BIN / "celery", "-A", "tasks", "inspect", "ping",
+                                   "--timeout", "2"], env=env, capture_output=True,
+                                  text=True, timeout=60, cwd=ROOT)
+            if "pong" in ping.stdout:
+                break
+            assert time.monotonic() < deadline, ping.stdout + ping.stderr
+            time.sleep(1)
+
+
+def test_flower_role_answers_with_basic_auth(env, tmp_path):
+    port = free_port()
+    with role("flower", env, tmp_path, port):
+        wait_for_port("127.0.0.1", port, timeout=60)
+        user, password = env["FLOWER_BASIC_AUTH"].split(":", 1)
+        url = f"http://127.0.0.1:{port}/api/workers"
+        assert requests.get(url, timeout=10).status_code == 401
+        assert requests.get(url, auth=(user, password), timeout=10).status_code == 200
+
+
+def test_server_role_answers_health(env, tmp_path):
+    port = free_port()
+    with role("server", env, tmp_path, port):
+        wait_for_port("127.0.0.1", port, timeout=60)
+        answer = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        assert answer.status_code == 200
+        assert answer.json() == {"status": "ok"}
+
+
+def test_simulator_role_answers(env, tmp_path):
+    port = free_port()
+    with role("simulator", env, tmp_path, port):
+        wait_for_port("127.0.0.1", port, timeout=60)
+        answer = requests.get(
+            f"http://127.0.0.1:{port}/metal/v1/projects/{env['SHEPHERD_PROVIDER_PROJECT']}"
+            "/hardware-reservations",
+            headers={"X-Auth-Token": env["SHEPHERD_SIMULATOR_TOKEN"]}, timeout=10,
+        )
+        assert answer.status_code == 200
+        assert answer.json()["meta"]["total"] == 20
+
+
+def test_beat_role_keeps_its_schedule(env, tmp_path):
+    with role("beat", env, tmp_path, 0):
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.glob("beat-schedule*")):
+            assert time.monotonic() < deadline, (tmp_path / "beat.log").read_text()
+            time.sleep(0.5)
