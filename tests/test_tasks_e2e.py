@@ -129,14 +129,14 @@ def test_killed_agent_is_recovered_and_heartbeats_again(control_plane) -> None:
                 if h["machine_id"] == victim]
         return done[0] if done else None
 
-    finished = wait_until(recovered, 30, "Recovery of the silent machine", cp)
+    finished = wait_until(recovered, 60, "Recovery of the silent machine", cp)
     assert cp.simulator.devices[provider_id].reboots == 1
 
     def heard_again() -> bool:
         beat = cp.tags(victim).get("AgentHeartbeat")
         return beat is not None and beat["last_heartbeat_at"] > finished["at"]
 
-    wait_until(heard_again, 30, "heartbeats from the restarted agent", cp)
+    wait_until(heard_again, 60, "heartbeats from the restarted agent", cp)
     cp.wait_for(all_heartbeating(5), timeout=10, what="the whole fleet heartbeating")
     history = machine_events(cp, victim)
     recovery_at = history.index(("ShepherdRecovery", "Finished"))
