@@ -32,8 +32,22 @@ MACHINES_QUEUE = "shepherd.machines"
 broker_url = _settings.broker_url
 result_backend = _settings.result_backend
 broker_connection_retry_on_startup = True
-broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
-result_backend_transport_options = {"visibility_timeout": _settings.visibility_timeout}
+
+
+def _transport_options(url: str) -> dict[str, object]:
+    """Redis redelivers an unacknowledged message after its visibility timeout, which
+    must outlast the longest task. kombu's SQLAlchemy transport (the embedded SQLite
+    broker) hands every option to ``create_engine`` instead: it gets a busy timeout
+    so a write by another process is waited out rather than failing."""
+    if url.startswith("sqla+"):
+        return {"connect_args": {"timeout": 30}}
+    if url.startswith(("redis://", "rediss://")):
+        return {"visibility_timeout": _settings.visibility_timeout}
+    return {}
+
+
+broker_transport_options = _transport_options(broker_url)
+result_backend_transport_options = _transport_options(result_backend)
 
 task_serializer = "json"
 result_serializer = "json"

@@ -35,6 +35,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 DEFAULT_BMDB_URL = "sqlite:///var/bmdb.sqlite"
@@ -380,13 +381,17 @@ DELEGATED = {
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    print(
-        "shepherd up: the all-in-one control plane (Celery worker and beat, callback server,\n"
-        "simulator) arrives with the workflow and operator issues. Available now:\n"
-        "  shepherd migrate | fleet | sweep | serve | simulator",
-        file=sys.stderr,
-    )
-    return 1
+    """Run the whole control plane in the foreground until Ctrl-C (``shepherd.up``)."""
+    from shepherd.up import UpOptions, main
+
+    if args.bmdb_url:
+        os.environ["SHEPHERD_BMDB_URL"] = args.bmdb_url
+    return main(UpOptions(
+        workdir=args.workdir, machines=args.machines, serve_port=args.port,
+        flower_port=args.flower_port, simulator_port=args.simulator_port,
+        ssh_port=args.ssh_port, machine_concurrency=args.concurrency,
+        progress_interval=args.progress_interval, flower=not args.no_flower,
+        broker=args.broker))
 
 
 class Parser(argparse.ArgumentParser):
@@ -457,10 +462,36 @@ def parser() -> argparse.ArgumentParser:
     sessions.set_defaults(run=cmd_sessions)
 
     sub.add_parser("sweep", help="release work of dead sessions now").set_defaults(run=cmd_sweep)
-    sub.add_parser("up", help="run the whole control plane").set_defaults(run=cmd_up)
+    up = sub.add_parser("up", help="run the whole control plane in the foreground")
+    up.add_argument("--workdir", type=Path, default=Path(os.environ.get("SHEPHERD_STATE_DIR",
+                                                                        "var")),
+                    help="state directory: SQLite BMDB and broker, logs, keys (default ./var)")
+    up.add_argument("--machines", type=_positive, default=20,
+                    help="simulated machines (default 20; without a real provider)")
+    up.add_argument("--port", type=_port, default=8470, help="web view and agent callbacks "
+                    "on 127.0.0.1 (default 8470; 0: a free port)")
+    up.add_argument("--flower-port", type=_port, default=5555, help="default 5555; 0: free")
+    up.add_argument("--simulator-port", type=_port, default=8780, help="default 8780; 0: free")
+    up.add_argument("--ssh-port", type=_port, default=2222,
+                    help="SSH port of simulated machines (default 2222; 0: free)")
+    up.add_argument("--concurrency", type=_positive, default=4,
+                    help="processes of the machine worker (SSH work; default 4)")
+    up.add_argument("--progress-interval", type=float, default=3.0, metavar="SECONDS")
+    up.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    up.add_argument("--broker", choices=("sqlite", "redis-server"), default="sqlite",
+                    help="embedded broker when SHEPHERD_BROKER_URL is unset: SQLite under "
+                         "the state directory (default; Flower sees no workers or events "
+                         "on it), or a private redis-server (needs the binary)")
+    up.set_defaults(run=cmd_up)
     for name, (_, text) in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False)
     return top
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return int(text)
 
 
 def _positive(text: str) -> int:
@@ -519,4 +550,7 @@ def _safe_url(args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module, not this __main__ copy: hooks fill shepherd.cli's slots.
+    from shepherd.cli import main as imported_main
+
+    sys.exit(imported_main())

@@ -19,7 +19,10 @@ Two kinds of source, and why each lives where it does:
 
 Scrape cost: the BMDB collector counts whole tables (history included) once per
 scrape; at a 15-60 s scrape interval that is cheap up to millions of rows, and a
-failing BMDB yields ``shepherd_bmdb_up 0`` instead of an error page.
+failing BMDB yields ``shepherd_bmdb_up 0`` instead of an error page. The guard
+gauges (``shepherd_recovery_*``, ``shepherd_callback_server_healthy``) add one short
+read and, when configured, one bounded ``/healthz`` GET; they are absent when the
+guard cannot be evaluated.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from prometheus_client import (
@@ -45,6 +48,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 import bmdb
+
+if TYPE_CHECKING:
+    from shepherd.workflows.guard import GuardLimits
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +133,14 @@ def task_outcomes(tx: bmdb.Tx) -> dict[tuple[str, str], int]:
 
 
 class BMDBCollector(Collector):
-    """Fleet counts and task outcomes, read from the BMDB on every scrape."""
+    """Fleet counts and task outcomes, read from the BMDB on every scrape; with
+    ``guard`` limits also the blast-radius guard's view (``guard_metrics``)."""
 
-    def __init__(self, db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None) -> None:
+    def __init__(self, db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None,
+                 guard: GuardLimits | None = None) -> None:
         self.db = db
         self.thresholds = thresholds or db.thresholds
+        self.guard = guard
 
     def describe(self) -> Iterable[Metric]:
         return []  # names depend on nothing but are read live; skip the describe-time query
@@ -155,6 +164,8 @@ class BMDBCollector(Collector):
         yield took
         yield from _fleet(counts)
         yield from _outcomes(outcomes)
+        if self.guard is not None:
+            yield from guard_metrics(self.db, self.thresholds, self.guard)
 
 
 def _gauge(name: str, text: str, value: int) -> GaugeMetricFamily:
@@ -203,6 +214,77 @@ def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
     yield ended
 
 
+# -- the blast-radius guard ------------------------------------------------------
+
+#: Why Recovery may be paused, as bounded label values (the reason text has numbers).
+PAUSE_REASONS = ("silent_share", "callback_server", "reboot_budget")
+
+
+def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
+                  limits: GuardLimits) -> Iterator[Metric]:
+    """What ``guard.evaluate`` decides now, as gauges; nothing when it cannot be read.
+
+    Why at scrape time: the decision is a function of the BMDB (and the callback
+    server's health) at this moment, which no worker counter could track. Cost: one
+    short read transaction plus, with ``limits.healthz_url``, one GET bounded by
+    ``limits.healthz_timeout``. A failure leaves these gauges out (an absent series,
+    not a false "not paused"); ``shepherd_bmdb_up`` says whether the BMDB answered.
+    """
+    from shepherd.workflows import guard
+
+    try:
+        decision = guard.evaluate(db, thresholds, limits)
+    except Exception as error:  # a scrape must answer even when the guard cannot
+        log.warning("metrics: guard evaluation failed: %s", error)
+        return
+    reasons = {
+        "silent_share": guard._share_reason(decision.started, decision.silent,
+                                            limits.max_share, limits.min_silent) is not None,
+        "callback_server": decision.callback_healthy is False,
+        "reboot_budget": decision.allowed == 0,
+    }
+    yield _gauge("shepherd_recovery_paused",
+                 "1 when the blast-radius guard pauses Recovery (reboots nothing) now.",
+                 int(decision.paused is not None))
+    paused = GaugeMetricFamily(
+        "shepherd_recovery_pause_reason",
+        "1 for each reason the guard pauses Recovery now: silent_share, callback_server, "
+        "reboot_budget.", labels=["reason"])
+    for reason in PAUSE_REASONS:
+        paused.add_metric([reason], int(reasons[reason]))
+    yield paused
+    yield _gauge("shepherd_recovery_agents_started",
+                 "Machines with AgentStarted, the guard's denominator.", decision.started)
+    yield _gauge("shepherd_recovery_silent",
+                 "Distinct machines in the Recovery backlog query (silent agents), backing "
+                 "off or held ones included.", decision.silent)
+    yield _gauge("shepherd_recovery_reboots_last_hour",
+                 "Recovery claims in the last hour, fleet-wide (the hourly budget spent).",
+                 decision.reboots_last_hour)
+    yield _gauge("shepherd_recovery_reboots_allowed",
+                 "Recovery claims the hourly reboot budget still admits.", decision.allowed)
+    if decision.callback_healthy is not None:
+        yield _gauge("shepherd_callback_server_healthy",
+                     "1 when the agent callback server answered /healthz with 200 (as seen "
+                     "through the agents' endpoint).", int(decision.callback_healthy))
+
+
+def default_guard_limits() -> GuardLimits | None:
+    """The guard limits of this process's ``SHEPHERD_*`` settings (healthz bounded to 2 s
+    so a scrape stays quick), or None when the settings are unusable."""
+    import dataclasses
+
+    from shepherd import runtime
+    from shepherd.config import Settings, SettingsError
+
+    try:
+        limits = runtime.guard_limits(Settings.from_env())
+    except SettingsError as error:
+        log.warning("metrics: no guard gauges: %s", error)
+        return None
+    return dataclasses.replace(limits, healthz_timeout=min(limits.healthz_timeout, 2.0))
+
+
 # -- registries and exposition -------------------------------------------------------
 
 
@@ -229,11 +311,14 @@ def process_collector(registry: CollectorRegistry) -> None:
         registry.register(_ProcessMetrics())
 
 
-def server_registry(db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None
-                    ) -> CollectorRegistry:
-    """What the callback server's ``/metrics`` shows: BMDB metrics plus its process's."""
+def server_registry(db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None,
+                    guard: GuardLimits | bool | None = True) -> CollectorRegistry:
+    """What the callback server's ``/metrics`` shows: BMDB metrics (guard gauges
+    included: ``guard`` True takes the limits from the environment, False leaves them
+    out) plus its process's."""
+    limits = default_guard_limits() if guard is True else (guard or None)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BMDBCollector(db, thresholds))
+    registry.register(BMDBCollector(db, thresholds, limits))
     process_collector(registry)
     return registry
 

@@ -15,10 +15,10 @@ import os
 import threading
 from typing import Any
 
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 import bmdb
-from shepherd import runtime
+from shepherd import metrics, runtime
 from shepherd.config import Settings
 from shepherd.providers import Provider
 
@@ -104,8 +104,32 @@ def _after_fork(**_: Any) -> None:
 
 
 @worker_process_shutdown.connect
-def _on_shutdown(**_: Any) -> None:
+def _on_shutdown(pid: int | None = None, **_: Any) -> None:
     try:
         STATE.close()
     except Exception as error:  # shutting down: the deadline lapses by itself anyway
         log.info("closing the BMDB session at shutdown failed: %s", error)
+    # Multiprocess metrics: this child's live gauges must stop counting.
+    metrics.child_exited(pid or os.getpid())
+
+
+#: Port of the worker host's metrics endpoint (provider calls of every pool process);
+#: only with PROMETHEUS_MULTIPROC_DIR set, since without it the main process would
+#: show none of its children's calls.
+METRICS_PORT_ENV = "SHEPHERD_WORKER_METRICS_PORT"
+
+
+@worker_init.connect
+def _serve_metrics(**_: Any) -> None:
+    """Serve the aggregated worker metrics from the main process (not a pool child:
+    children come and go, the main process lives as long as the worker)."""
+    port = os.environ.get(METRICS_PORT_ENV)
+    if not metrics.multiprocess_dir() or not port:
+        return
+    addr = os.environ.get("SHEPHERD_WORKER_METRICS_ADDR", "127.0.0.1")
+    try:
+        metrics.serve_worker_metrics(int(port), addr=addr)
+    except (OSError, ValueError) as error:  # metrics must never stop the worker
+        log.error("cannot serve worker metrics on %s:%s: %s", addr, port, error)
+        return
+    log.info("worker metrics on http://%s:%s/metrics", addr, port)

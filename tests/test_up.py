@@ -1,0 +1,150 @@
+"""``shepherd up`` as a user runs it: a subprocess in a fresh working directory on the
+embedded defaults (SQLite BMDB, SQLite broker, the simulator), until every machine
+heartbeats; then Ctrl-C (SIGINT) must stop everything it started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+import bmdb
+from shepherd.up import RUN_MARKER, SIM_SANDBOX, kill_marked, marked_processes, progress_line
+
+MACHINES = 5
+THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
+
+
+def leftovers(run_id: str, workdir: Path) -> list[str]:
+    """Processes of this run still alive: marked children, and simulated devices' own
+    processes (they run in sessions of their own, marked by their sandbox)."""
+    pids = set(marked_processes(RUN_MARKER, run_id))
+    pids |= set(marked_processes(SIM_SANDBOX, str(workdir / "simulator"), prefix=True))
+    found = []
+    for pid in sorted(pids):
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
+    return found
+
+
+def test_progress_line_counts_backoffs() -> None:
+    counts = bmdb.queries.FleetCounts(
+        machines=3, provided=3, agent_started=2, heartbeating=1, backlog={},
+        active_work={}, active_backoffs={"ShepherdAgentStart": 1, "ShepherdRecovery": 1})
+    assert progress_line(counts) == ("machines 3  provided 3  agent started 2  "
+                                     "heartbeating 1  in backoff 2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("broker", ["sqlite", "redis-server"])
+def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broker: str) -> None:
+    if broker == "redis-server" and shutil.which("redis-server") is None:
+        pytest.skip("no redis-server binary")
+    run_id = uuid.uuid4().hex
+    workdir = tmp_path / "var"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SHEPHERD_", "PROMETHEUS_", "FLOWER_"))}
+    env.update({
+        RUN_MARKER: run_id,
+        "SHEPHERD_RECONCILE_INTERVAL": "1", "SHEPHERD_UPDATE_INTERVAL": "2",
+        "SHEPHERD_SOURCE_INTERVAL": "1", "SHEPHERD_SWEEP_INTERVAL": "1",
+        # SQLite: a session's keep-alive waits behind other writers (see shepherd.up).
+        "SHEPHERD_SESSION_INTERVAL": "10",
+        "SHEPHERD_HEARTBEAT_TIMEOUT": "10", "SHEPHERD_FIRST_HEARTBEAT_TIMEOUT": "60",
+        "SHEPHERD_AGENT_ARGS": "--interval 1", "PYTHONUNBUFFERED": "1",
+    })
+    out = tmp_path / "up.out"
+    argv = [sys.executable, "-m", "shepherd.cli", "up", "--workdir", str(workdir),
+            "--machines", str(MACHINES), "--port", "0", "--flower-port", "0",
+            "--simulator-port", "0", "--ssh-port", "0", "--progress-interval", "1",
+            "--broker", broker]
+    with open(out, "wb") as sink:
+        up = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=sink,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        counts = None
+        db = None
+        while time.monotonic() < deadline:
+            assert up.poll() is None, f"shepherd up exited {up.returncode}:\n" + \
+                out.read_text(errors="replace")
+            if db is None and (workdir / "logs" / "beat.log").exists():
+                db = bmdb.connect(f"sqlite:///{workdir / 'bmdb.sqlite'}",
+                                  thresholds=THRESHOLDS)
+            if db is not None:
+                with contextlib.suppress(Exception):  # busy or not yet migrated
+                    counts = db.read(lambda tx: bmdb.queries.fleet_counts(tx, THRESHOLDS))
+                if counts is not None and counts.heartbeating == MACHINES:
+                    break
+            time.sleep(1)
+        if db is not None:
+            db.close()
+        text = out.read_text(errors="replace")
+        assert counts is not None and counts.heartbeating == MACHINES, \
+            f"not all heartbeating within 150 s; last {counts}\n{text}\n" + "\n".join(
+                f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                for p in (workdir / "logs").glob("*.log"))
+        web = next(line.split()[2] for line in text.splitlines()
+                   if line.startswith("web view:"))
+        client = requests.Session()
+        client.trust_env = False
+        assert client.get(web.replace("/machines", "/healthz"), timeout=10).status_code == 200
+        flower = next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("Flower:"))
+        assert client.get(flower, timeout=10).status_code == 401  # basic auth on
+        if broker == "redis-server":  # Flower sees the workers (not on the SQLite broker)
+            user, password = (workdir / "flower-auth").read_text().strip().split(":", 1)
+            workers = client.get(f"{flower}/api/workers?refresh=1", auth=(user, password),
+                                 timeout=30)
+            assert workers.status_code == 200
+            assert {name.split("@")[0] for name in workers.json()} == {"control", "machines"}
+            tasks: dict = {}
+            for _ in range(20):  # task events reach Flower within a beat or two
+                tasks = client.get(f"{flower}/api/tasks?limit=5", auth=(user, password),
+                                   timeout=10).json()
+                if tasks:
+                    break
+                time.sleep(0.5)
+            assert tasks, "Flower saw no task events"
+        assert "heartbeating" in text
+        # Worker metrics: the control worker's main process serves what its pool
+        # children counted (reconcile and update called the provider).
+        worker_metrics = next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith("control worker metrics:"))
+        scraped = client.get(worker_metrics, timeout=10)
+        assert scraped.status_code == 200
+        assert "shepherd_provider_api_calls_total{" in scraped.text
+        server_metrics = client.get(web.replace("/machines", "/metrics"), timeout=10).text
+        assert f"shepherd_fleet_heartbeating {float(MACHINES)}" in server_metrics
+        assert "shepherd_recovery_paused 0.0" in server_metrics
+        assert "shepherd_callback_server_healthy 1.0" in server_metrics
+        assert leftovers(run_id, workdir), "the children should be found by their marker"
+
+        started = time.monotonic()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0, out.read_text(errors="replace")
+        took = time.monotonic() - started
+        time.sleep(0.5)  # let anything orphaned show up in /proc
+        assert leftovers(run_id, workdir) == []
+        assert took < 60
+        assert "stopping everything" in out.read_text(errors="replace")
+    finally:
+        if up.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(up.pid, signal.SIGKILL)
+            up.wait(timeout=10)
+        kill_marked(RUN_MARKER, run_id)
+        kill_marked(SIM_SANDBOX, str(workdir / "simulator"), prefix=True)
