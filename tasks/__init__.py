@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from celery import Celery
 
+from tasks import broker_fixes
+
+broker_fixes.install()  # before any broker connection: see tasks/broker_fixes.py
 app = Celery("shepherd")
 app.config_from_object("celeryconfig")
 

@@ -25,6 +25,7 @@ class FaultSettings:
     ssh_refused: bool = False         # the device's SSH port refuses connections
     ssh_hang: bool = False            # TCP accepted, SSH banner never sent
     ssh_latency: float = 0.0          # seconds each SSH connection waits before its banner
+    ssh_exec_hang: bool = False       # SSH works, but commands never answer (a wedged host)
 
 
 FIELDS = {f.name for f in dataclasses.fields(FaultSettings)}

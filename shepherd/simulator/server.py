@@ -67,6 +67,7 @@ class Simulator:
         self.workdir = self.config.workdir or Path(tempfile.mkdtemp(prefix="shepherd-sim-"))
         self._api: ApiServer | None = None
         self._api_thread: threading.Thread | None = None
+        self._http_port: int | None = None
         self._stopped = False
 
     # -- lifecycle ----------------------------------------------------------
@@ -74,13 +75,34 @@ class Simulator:
     def start(self) -> Simulator:
         if self.ssh_port == 0:
             self.ssh_port = _free_port()
-        self._api = ApiServer((self.config.api_host, self.config.http_port), self)
+        self._serve_api(self.config.http_port)
+        log.info("simulator API on %s (project %s)", self.base_url, self.config.project_id)
+        return self
+
+    def _serve_api(self, port: int) -> None:
+        self._api = ApiServer((self.config.api_host, port), self)
+        self._http_port = self._api.server_address[1]
         self._api_thread = threading.Thread(target=self._api.serve_forever,
                                             kwargs={"poll_interval": 0.1},
                                             name="sim-api", daemon=True)
         self._api_thread.start()
-        log.info("simulator API on %s (project %s)", self.base_url, self.config.project_id)
-        return self
+
+    def stop_api(self) -> None:
+        """The provider-outage fault: the API port refuses connections until ``start_api``.
+
+        Devices (SSH) keep running, as they would while a provider's API is down.
+        """
+        if self._api is not None:
+            self._api.stop()
+            self._api = None
+        if self._api_thread is not None:
+            self._api_thread.join(timeout=5)
+            self._api_thread = None
+
+    def start_api(self) -> None:
+        """The API back on the port it had (clients keep their base URL)."""
+        if self._api is None and not self._stopped:
+            self._serve_api(self._http_port)
 
     def stop(self) -> None:
         """Stop every thread and socket, kill every device process, drop the sandboxes."""
@@ -105,8 +127,8 @@ class Simulator:
 
     @property
     def http_port(self) -> int:
-        assert self._api is not None, "simulator not started"
-        return self._api.server_address[1]
+        assert self._http_port is not None, "simulator not started"
+        return self._http_port
 
     @property
     def base_url(self) -> str:
@@ -133,6 +155,7 @@ class Simulator:
             is_up=lambda: self._ssh_up(device.id),
             hangs=lambda: self.faults.effective(device.id).ssh_hang,
             latency=lambda: self.faults.effective(device.id).ssh_latency,
+            exec_hangs=lambda: self.faults.effective(device.id).ssh_exec_hang,
             authorized_keys=self.state.authorized_key_blobs,
         )
         self._endpoints[device.id] = endpoint.start()

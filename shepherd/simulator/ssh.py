@@ -241,7 +241,8 @@ class DeviceSSH:
                  host_key: paramiko.PKey, instance: str,
                  is_up: Callable[[], bool], hangs: Callable[[], bool],
                  authorized_keys: Callable[[], set[str]],
-                 latency: Callable[[], float] = lambda: 0.0) -> None:
+                 latency: Callable[[], float] = lambda: 0.0,
+                 exec_hangs: Callable[[], bool] = lambda: False) -> None:
         self.device_id = device_id
         self.address = address
         self.port = port
@@ -252,6 +253,7 @@ class DeviceSSH:
         self.hangs = hangs
         self.authorized_keys = authorized_keys
         self.latency = latency
+        self.exec_hangs = exec_hangs
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._transports: set[paramiko.Transport] = set()
@@ -360,6 +362,10 @@ class DeviceSSH:
 
     def run_command(self, channel: paramiko.Channel, command: str) -> None:
         """Run ``command`` like sshd would: streams in and out, exit status, then close."""
+        if self.exec_hangs():  # a wedged host: nothing runs, nothing answers, until hang-up
+            while not (channel.closed or self._stop.is_set()):
+                time.sleep(POLL)
+            return
         try:
             proc = subprocess.Popen(
                 ["bash", "-c", command], cwd=self.sandbox, env=self.environment(),

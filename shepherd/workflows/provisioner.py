@@ -197,8 +197,10 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
     """Create one machine per capacity, each in its own transaction, spaced in time.
 
     A failed capacity is put in cooldown and the run goes on with the next, except
-    after ``TransientExhausted``: the provider is struggling, and cooling down the rest
-    of the chunk for an hour because of a short outage would only slow the fleet down.
+    after ``TransientExhausted``: the provider is struggling (down, or answering 5xx),
+    which says nothing about that capacity. The run stops there and *nothing* cools
+    down, not even the capacity tried: an hour's cooldown for a short outage would
+    leave the fleet short long after the provider came back.
     """
     created: list[str] = []
     failed: dict[str, str] = {}
@@ -210,10 +212,10 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
         except ProviderError as error:
             cause = _cause(error)
             failed[item.reservation_id] = cause
-            cool_down(session, provider.name, item.reservation_id, settings.cooldown, cause)
             if isinstance(error, TransientExhausted):
                 log.warning("%s: stopping this run's creations after %s", provider.name, cause)
                 break
+            cool_down(session, provider.name, item.reservation_id, settings.cooldown, cause)
             continue
         log.info("%s: created %s from reservation %s", provider.name, machine.provider_id,
                  item.reservation_id)
