@@ -251,6 +251,10 @@ def test_outage_during_creation_stops_the_run(session, provider, simulator):
     assert result.created == () and len(result.failed) == 1  # not the whole chunk
     assert "TransientExhausted" in next(iter(result.failed.values()))
     assert simulator.devices == {}
+    # An outage says nothing about the reservation tried: it must not sit out an hour.
+    assert session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name)) == {}
+    simulator.faults.clear()
+    assert len(reconcile(session, provider, settings()).created) > 0
 
 
 # -- guards ---------------------------------------------------------------------
