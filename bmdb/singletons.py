@@ -28,7 +28,12 @@ def try_acquire(tx: Tx, name: str) -> bool:
     """Take ``name`` for ``tx``'s session if it is free or its holder's session is dead."""
     s, t = schema.sessions, schema.singletons
     insert = (postgresql.insert if tx.dialect == "postgresql" else sqlite.insert)(t)
-    holder_dead = ~sa.exists().where(s.c.id == t.c.session_id, s.c.deadline > tx.now)
+    # The subquery names only ``sessions``: an EXISTS naming ``singletons`` too is not
+    # correlated inside ON CONFLICT (SQLAlchemy renders "FROM sessions, singletons"),
+    # and over the statement's snapshot, where a racing claimant's row is not there
+    # yet, every claimant would win.
+    alive = sa.select(s.c.id).where(s.c.deadline > tx.now)
+    holder_dead = t.c.session_id.not_in(alive)
     tx.execute(
         insert.values(name=name, session_id=tx.session_id, acquired_at=tx.now)
         .on_conflict_do_update(
