@@ -44,6 +44,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from shepherd.processes import kill_marked
+
 RUN_MARKER = "SHEPHERD_UP_RUN"
 SIM_SANDBOX = "SHEPHERD_SIM_SANDBOX"
 SIM_PROJECT = "00000000-0000-4000-8000-000000000001"
@@ -453,37 +455,6 @@ def _die_with_parent() -> None:
 def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signum)
-
-
-def marked_processes(name: str, value: str, prefix: bool = False) -> list[int]:
-    """Pids whose environment has ``name=value`` (or a value starting with ``value``)."""
-    needle = f"{name}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            variables = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(v == needle or (prefix and v.startswith(needle)) for v in variables):
-            found.append(int(entry))
-    return found
-
-
-def kill_marked(name: str, value: str, prefix: bool = False, rounds: int = 5) -> int:
-    """SIGKILL every marked process; again, to catch what forked meanwhile."""
-    killed = 0
-    for _ in range(rounds):
-        pids = marked_processes(name, value, prefix)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        time.sleep(0.05)
-    return killed
 
 
 def _safe(url: str) -> str:

@@ -325,3 +325,16 @@ def overlapping_work(history: list[dict[str, Any]]) -> list[str]:
 
 def dump(value: Any) -> str:
     return json.dumps(value, default=str, indent=1)
+
+
+def wait_until(probe: Callable[[], Any], timeout: float, what: str,
+               cp: ControlPlane | None = None, every: float = 0.25) -> Any:
+    """``probe()``'s first truthy value; fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := probe():
+            return value
+        if cp is not None:
+            cp.assert_running()
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

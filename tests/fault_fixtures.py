@@ -14,7 +14,6 @@ with (``assert_invariants``).
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from tests.celery_fixtures import ENDS, ControlPlane, dump, overlapping_work
+from tests.celery_fixtures import ENDS, ControlPlane, dump, overlapping_work, wait_until
 from tests.servers import PostgresServer, RedisServer
 
 #: Short enough for bounded tests on 2 cores, long enough that nothing under test is
@@ -119,19 +118,6 @@ def fault_plane(tmp_path: Path, request: pytest.FixtureRequest
         plane.close()
     for server in servers:
         server.destroy()
-
-
-def wait_until(probe: Callable[[], Any], timeout: float, what: str,
-               cp: ControlPlane | None = None, every: float = 0.25) -> Any:
-    """``probe()``'s first truthy value; fails the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := probe():
-            return value
-        if cp is not None:
-            cp.assert_running()
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 # -- the invariants --------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shepherd.processes import marked_processes as find_processes
 from shepherd.providers import ssh_keys
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.remote import (
@@ -23,7 +24,7 @@ from shepherd.remote import (
     RemoteError,
 )
 from shepherd.simulator import Simulator
-from shepherd.simulator.ssh import MARKER, find_processes
+from shepherd.simulator.ssh import MARKER
 from tests.simulator_fixtures import client, provider, simulator, ssh_key
 
 pytestmark = pytest.mark.timeout(60)

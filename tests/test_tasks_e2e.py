@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 import bmdb
-from tests.celery_fixtures import ControlPlane, control_plane, dump, overlapping_work
+from tests.celery_fixtures import ControlPlane, control_plane, dump, overlapping_work, wait_until
 from tests.servers import free_port
 
 pytestmark = [pytest.mark.timeout(150)]
@@ -55,17 +55,6 @@ def test_thirty_reservations_become_heartbeating_machines(control_plane) -> None
 
 def machine_events(cp: ControlPlane, machine_id: uuid.UUID) -> list[tuple[str, str]]:
     return [(h["process"], h["event"]) for h in cp.history() if h["machine_id"] == machine_id]
-
-
-def wait_until(probe, timeout: float, what: str, cp: ControlPlane | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := probe():
-            return value
-        if cp is not None:
-            cp.assert_running()
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @slow

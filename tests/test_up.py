@@ -18,7 +18,8 @@ import pytest
 import requests
 
 import bmdb
-from shepherd.up import RUN_MARKER, SIM_SANDBOX, kill_marked, marked_processes, progress_line
+from shepherd.processes import kill_marked, marked_processes
+from shepherd.up import RUN_MARKER, SIM_SANDBOX, progress_line
 
 MACHINES = 5
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)

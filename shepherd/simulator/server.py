@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shepherd.processes import kill_marked
 from shepherd.simulator.api import ApiServer
 from shepherd.simulator.faults import Faults
-from shepherd.simulator.ssh import INSTANCE_MARKER, DeviceSSH, generate_host_key, kill_processes
+from shepherd.simulator.ssh import INSTANCE_MARKER, DeviceSSH, generate_host_key
 from shepherd.simulator.state import API_PREFIX, Device, SimState
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Simulator:
             self._api_thread.join(timeout=5)
         for endpoint in list(self._endpoints.values()):
             endpoint.stop()
-        kill_processes(INSTANCE_MARKER, self.instance)
+        kill_marked(INSTANCE_MARKER, self.instance)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

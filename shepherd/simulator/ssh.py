@@ -31,6 +31,8 @@ import paramiko
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from shepherd.processes import kill_marked
+
 log = logging.getLogger(__name__)
 MARKER = "SHEPHERD_SIM_DEVICE"
 INSTANCE_MARKER = "SHEPHERD_SIM_INSTANCE"
@@ -47,37 +49,6 @@ def generate_host_key() -> paramiko.PKey:
         serialization.NoEncryption(),
     )
     return paramiko.Ed25519Key(file_obj=io.StringIO(pem.decode()))
-
-
-def find_processes(marker: str, value: str) -> list[int]:
-    """PIDs whose environment holds ``marker=value`` (readable /proc entries only)."""
-    needle = f"{marker}={value}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            pids.append(int(entry))
-    return pids
-
-
-def kill_processes(marker: str, value: str, rounds: int = 5) -> int:
-    """SIGKILL every marked process; repeat to catch children forked meanwhile."""
-    killed = 0
-    for _ in range(rounds):
-        pids = find_processes(marker, value)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        time.sleep(0.02)
-    return killed
 
 
 # -- SFTP ------------------------------------------------------------------------
@@ -408,7 +379,7 @@ class DeviceSSH:
     # -- lifecycle ----------------------------------------------------------
 
     def kill_processes(self) -> int:
-        return kill_processes(MARKER, self.device_id)
+        return kill_marked(MARKER, self.device_id)
 
     def drop_sessions(self) -> None:
         """Close every SSH session and hung socket (what a reboot does to them)."""
