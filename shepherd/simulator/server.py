@@ -186,6 +186,7 @@ class Simulator:
         self.state.reboot(device_id)
         endpoint = self._endpoints.get(device_id)
         if endpoint is not None:
+            endpoint.settle()  # refusing before the API answers, as a real reboot is
             endpoint.drop_sessions()
             endpoint.kill_processes()
 

@@ -230,6 +230,8 @@ class DeviceSSH:
         self._transports: set[paramiko.Transport] = set()
         self._hung: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
+        self._passes = 0  # listening-loop passes done; ``settle`` waits on it
+        self._passed = threading.Condition()
         self.bind_error: str | None = None
         self._thread = threading.Thread(target=self._serve, name=f"sim-ssh-{device_id[:8]}",
                                         daemon=True)
@@ -253,13 +255,36 @@ class DeviceSSH:
                     listener = None
                 if listener is None:
                     self._stop.wait(POLL)
-                    continue
-                ready, _, _ = select.select([listener], [], [], POLL)
-                if ready:
+                elif select.select([listener], [], [], POLL)[0]:
                     self._accept(listener)
+                self._count_pass()
         finally:
             if listener is not None:
                 listener.close()
+            self._count_pass()
+
+    def _count_pass(self) -> None:
+        with self._passed:
+            self._passes += 1
+            self._passed.notify_all()
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """Return once the listener reflects ``is_up()`` as it is now.
+
+        The loop polls ``is_up`` every ``POLL``; without this a reboot would leave
+        the old listener accepting for up to one pass, and a client connecting
+        right after the reboot call returned would not get the ECONNREFUSED a
+        rebooting machine gives. Two full passes after the call guarantee that
+        one of them read the new state.
+        """
+        deadline = time.monotonic() + timeout
+        with self._passed:
+            target = self._passes + 2
+            while self._passes < target and self._thread.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._passed.wait(remaining)
 
     def _bind(self) -> socket.socket | None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
