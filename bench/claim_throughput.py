@@ -42,8 +42,7 @@ DELETE_BACKOFF = "DELETE FROM backoff WHERE machine_id = %s AND process = 'Sheph
 UPSERT_STARTED = """INSERT INTO agent_started (machine_id, started_at, public_key, heartbeat_seen)
     VALUES (%s, %s, %s, EXISTS (SELECT 1 FROM agent_heartbeat WHERE machine_id = %s))
     ON CONFLICT (machine_id) DO UPDATE
-    SET started_at = excluded.started_at, public_key = excluded.public_key,
-        heartbeat_seen = excluded.heartbeat_seen"""
+    SET started_at = excluded.started_at, public_key = excluded.public_key"""
 MARK = "UPDATE provided SET agent_started = true WHERE machine_id = %s AND agent_started != true"
 
 

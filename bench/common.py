@@ -25,24 +25,25 @@ def arguments(description: str) -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def postgres(admin_url: str | None) -> Iterator[str]:
     """A fresh database URL, on the given server or on a throw-away one (fsync on, like prod)."""
-    server = None
-    if admin_url is None:
-        server = PostgresServer(fsync=True).start()
-        admin_url = server.url
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    url = sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        if admin_url is None:
+            server = PostgresServer(fsync=True).start()
+            cleanup.callback(server.destroy)  # even when the steps below fail
+            admin_url = server.url
+        name = f"bench_{uuid.uuid4().hex[:12]}"
+        admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+        cleanup.callback(admin.dispose)
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+        cleanup.callback(_drop_database, admin, name)
+        url = sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
         bmdb.connect(url, migrate=True).close()
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.dispose()
-        if server is not None:
-            server.destroy()
+
+
+def _drop_database(admin: sa.Engine, name: str) -> None:
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def psycopg2_dsn(url: str) -> str:

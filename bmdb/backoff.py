@@ -41,8 +41,8 @@ def next_interval(backoff: Backoff | None, previous: float | None) -> int:
     """The next backoff interval in whole seconds (at least 1)."""
     if backoff is None:
         return _ceil_seconds(previous) if previous is not None and previous > 1 else 1
-    normal = backoff.normalised()
-    if backoff.simple or previous is None:
+    normal = backoff.normalised()  # an exponent under 1 becomes 1: simple
+    if normal.simple or previous is None:
         return _ceil_seconds(normal.initial)
     try:
         grown = max(previous, 1.0) * normal.exponent

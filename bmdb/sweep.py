@@ -8,6 +8,7 @@ periodically from any one component; running it from several at once is safe.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -31,22 +32,36 @@ def sweep(engine: Engine) -> SweepResult:
 
 def _sweep(tx: Tx) -> SweepResult:
     s, w = schema.sessions, schema.work
-    dead = sa.select(s.c.id).where(s.c.deadline <= tx.now)
+    dead = _lock_dead_sessions(tx)
     abandoned = _release(
         tx, w.c.session_id.in_(dead), Event.ABANDONED,
         cause=lambda row: f"session {row.session_id} expired",
-    )
+    ) if dead else 0
     unadopted = _release(
         tx, w.c.dispatch_deadline <= tx.now, Event.CANCELED,
         cause=lambda row: "claim not adopted before its dispatch deadline",
     )
     deleted = tx.execute(
-        sa.delete(s).where(
-            s.c.deadline <= tx.now,
-            ~sa.exists().where(w.c.session_id == s.c.id),
-        )
-    ).rowcount
+        sa.delete(s).where(s.c.id.in_(dead), ~sa.exists().where(w.c.session_id == s.c.id))
+    ).rowcount if dead else 0
     return SweepResult(abandoned=abandoned, unadopted=unadopted, sessions_deleted=deleted)
+
+
+def _lock_dead_sessions(tx: Tx) -> list[uuid.UUID]:
+    """Dead sessions that no transaction is using right now, locked until the sweep commits.
+
+    A session's transaction holds a key-share lock on its row from its liveness
+    check to its commit (``sessions.py``), and so does a new work row's foreign
+    key. A transaction that checked in just before the deadline may still be
+    committing a claim: FOR UPDATE conflicts with its lock, so SKIP LOCKED passes
+    that session over until the next sweep, instead of deleting it from under
+    the new work row (a foreign-key error that would undo the whole sweep). Once
+    locked here, no new work can point at these sessions.
+    """
+    s = schema.sessions
+    return list(tx.execute(
+        sa.select(s.c.id).where(s.c.deadline <= tx.now).with_for_update(skip_locked=True)
+    ).scalars())
 
 
 def _release(tx: Tx, condition: sa.ColumnElement[bool], event: str, cause) -> int:

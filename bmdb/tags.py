@@ -31,10 +31,21 @@ class ProviderStatus(enum.StrEnum):
     MISSING = "Missing"
 
 
-def upsert(tx: Tx, table: sa.Table, key: Mapping[str, Any], values: Mapping[str, Any]) -> None:
-    """INSERT, or UPDATE on a conflict over ``key``: one statement on either backend."""
+def upsert(
+    tx: Tx, table: sa.Table, key: Mapping[str, Any], values: Mapping[str, Any],
+    *, markers: Mapping[str, Any] | None = None,
+) -> None:
+    """INSERT, or UPDATE on a conflict over ``key``: one statement on either backend.
+
+    ``markers`` are written only by the INSERT, never by the UPDATE. A marker's
+    value is an EXISTS over another tag, read from the statement's snapshot; on
+    PostgreSQL at READ COMMITTED that snapshot predates the row lock the UPDATE
+    may wait for, so an UPDATE would write back a value a concurrent writer of
+    that tag (who holds the lock and moves the marker with ``_mark``) has just
+    changed. Once the row exists, only ``_mark`` moves its markers.
+    """
     dialect_insert = postgresql.insert if tx.dialect == "postgresql" else sqlite.insert
-    statement = dialect_insert(table).values(**key, **values)
+    statement = dialect_insert(table).values(**key, **values, **(markers or {}))
     tx.execute(statement.on_conflict_do_update(index_elements=list(key), set_=dict(values)))
 
 
@@ -72,9 +83,14 @@ def upsert_provided(
             "location": location,
             "provider_status": ProviderStatus(provider_status).value,
             "updated_at": tx.now,
-            "agent_started": _has_tag(schema.agent_started, machine_id),
         },
+        markers={"agent_started": _has_tag(schema.agent_started, machine_id)},
     )
+
+
+def delete_provided(tx: Tx, machine_id: uuid.UUID) -> None:
+    """The machine is no longer known at a provider; its other tags stay (and say so)."""
+    _delete(tx, schema.provided, machine_id)
 
 
 def set_agent_started(
@@ -86,15 +102,14 @@ def set_agent_started(
         tx,
         schema.agent_started,
         {"machine_id": machine_id},
-        {"started_at": started_at or tx.now, "public_key": public_key,
-         "heartbeat_seen": _has_tag(schema.agent_heartbeat, machine_id)},
+        {"started_at": started_at or tx.now, "public_key": public_key},
+        markers={"heartbeat_seen": _has_tag(schema.agent_heartbeat, machine_id)},
     )
     _mark(tx, schema.provided, machine_id, agent_started=True)
 
 
 def delete_agent_started(tx: Tx, machine_id: uuid.UUID) -> None:
-    s = schema.agent_started
-    tx.execute(sa.delete(s).where(s.c.machine_id == machine_id))
+    _delete(tx, schema.agent_started, machine_id)
     _mark(tx, schema.provided, machine_id, agent_started=False)
 
 
@@ -109,8 +124,7 @@ def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime) -> N
 
 
 def delete_heartbeat(tx: Tx, machine_id: uuid.UUID) -> None:
-    h = schema.agent_heartbeat
-    tx.execute(sa.delete(h).where(h.c.machine_id == machine_id))
+    _delete(tx, schema.agent_heartbeat, machine_id)
     _mark(tx, schema.agent_started, machine_id, heartbeat_seen=False)
 
 
@@ -119,6 +133,10 @@ def set_hardware_report(tx: Tx, machine_id: uuid.UUID, report: Mapping[str, Any]
         tx, schema.hardware_report, {"machine_id": machine_id},
         {"reported_at": tx.now, "report": dict(report)},
     )
+
+
+def delete_hardware_report(tx: Tx, machine_id: uuid.UUID) -> None:
+    _delete(tx, schema.hardware_report, machine_id)
 
 
 def set_os_installation_request(
@@ -137,6 +155,18 @@ def set_os_installation_report(
         tx, schema.os_installation_report, {"machine_id": machine_id},
         {"generation": generation, "reported_at": tx.now, "result": dict(result)},
     )
+
+
+def delete_os_installation_request(tx: Tx, machine_id: uuid.UUID) -> None:
+    _delete(tx, schema.os_installation_request, machine_id)
+
+
+def delete_os_installation_report(tx: Tx, machine_id: uuid.UUID) -> None:
+    _delete(tx, schema.os_installation_report, machine_id)
+
+
+def _delete(tx: Tx, table: sa.Table, machine_id: uuid.UUID) -> None:
+    tx.execute(sa.delete(table).where(table.c.machine_id == machine_id))
 
 
 def _has_tag(table: sa.Table, machine_id: uuid.UUID) -> sa.Exists:

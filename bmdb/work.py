@@ -3,15 +3,17 @@
 Rules (DESIGN.md section 2) and where each is enforced:
 
 * Exclusion: the unique constraint ``uq_work_machine_group`` (``schema.py``),
-  under any isolation level. The claim below inserts with ON CONFLICT DO NOTHING,
-  so a lost race is a skipped machine, not an error.
+  under any isolation level. Claimers never meet it (they lock and re-check,
+  below); it is the last line against any other writer of work rows.
 * Claim safety: a claimer's snapshot can predate another claimer's claim *and*
   finish, when the work row is already gone again. So the claim (1) locks the
   candidate machine rows with FOR UPDATE SKIP LOCKED (concurrent claimers skip
   each other instead of waiting), then (2) re-checks eligibility in a new
   statement, which at READ COMMITTED (the engine's level, see ``database.py``)
-  sees everything committed before the lock was granted. On SQLite, BEGIN
-  IMMEDIATE serialises writers, so the whole claim runs alone.
+  sees everything committed before the lock was granted. Candidates that fail
+  the re-check are passed over and the claim locks more, so a batch is short
+  only when the backlog is. On SQLite, BEGIN IMMEDIATE serialises writers, so
+  the whole claim runs alone.
 * Finish / fail / cancel delete the work row *of this session* first; finding
   none means the work was swept or adopted elsewhere: ``WorkGone``, and the
   transaction (including the caller's tag changes) rolls back.
@@ -131,27 +133,34 @@ def claim(
     *,
     limit: int = 1,
     dispatch_ttl: float | None = None,
+    wait: bool = False,
 ) -> list[Work]:
     """Claim up to ``limit`` eligible machines in one transaction (see the module docstring).
 
     With ``dispatch_ttl``, the claims are meant to be handed off: another session
-    must adopt each within that many seconds, or the sweep releases it.
+    must adopt each within that many seconds, or the sweep releases it. With
+    ``wait``, a candidate another claimer has locked is waited for instead of
+    skipped: for naming one machine, where skipping would misreport it.
     """
     process = Process(process)
+    m = schema.machines
 
     def body(tx: Tx) -> list[Work]:
         query = eligible(tx, process, retriever)
-        locked = list(
-            tx.execute(
-                query.limit(limit).with_for_update(of=schema.machines, skip_locked=True)
-            ).scalars()
-        )
-        if not locked:
-            return []
-        rechecked = list(
-            tx.execute(query.where(schema.machines.c.id.in_(locked))).scalars()
-        )
-        return _insert_work(tx, session, process, rechecked, dispatch_ttl)
+        taken: list[uuid.UUID] = []
+        passed_over: list[uuid.UUID] = []  # claimed and finished since our snapshot
+        while len(taken) < limit:
+            seen = taken + passed_over
+            fresh = query.where(m.c.id.not_in(seen)) if seen else query
+            locked = list(tx.execute(
+                fresh.limit(limit - len(taken)).with_for_update(of=m, skip_locked=not wait)
+            ).scalars())
+            if not locked:
+                break
+            still = set(tx.execute(query.where(m.c.id.in_(locked))).scalars())
+            taken += [machine for machine in locked if machine in still]
+            passed_over += [machine for machine in locked if machine not in still]
+        return _insert_work(tx, session, process, taken, dispatch_ttl)
 
     return session.transact(body)
 
@@ -192,7 +201,7 @@ def claim_machine(session: Session, process: Process, machine_id: uuid.UUID) -> 
         candidates = in_backlog(tx).subquery()
         return sa.select(candidates.c[0]).where(candidates.c[0] == machine_id)
 
-    claimed = claim(session, process, only_this)
+    claimed = claim(session, process, only_this, wait=True)
     if claimed:
         return claimed[0]
     raise _why_not(session, process, machine_id)

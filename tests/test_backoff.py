@@ -30,3 +30,10 @@ def test_sequence(descriptor, previous, expected):
 
 def test_overflow_counts_as_maximum():
     assert next_interval(Backoff(initial=1, maximum=3600, exponent=1e308), 1e308) == 3600
+
+
+def test_an_exponent_under_one_is_normalised_to_a_simple_backoff():
+    # Not in the design's table, which cannot tell "exponent < 1 becomes 1" from
+    # "exponent < 1 is used as is" apart: with a previous interval it can.
+    descriptor = Backoff(initial=60, maximum=120, exponent=0.5)
+    assert [next_interval(descriptor, previous) for previous in (2, 60, 120)] == [60, 60, 60]

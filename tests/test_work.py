@@ -101,6 +101,12 @@ def test_held_machine_leaves_both_backlogs_and_finish_is_atomic(db, session):
     assert backlog_ids(session, Process.AGENT_START) == {machine}
     (work,) = session.claim_backlog(Process.AGENT_START, limit=5)
     assert backlog_ids(session, Process.AGENT_START) == set()
+    # An agent started long ago and never heard of: in the Recovery backlog, yet
+    # not claimable while AgentStart work holds the machine.
+    session.transact(lambda tx: bmdb.tags.set_agent_started(
+        tx, machine, b"o" * 32, started_at=tx.now - dt.timedelta(seconds=120)))
+    recovery = bmdb.backlog.retriever(Process.RECOVERY, db.thresholds)
+    assert set(db.read(lambda tx: tx.execute(recovery(tx)).scalars().all())) == {machine}
     assert backlog_ids(session, Process.RECOVERY) == set()
 
     work.finish(lambda tx: bmdb.tags.set_agent_started(tx, machine, b"k" * 32))
@@ -339,4 +345,99 @@ def test_claimers_skip_rows_another_claimer_holds(pg_url):
         finally:
             transaction.rollback()
             locker.close()
+    db.close()
+
+
+# -- races that only PostgreSQL's concurrency can show ------------------------------
+
+
+def _slow(retriever, seconds: float):
+    """The retriever, with a pause after the statement's snapshot is taken."""
+    pause = sa.select(sa.literal(1)).select_from(sa.func.pg_sleep(seconds)).scalar_subquery()
+    return lambda tx: retriever(tx).where(pause == 1)
+
+
+def test_a_claim_passes_over_machines_finished_meanwhile_and_fills_its_batch(pg_url):
+    """Locked candidates that fail the re-check are replaced, not just dropped.
+
+    The claim's snapshot predates another worker's claim *and* finish of the
+    first two machines; it locks one of them, the re-check drops it, and the
+    claim must still come back with the machine that is left.
+    """
+    db = bmdb.connect(pg_url)
+    with db.start_session("a", interval=5) as session, \
+            db.start_session("b", interval=5) as other:
+        *done_elsewhere, left = seed_provided(session, 3)
+        result: list[list[bmdb.Work]] = []
+        slow = _slow(bmdb.backlog.agent_start, 1.0)
+        claimer = threading.Thread(target=lambda: result.append(
+            session.claim(Process.AGENT_START, slow, limit=1)))
+        claimer.start()
+        time.sleep(0.3)  # the claimer's statement has its snapshot and is pausing
+        for machine in done_elsewhere:
+            (work,) = other.claim(Process.AGENT_START, only(machine))
+            work.finish(lambda tx, m=machine: bmdb.tags.set_agent_started(tx, m, b"k" * 32))
+        claimer.join(20)
+    db.close()
+    assert [w.machine_id for w in result[0]] == [left]
+
+
+def test_claiming_a_named_machine_waits_for_a_claim_in_progress(pg_url):
+    """Another claimer's lock makes a named claim wait, not report "not in its backlog"."""
+    db = bmdb.connect(pg_url)
+    with db.start_session("a", interval=5) as session:
+        (machine,) = seed_provided(session, 1)
+        locker = db.engine.connect()
+        transaction = locker.begin()
+        m = bmdb.schema.machines
+        locker.execute(sa.select(m.c.id).where(m.c.id == machine).with_for_update())
+        threading.Timer(0.5, transaction.rollback).start()  # the other claim gives up
+        try:
+            work = session.claim_machine(Process.AGENT_START, machine)
+        finally:
+            locker.close()
+        assert work.machine_id == machine
+    db.close()
+
+
+def test_sweep_passes_over_a_dead_session_still_committing_a_claim(pg_url):
+    """A session that checked in just before its deadline and commits a claim after it:
+    the sweep must neither fail on the new work row nor delete the session under it."""
+    db = bmdb.connect(pg_url)
+    with db.start_session("observer", interval=5) as observer:
+        (machine,) = seed_provided(observer, 1)
+        late = db.start_session("late", interval=1)
+        late._stopped.set()  # no more heartbeats: the deadline will pass
+        late._thread.join(timeout=5)
+        checked, proceed = threading.Event(), threading.Event()
+
+        def claim_late(tx: bmdb.Tx) -> None:
+            checked.set()
+            assert proceed.wait(10)
+            bmdb.work._insert_work(tx, late, Process.AGENT_START, [machine], None)
+
+        claimer = threading.Thread(target=lambda: late.transact(claim_late))
+        claimer.start()
+        assert checked.wait(10)
+        time.sleep(1.2)  # the deadline passes while the claim is in flight
+        outcome: list = []
+
+        def sweep() -> None:
+            try:
+                outcome.append(db.sweep())
+            except Exception as error:  # the assertion below shows it
+                outcome.append(error)
+
+        sweeper = threading.Thread(target=sweep)
+        sweeper.start()
+        time.sleep(0.5)
+        proceed.set()
+        claimer.join(10)
+        sweeper.join(10)
+        assert isinstance(outcome[0], bmdb.SweepResult), outcome
+        assert outcome[0].sessions_deleted == 0
+        again = db.sweep()
+        assert (again.abandoned, again.sessions_deleted) == (1, 1)
+        assert events(db, machine) == [(Process.AGENT_START, "Started"),
+                                       (Process.AGENT_START, "Abandoned")]
     db.close()

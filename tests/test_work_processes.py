@@ -87,7 +87,8 @@ def test_killed_holder_releases_the_machine(db_url):
             holder.wait(timeout=10)
         killed_at = time.monotonic()
         while machine not in backlog_ids(session, Process.AGENT_START):
-            assert time.monotonic() - killed_at < interval + sweep_period + 2
+            # One interval plus one sweep, and a second for a loaded machine.
+            assert time.monotonic() - killed_at < interval + sweep_period + 1
             db.sweep()
             time.sleep(sweep_period)
         last = db.read(lambda tx: bmdb.queries.history(tx, machine))[0]
