@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 
 import bmdb
 from shepherd.providers import (
@@ -58,6 +62,35 @@ def _count(sim: Simulator, method: str, prefix: str) -> int:
 def _creates(sim: Simulator) -> list[int | str]:
     """Statuses of every device-create POST the simulator saw."""
     return [s for _, _, s in sim.requests("POST", f"/projects/{sim.project_id}/devices")]
+
+
+def _actions(sim: Simulator, device_id: str) -> list[int | str]:
+    """Statuses of every action POST on one device."""
+    return [s for _, _, s in sim.requests("POST", f"/devices/{device_id}/actions")]
+
+
+def _key_posts(sim: Simulator) -> list[int | str]:
+    return [s for _, _, s in sim.requests("POST", f"/projects/{sim.project_id}/ssh-keys")]
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and everything reachable through ``__cause__`` / ``__context__``."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        todo += [current.__cause__, current.__context__]
+    return seen
+
+
+def _slow_device(client: EquinixClient, sim: Simulator) -> dict:
+    """A device that stays queued/provisioning (so not rebootable) for the whole test."""
+    sim.state.provision_delay = 30.0
+    reservation = sim.state.project_reservations()[0]
+    return client.create_device(reservation.id, _body(sim, reservation.id, "slow"), "w")
 
 
 # -- endpoints -------------------------------------------------------------------
@@ -124,6 +157,71 @@ def test_reboot_is_accepted_and_reaches_the_device(client: EquinixClient,
     client.reboot_device(device["id"])
     assert simulator.devices[device["id"]].reboots == 1
     assert client.get_device(device["id"])["state"] == "powering_on"
+
+
+def test_reboot_whose_reply_was_lost_is_not_sent_twice(client: EquinixClient,
+                                                      simulator: Simulator) -> None:
+    simulator.state.reboot_delay = 5.0  # still rebooting when the retry looks
+    reservation = simulator.state.project_reservations()[0]
+    device = client.create_device(reservation.id, _body(simulator, reservation.id, "x"), "w")
+    simulator.wait_for_state(device["id"], "active", timeout=5)
+    simulator.faults.lose_next(1, method="POST", device_id=device["id"])
+    client.reboot_device(device["id"])  # the retry's 422 is the lost attempt landing
+    assert _actions(simulator, device["id"]) == ["lost", 422]
+    assert simulator.devices[device["id"]].reboots == 1
+
+
+def test_reboot_422_after_an_answered_500_is_an_error(client: EquinixClient,
+                                                     simulator: Simulator) -> None:
+    device = _slow_device(client, simulator)
+    simulator.faults.fail_next(1, 500, method="POST", device_id=device["id"])
+    with pytest.raises(PermanentError) as wrong_state:
+        client.reboot_device(device["id"])
+    assert wrong_state.value.status == 422
+    assert _actions(simulator, device["id"]) == [500, 422]
+    assert simulator.devices[device["id"]].reboots == 0
+
+
+def test_reboot_422_after_a_lost_reply_needs_the_device_rebooting(
+        client: EquinixClient, simulator: Simulator) -> None:
+    device = _slow_device(client, simulator)
+    simulator.faults.lose_next(1, method="POST", device_id=device["id"])
+    with pytest.raises(PermanentError) as wrong_state:  # the lost attempt was a 422 too
+        client.reboot_device(device["id"])
+    assert wrong_state.value.status == 422
+    assert _actions(simulator, device["id"]) == ["lost", 422]
+    assert simulator.devices[device["id"]].reboots == 0
+
+
+def test_ssh_key_create_retries_429_without_looking(client: EquinixClient,
+                                                    simulator: Simulator) -> None:
+    simulator.faults.fail_next(1, 429, retry_after=0.3, method="POST")
+    started = time.monotonic()
+    created = client.create_ssh_key("k", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA== x")
+    assert time.monotonic() - started >= 0.25, "Retry-After was not honoured"
+    assert list(simulator.state.ssh_keys) == [created["id"]]
+    assert _key_posts(simulator) == [429, 201]
+    assert simulator.requests("GET") == []  # a 429 applied nothing: no need to look
+
+
+def test_ssh_key_create_after_a_5xx_looks_first(client: EquinixClient,
+                                                simulator: Simulator) -> None:
+    simulator.faults.fail_next(1, 503, method="POST")
+    created = client.create_ssh_key("k", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA== x")
+    assert list(simulator.state.ssh_keys) == [created["id"]]
+    assert _key_posts(simulator) == [503, 201]
+    assert [s for _, _, s in simulator.requests("GET")] == [200]  # looked, found none
+
+
+def test_ssh_key_create_with_a_lost_reply_registers_once(client: EquinixClient,
+                                                         simulator: Simulator) -> None:
+    other = client.create_ssh_key("k", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB== y")
+    simulator.faults.lose_next(1, method="POST")
+    created = client.create_ssh_key("k", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA== x")
+    assert set(simulator.state.ssh_keys) == {other["id"], created["id"]}
+    assert simulator.state.ssh_keys[created["id"]].key.startswith(
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA==")
+    assert _key_posts(simulator) == [201, "lost"]  # found by label and blob, not re-sent
 
 
 def test_list_machines_keeps_only_our_prefix(provider: EquinixProvider,
@@ -212,23 +310,91 @@ def test_no_retry_on_422(client: EquinixClient, simulator: Simulator) -> None:
 
 def test_errors_never_contain_the_token(simulator: Simulator) -> None:
     client = fast_client(simulator, retries=1)
+    bad_url = fast_client(simulator, base_url="http://127.0.0.1:99999/metal/v1")
     errors: list[ProviderError] = []
-    for action in (
-        lambda: fast_client(simulator, token=TOKEN + "x").list_devices(),
-        lambda: client.get_device("nope"),
-        lambda: client.create_ssh_key("l", "garbage"),
-    ):
+
+    def fails(action: object, *faults: dict) -> None:
+        simulator.faults.clear()
+        for settings in faults:
+            simulator.faults.set(**settings)
         with pytest.raises(ProviderError) as caught:
-            action()
+            action()  # type: ignore[operator]
         errors.append(caught.value)
-    simulator.faults.set(api_error_rate=1.0)
-    with pytest.raises(TransientExhausted) as exhausted:
-        client.list_devices()
-    errors.append(exhausted.value)
+
+    fails(lambda: fast_client(simulator, token=TOKEN + "x").list_devices())
+    fails(lambda: client.get_device("nope"))
+    fails(lambda: client.create_ssh_key("l", "garbage"))
+    fails(bad_url.list_devices)                                       # InvalidURL
+    fails(client.list_devices, {"api_error_rate": 1.0})               # 5xx
+    fails(client.list_devices, {"lost_response_rate": 1.0})           # ConnectionError
+    fails(lambda: client.create_ssh_key("l", "ssh-ed25519 AAAA x"),
+          {"lost_response_rate": 1.0})
+    fails(lambda: fast_client(simulator, read_timeout=0.05, retries=0).list_devices(),
+          {"api_latency": 0.3})                                       # ReadTimeout
+    assert [type(e) for e in errors[-4:]] == [TransientExhausted] * 4
     for error in errors:
-        assert TOKEN not in str(error) and TOKEN not in repr(error)
-        assert error.__cause__ is None or TOKEN not in repr(error.__cause__)
+        for link in _chain(error):
+            assert TOKEN not in str(link) and TOKEN not in repr(link)
+            assert not isinstance(link, requests.RequestException), repr(link)
+            request = getattr(link, "request", None)
+            assert request is None or TOKEN not in str(getattr(request, "headers", "")), \
+                repr(link)
     assert TOKEN not in repr(client) and TOKEN not in repr(client.config)
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Answers 200 ``{}`` and records the headers of every request it gets."""
+
+    def do_GET(self) -> None:
+        self.server.seen.append(dict(self.headers))  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _Redirector(BaseHTTPRequestHandler):
+    """Answers 302 to the same path on ``server.target``."""
+
+    def do_GET(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", self.server.target + self.path)  # type: ignore[attr-defined]
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    server.seen = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_redirects_are_refused_and_the_token_stays_home() -> None:
+    with _serving(_Recorder) as elsewhere, _serving(_Redirector) as api:
+        api.target = f"http://127.0.0.1:{elsewhere.server_address[1]}"  # type: ignore[attr-defined]
+        client = EquinixClient(ClientConfig(
+            token=TOKEN, project_id="p", base_url=f"http://127.0.0.1:{api.server_address[1]}"
+            "/metal/v1", retries=0, min_interval=0.0, connect_timeout=2.0, read_timeout=2.0))
+        with pytest.raises(PermanentError) as refused:
+            client.list_ssh_keys()
+        assert elsewhere.seen == []  # type: ignore[attr-defined]
+    assert refused.value.status == 302 and "redirect" in str(refused.value)
+    assert TOKEN not in str(refused.value)
 
 
 # -- idempotent create --------------------------------------------------------------
@@ -320,6 +486,25 @@ def test_race_lost_between_check_and_post(provider: EquinixProvider,
     assert _creates(simulator) == [422]
 
 
+def test_href_only_reservation_device_is_found_by_its_href(
+        client: EquinixClient, simulator: Simulator) -> None:
+    """Without ``include=device`` the API gives only the device's href; the client must
+    follow it, both to recognise its own lost create and to see a lost race."""
+    ours, theirs = simulator.state.project_reservations()[:2]
+    original = client.get_reservation
+    client.get_reservation = lambda rid, include_device=True: original(  # type: ignore
+        rid, include_device=False)
+    simulator.faults.lose_next(1, method="POST")
+    device = client.create_device(ours.id, _body(simulator, ours.id, "h"), "w-href")
+    assert client.get_reservation(ours.id)["device"] == {
+        "href": f"/metal/v1/devices/{device['id']}"}
+    assert "w-href" in device["tags"] and list(simulator.devices) == [device["id"]]
+    assert _creates(simulator) == ["lost"]
+    simulator.create_foreign_device(theirs.id)
+    with pytest.raises(RaceLost):
+        client.create_device(theirs.id, _body(simulator, theirs.id, "h2"), "w-other")
+
+
 # -- rate limits and config -----------------------------------------------------------
 
 
@@ -377,3 +562,11 @@ def test_public_ipv4_skips_private_and_v6() -> None:
     ]}
     assert public_ipv4(device) == "198.51.100.7"
     assert public_ipv4({"ip_addresses": []}) is None
+
+
+def test_public_ipv4_prefers_the_management_address() -> None:
+    device = {"ip_addresses": [
+        {"address": "203.0.113.9", "address_family": 4, "public": True, "management": False},
+        {"address": "198.51.100.7", "address_family": 4, "public": True, "management": True},
+    ]}
+    assert public_ipv4(device) == "198.51.100.7"

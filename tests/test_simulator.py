@@ -75,6 +75,13 @@ def test_device_shape_and_lifecycle(simulator: Simulator) -> None:
         "href": f"/metal/v1/hardware-reservations/{reservation_id}"}
     public_v4 = [ip for ip in device["ip_addresses"] if ip["public"] and ip["address_family"] == 4]
     assert public_v4[0]["address"].startswith("127.100.")
+    for ip in device["ip_addresses"]:
+        assert {"id", "href", "address", "address_family", "public", "management", "cidr",
+                "netmask", "network", "gateway", "created_at", "assigned_to"} <= set(ip)
+        assert ip["href"] == f"/metal/v1/ips/{ip['id']}"
+        assert ip["assigned_to"] == {"href": device["href"]}
+    assert {(ip["netmask"], ip["network"], ip["gateway"]) for ip in public_v4} == {
+        ("255.255.255.254", "127.100.0.0", "127.100.0.0")}  # 127.100.0.1/31
     assert device["facility"]["metro"]["code"] == device["metro"]["code"]
     reservation = _api(simulator, "GET", device["hardware_reservation"]["href"]
                        .removeprefix("/metal/v1"), params={"include": "device"}).json()
@@ -82,6 +89,8 @@ def test_device_shape_and_lifecycle(simulator: Simulator) -> None:
     assert reservation["device"]["id"] == device["id"]
     assert reservation["device"]["tags"] == ["a"]
     assert reservation["provisionable"] is False
+    bare = _api(simulator, "GET", f"/hardware-reservations/{reservation_id}").json()
+    assert bare["device"] == {"href": f"/metal/v1/devices/{device['id']}"}  # href only
     seen = set()
     deadline = time.monotonic() + 5
     while "active" not in seen and time.monotonic() < deadline:

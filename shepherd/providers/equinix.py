@@ -7,7 +7,11 @@ Why the client looks the way it does (see /work/shared/reference/equinix-metal-a
   token, not per thread.
 * 5xx, 429 (honouring Retry-After) and connection errors/timeouts are retried with
   exponential backoff; 401/403/404/422 never are. Errors are typed and their text
-  is built from method, path and status only, so the token can never leak.
+  is built from method, path and status only, and they are raised outside the
+  ``except`` that caught a ``requests`` exception, so no ``__context__`` leads to a
+  request object holding the token.
+* Redirects are never followed: ``requests`` keeps ``X-Auth-Token`` on a redirect to
+  another host, so a 3xx would hand the token to whoever it points at.
 * Device creation is not idempotent server-side. We use the hardware reservation
   as the lock and a unique witness tag per creation intent: each attempt first
   looks at the reservation; a device there with our witness is ours (an earlier
@@ -43,6 +47,7 @@ from shepherd.providers.base import (
     refuse_placeholder,
     register_provided,
 )
+from shepherd.providers.ssh_keys import ensure_registered, same_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +55,8 @@ T = TypeVar("T")
 DEFAULT_BASE_URL = "https://api.equinix.com/metal/v1"
 MANAGED_TAG = "managed-by:shepherd"
 WITNESS_PREFIX = "shepherd-witness:"
-PERMANENT_STATUSES = frozenset({400, 401, 403, 404, 405, 409, 410, 422})
+# What a device shows while a reboot is under way (the state enum has no "rebooting").
+REBOOTING_STATES = frozenset({"powering_off", "powering_on"})
 
 STATE_MAP: dict[str, bmdb.ProviderStatus] = {
     "queued": bmdb.ProviderStatus.PROVISIONING,
@@ -77,10 +83,17 @@ def provider_status(state: str | None) -> bmdb.ProviderStatus:
 
 
 class _Transient(ProviderError):
-    """One transient failure; retried, surfacing as ``TransientExhausted`` at the end."""
+    """One transient failure; retried, surfacing as ``TransientExhausted`` at the end.
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    ``status`` is the HTTP status when the server answered, None when no answer came
+    at all (connection error, timeout): callers of non-idempotent endpoints need the
+    difference to judge whether the attempt may have landed unseen.
+    """
+
+    def __init__(self, message: str, status: int | None = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
+        self.status = status
         self.retry_after = retry_after
 
 
@@ -186,20 +199,13 @@ class EquinixClient:
               body: Any = None) -> Any:
         """One HTTP exchange; raises typed errors, ``_Transient`` for retryable ones."""
         what = f"{method} {path}"
-        try:
-            with self.limiter.slot(), metrics.provider_call(method, path) as call:
-                response = self._session.request(
-                    method, self.base_url + path, params=params, json=body,
-                    timeout=(self.config.connect_timeout, self.config.read_timeout),
-                )
-                call.status = response.status_code
-        except (requests.ConnectionError, requests.Timeout) as error:
-            raise _Transient(f"{what}: {type(error).__name__}") from None
-        except requests.RequestException as error:
-            raise ProviderError(f"{what}: {type(error).__name__}") from None
+        response = self._send(what, method, path, params, body)
         status = response.status_code
         if status == 429 or status >= 500:
-            raise _Transient(f"{what}: HTTP {status}", _retry_after(response))
+            raise _Transient(f"{what}: HTTP {status}", status, _retry_after(response))
+        if 300 <= status < 400:
+            raise PermanentError(f"{what}: HTTP {status}: redirect not followed (the API "
+                                 "token is only sent to the configured base URL)", status)
         if status == 404:
             raise NotFound(f"{what}: not found")
         if status >= 400:
@@ -209,7 +215,32 @@ class EquinixClient:
         try:
             return response.json()
         except ValueError:
-            raise _Transient(f"{what}: HTTP {status} with a body that is not JSON") from None
+            pass  # raised below, so the decode error is not the new error's __context__
+        raise _Transient(f"{what}: HTTP {status} with a body that is not JSON", status)
+
+    def _send(self, what: str, method: str, path: str, params: dict[str, Any] | None,
+              body: Any) -> requests.Response:
+        """Send one request, never following redirects.
+
+        A ``requests`` exception carries the prepared request, token header included;
+        the typed error is raised after the ``except`` so it is not even its
+        ``__context__``.
+        """
+        failure: ProviderError
+        try:
+            with self.limiter.slot(), metrics.provider_call(method, path) as call:
+                response = self._session.request(
+                    method, self.base_url + path, params=params, json=body,
+                    timeout=(self.config.connect_timeout, self.config.read_timeout),
+                    allow_redirects=False,
+                )
+                call.status = response.status_code
+                return response
+        except (requests.ConnectionError, requests.Timeout) as error:
+            failure = _Transient(f"{what}: {type(error).__name__}")  # no answer: status None
+        except requests.RequestException as error:
+            failure = ProviderError(f"{what}: {type(error).__name__}")
+        raise failure
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """Run ``call``, retrying ``_Transient`` with backoff; ``TransientExhausted`` at the end."""
@@ -235,9 +266,9 @@ class EquinixClient:
         try:
             return retrying(call)
         except _Transient as error:
-            raise TransientExhausted(
-                f"{what}: gave up after {self.config.retries + 1} attempts: {error}"
-            ) from None
+            last = str(error)
+        raise TransientExhausted(f"{what}: gave up after {self.config.retries + 1} "
+                                 f"attempts: {last}")
 
     def request(self, method: str, path: str, params: dict[str, Any] | None = None,
                 body: Any = None) -> Any:
@@ -279,12 +310,34 @@ class EquinixClient:
         return list(body.get("ssh_keys") or [])
 
     def create_ssh_key(self, label: str, key: str) -> dict[str, Any]:
-        """One POST, not retried: a lost reply would otherwise register the key twice."""
+        """Register a key, at most once.
+
+        A 429 was refused before anything happened, so it is simply retried. A 5xx or
+        a lost reply may have registered the key, so the retry first looks for a key
+        with our label and blob and returns it instead of POSTing a duplicate.
+        """
         path = f"/projects/{self.config.project_id}/ssh-keys"
-        try:
-            return self._once("POST", path, body={"label": label, "key": key})
-        except _Transient as error:
-            raise TransientExhausted(f"POST {path}: {error} (not retried)") from None
+        maybe_applied = False
+
+        def attempt() -> dict[str, Any]:
+            nonlocal maybe_applied
+            if maybe_applied:
+                existing = self._find_ssh_key(label, key)
+                if existing is not None:
+                    return existing
+            try:
+                return self._once("POST", path, body={"label": label, "key": key})
+            except _Transient as error:
+                maybe_applied = maybe_applied or error.status != 429
+                raise
+
+        return self._retrying(f"POST {path}", attempt)
+
+    def _find_ssh_key(self, label: str, key: str) -> dict[str, Any] | None:
+        for existing in self.list_ssh_keys():
+            if existing.get("label") == label and same_key(str(existing.get("key") or ""), key):
+                return existing
+        return None
 
     def update_ssh_key(self, key_id: str, *, label: str | None = None,
                        key: str | None = None) -> dict[str, Any]:
@@ -292,8 +345,13 @@ class EquinixClient:
         return self.request("PUT", f"/ssh-keys/{_segment(key_id)}", body=body)
 
     def reboot_device(self, device_id: str) -> None:
-        """Request a reboot (202). A retry after an unanswered attempt that meets 422
-        ("wrong state") means that attempt landed and the device is rebooting already."""
+        """Request a reboot (202); the action is not idempotent.
+
+        A 422 ("wrong state") on a retry may mean an earlier attempt landed and the
+        device is rebooting. That is only possible if an attempt got no HTTP answer at
+        all (a 5xx or 429 is an answer: nothing was done), and it is only believed if
+        the device is seen rebooting; otherwise the 422 stands.
+        """
         path = f"/devices/{_segment(device_id)}/actions"
         unanswered = False
 
@@ -301,14 +359,17 @@ class EquinixClient:
             nonlocal unanswered
             try:
                 self._once("POST", path, body={"type": "reboot"})
-            except _Transient:
-                unanswered = True
+            except _Transient as error:
+                unanswered = unanswered or error.status is None
                 raise
             except PermanentError as error:
-                if not (unanswered and error.status == 422):
+                if not (unanswered and error.status == 422 and self._rebooting(device_id)):
                     raise
 
         self._retrying(f"POST {path}", attempt)
+
+    def _rebooting(self, device_id: str) -> bool:
+        return self.get_device(device_id).get("state") in REBOOTING_STATES
 
     def create_device(self, reservation_id: str, body: dict[str, Any],
                       witness: str) -> dict[str, Any]:
@@ -348,8 +409,8 @@ class EquinixClient:
                 raise PermanentError(f"hardware reservation {reservation_id} is not "
                                      "provisionable", 422)
             return None
-        if "tags" not in device:  # href only: fetch the device itself
-            device = self.get_device(device.get("id") or device["href"].rsplit("/", 1)[-1])
+        if "tags" not in device:  # href only (the API's default): fetch the device itself
+            device = self.get_device(str(device.get("id") or _id_from_href(device["href"])))
         if witness in (device.get("tags") or []):
             return device
         raise RaceLost(f"hardware reservation {reservation_id} was taken by device "
@@ -360,6 +421,11 @@ def _segment(value: str) -> str:
     if not value or "/" in value or "?" in value:
         raise NotFound(f"invalid id {value!r}")
     return value
+
+
+def _id_from_href(href: str) -> str:
+    """The id at the end of an ``href`` such as ``/metal/v1/devices/<id>``."""
+    return href.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _with_tags(tags: Any, *extra: str) -> list[str]:
@@ -428,8 +494,6 @@ class EquinixProvider:
 
     def ensure_ssh_key(self, public_key: str) -> str:
         """Register our public key under the configured label; new devices get only it."""
-        from shepherd.providers.ssh_keys import ensure_registered
-
         key_id = ensure_registered(self.client, self.config.ssh_key_label, public_key)
         self.ssh_key_ids = [key_id]
         return key_id
@@ -500,11 +564,17 @@ class EquinixProvider:
 
 
 def public_ipv4(device: dict[str, Any]) -> str | None:
-    """The first public IPv4 address of a device, if it has one yet."""
-    for entry in device.get("ip_addresses") or []:
-        if entry.get("public") and entry.get("address_family") == 4 and entry.get("address"):
-            return str(entry["address"])
-    return None
+    """The device's public IPv4 address, if it has one yet.
+
+    A ``management`` address (one the OS was set up with at provisioning) comes
+    first: other public IPv4s, such as elastic IPs, may be routed elsewhere. Without
+    one, the first public IPv4 is better than nothing.
+    """
+    public = [entry for entry in device.get("ip_addresses") or []
+              if entry.get("public") and entry.get("address_family") == 4
+              and entry.get("address")]
+    chosen = next((e for e in public if e.get("management")), public[0] if public else None)
+    return str(chosen["address"]) if chosen else None
 
 
 def _location(device: dict[str, Any]) -> str | None:
@@ -518,4 +588,4 @@ def _reservation_id(device: dict[str, Any]) -> str | None:
     if reservation.get("id"):
         return str(reservation["id"])
     href = reservation.get("href")
-    return href.rstrip("/").rsplit("/", 1)[-1] if href else None
+    return _id_from_href(href) if href else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import hashlib
+import ipaddress
 import threading
 import time
 import uuid
@@ -98,6 +99,33 @@ class SSHKey:
             return ""
         digest = hashlib.md5(blob, usedforsecurity=False).hexdigest()
         return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
+
+
+def _ip_assignment(device: Device, device_href: str, address: str, family: int,
+                   public: bool, cidr: int) -> dict[str, Any]:
+    """One ``IPAssignment`` with the fields the reference lists (network maths included,
+    so a client reading netmask/gateway sees consistent values)."""
+    network = ipaddress.ip_network(f"{address}/{cidr}", strict=False)
+    gateway = next((h for h in network.hosts() if str(h) != address), network.network_address)
+    ip_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{device.id}/{address}"))
+    return {
+        "id": ip_id,
+        "href": f"{API_PREFIX}/ips/{ip_id}",
+        "address": address,
+        "address_family": family,
+        "public": public,
+        "management": True,
+        "cidr": cidr,
+        "netmask": str(network.netmask),
+        "network": str(network.network_address),
+        "gateway": str(gateway),
+        "enabled": True,
+        "manageable": True,
+        "global_ip": False,
+        "state": "active",
+        "created_at": _iso(device.created_at),
+        "assigned_to": {"href": device_href},
+    }
 
 
 def address_for(net: int, index: int) -> str:
@@ -232,10 +260,15 @@ class SimState:
                 raise ApiError(404, "Not found")
             return ssh_key
 
-    def authorized_key_blobs(self) -> set[str]:
-        """Base64 key blobs of every project key: what device SSH servers accept."""
+    def authorized_key_blobs(self, device_id: str) -> set[str]:
+        """Base64 key blobs a device's SSH accepts: the project keys it was created with
+        (``project_ssh_keys``), or every project key when it named none, as the real
+        API installs them. A wrong key list at creation then shows as a refused login."""
         with self.lock:
-            return {k.key.split()[1] for k in self.ssh_keys.values() if len(k.key.split()) > 1}
+            device = self.devices.get(device_id)
+            named = set(device.ssh_key_ids) if device is not None else set()
+            return {k.key.split()[1] for k in self.ssh_keys.values()
+                    if len(k.key.split()) > 1 and (not named or k.id in named)}
 
     @staticmethod
     def _check_key(key: Any) -> None:
@@ -283,37 +316,24 @@ class SimState:
     @staticmethod
     def _ip_addresses(device: Device, href: str) -> list[dict[str, Any]]:
         # Private first, so "the first public IPv4" is a real choice for the client.
+        # All three are management addresses, as the ones assigned at provisioning are.
         entries = [
             (device.private_address, 4, False, 31),
             (device.address, 4, True, 31),
             (f"2604:1380::{device.address.split('.', 1)[1].replace('.', ':')}", 6, True, 127),
         ]
-        return [
-            {
-                "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{device.id}/{address}")),
-                "address": address,
-                "address_family": family,
-                "public": public,
-                "management": True,
-                "cidr": cidr,
-                "enabled": True,
-                "manageable": True,
-                "global_ip": False,
-                "state": "active",
-                "assigned_to": {"href": href},
-            }
-            for address, family, public, cidr in entries
-        ]
+        return [_ip_assignment(device, href, *entry) for entry in entries]
 
     def reservation_json(self, reservation: Reservation,
                          include: set[str] | None = None) -> dict[str, Any]:
-        """A ``HardwareReservation``; its ``device`` is href-only unless included."""
+        """A ``HardwareReservation``; its ``device`` is only ``{"href"}`` unless included,
+        as the real API renders a related object it was not asked to include."""
         include = include or set()
         device: dict[str, Any] | None = None
         if reservation.device_id is not None:
             device_obj = self.devices[reservation.device_id]
             device = (self.device_json(device_obj) if "device" in include
-                      else {"href": f"{API_PREFIX}/devices/{device_obj.id}", "id": device_obj.id})
+                      else {"href": f"{API_PREFIX}/devices/{device_obj.id}"})
         return {
             "id": reservation.id,
             "short_id": reservation.id[:8],
