@@ -73,10 +73,10 @@ worker_prefetch_multiplier = 1
 # A lost broker connection must not cancel running SSH work: the redelivered message
 # fails to adopt its claim and ends as "gone" (see above).
 worker_cancel_long_running_tasks_on_connection_loss = False
-task_annotations = {
-    "shepherd.agent_start": {"time_limit": _settings.machine_task_time_limit},
-    "shepherd.recovery": {"time_limit": _settings.machine_task_time_limit},
-}
+_machine_task_limits = {"time_limit": _settings.machine_task_time_limit,
+                        "soft_time_limit": _settings.machine_task_soft_time_limit}
+task_annotations = {"shepherd.agent_start": _machine_task_limits,
+                    "shepherd.recovery": _machine_task_limits}
 
 # Flower shows every task with its name, arguments and result (which never carry secrets).
 worker_send_task_events = True

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -63,7 +64,9 @@ class Session:
                 )
             )
 
+        asked_at = time.monotonic()
         run_transaction(db.engine, create)
+        self._lease_until = asked_at + interval
         self._thread = threading.Thread(
             target=self._keep_alive, name=f"bmdb-session-{component}", daemon=True
         )
@@ -73,7 +76,15 @@ class Session:
 
     @property
     def alive(self) -> bool:
-        return not self._expired.is_set() and not self._stopped.is_set()
+        """Whether the lease surely still holds, judged locally (no round trip).
+
+        Besides ending, a session counts as not alive once ``interval`` has passed
+        since the start of its last successful extension: the database's deadline
+        is at least that far out, and past it the sweep may release our work while
+        the keep-alive thread is still failing to reach the database.
+        """
+        return (not self._expired.is_set() and not self._stopped.is_set()
+                and time.monotonic() < self._lease_until)
 
     def _keep_alive(self) -> None:
         while not self._stopped.wait(self.interval / 2):
@@ -94,8 +105,10 @@ class Session:
                 .values(deadline=tx.now + dt.timedelta(seconds=self.interval))
             )
 
+        asked_at = time.monotonic()
         # Give up before the deadline could pass unnoticed.
         self.transact(extend, give_up_after=self.interval / 2)
+        self._lease_until = asked_at + self.interval
 
     def _open(self, conn: Connection) -> Tx:
         row = conn.execute(

@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from bmdb import backlog, schema
 from bmdb.backoff import Backoff, default_backoff, next_interval
 from bmdb.database import Tx
-from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, WorkGone
+from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, SessionExpired, WorkGone
 from bmdb.processes import Process, exclusion_group
 
 if TYPE_CHECKING:
@@ -59,6 +59,17 @@ class Work:
     machine_id: uuid.UUID
     process: Process
     session: Session
+
+    def ensure_held(self) -> None:
+        """Raise ``SessionExpired`` unless this claim's session surely still holds its lease.
+
+        Call right before acting on the machine outside the database (starting an
+        agent, a reboot): once the lease may have lapsed, the sweep may have handed
+        the machine to another worker, and two must never act on it at once.
+        """
+        if not self.session.alive:
+            raise SessionExpired(f"session {self.session.id} may have lapsed; not acting on "
+                                 f"machine {self.machine_id}")
 
     def finish(self, apply: Callable[[Tx], None] | None = None) -> None:
         """Release the machine as done: tag changes, cleared backoff and history, atomically."""

@@ -9,6 +9,7 @@ and never appear in ``repr``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 from collections.abc import Mapping
@@ -26,23 +27,31 @@ def _get(env: Mapping[str, str], name: str, default: str) -> str:
     return env.get(f"SHEPHERD_{name}", default)
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
     raw = _get(env, name, str(default))
     try:
         value = float(raw)
     except ValueError as error:
         raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a number") from error
-    if value < 0:
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} must not be negative")
+    if not math.isfinite(value):
+        raise SettingsError(f"SHEPHERD_{name}={raw!r} must be a finite number")
+    if value < minimum:
+        rule = "must not be negative" if minimum == 0 else f"must be at least {minimum:g}"
+        raise SettingsError(f"SHEPHERD_{name}={raw!r} {rule}")
     return value
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0,
+         maximum: int | None = None) -> int:
     raw = _get(env, name, str(default))
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError as error:
         raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a whole number") from error
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise SettingsError(f"SHEPHERD_{name}={raw!r} must be at least {minimum}{upper}")
+    return value
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -164,6 +173,16 @@ class Settings:
                 + 120.0)
 
     @property
+    def machine_task_soft_time_limit(self) -> float:
+        """When a per-machine task is asked to stop (``SoftTimeLimitExceeded``).
+
+        Why before the hard limit: the task can still fail its work with a backoff.
+        Killed at the hard limit, the work is only released by the sweep
+        (``Abandoned``, no backoff) and the same stuck machine is claimed again at once.
+        """
+        return self.machine_task_time_limit - 30.0
+
+    @property
     def thresholds(self) -> bmdb.Thresholds:
         return bmdb.Thresholds(
             first_heartbeat=self.first_heartbeat_timeout, heartbeat=self.heartbeat_timeout
@@ -186,11 +205,11 @@ class Settings:
             provider_project=_get(env, "PROVIDER_PROJECT", d.provider_project),
             provider_token=_read_secret(env, "PROVIDER_TOKEN"),
             static_inventory=_get(env, "STATIC_INVENTORY", d.static_inventory),
-            provider_ssh_port=_int(env, "PROVIDER_SSH_PORT", d.provider_ssh_port),
+            provider_ssh_port=_int(env, "PROVIDER_SSH_PORT", d.provider_ssh_port, 1, 65535),
             provider_min_interval=_float(env, "PROVIDER_MIN_INTERVAL",
                                          d.provider_min_interval),
             provider_max_in_flight=_int(env, "PROVIDER_MAX_IN_FLIGHT",
-                                        d.provider_max_in_flight),
+                                        d.provider_max_in_flight, minimum=1),
             device_prefix=_get(env, "DEVICE_PREFIX", d.device_prefix),
             ssh_key_label=_get(env, "SSH_KEY_LABEL", d.ssh_key_label),
             ssh_key_path=Path(_get(env, "SSH_KEY_PATH", str(d.ssh_key_path))),
@@ -200,17 +219,17 @@ class Settings:
             update_interval=_float(env, "UPDATE_INTERVAL", d.update_interval),
             source_interval=_float(env, "SOURCE_INTERVAL", d.source_interval),
             sweep_interval=_float(env, "SWEEP_INTERVAL", d.sweep_interval),
-            batch_size=_int(env, "BATCH_SIZE", d.batch_size),
+            batch_size=_int(env, "BATCH_SIZE", d.batch_size, minimum=1),
             in_flight_cap=_int(env, "IN_FLIGHT_CAP", d.in_flight_cap),
-            dispatch_ttl=_float(env, "DISPATCH_TTL", d.dispatch_ttl),
+            dispatch_ttl=_float(env, "DISPATCH_TTL", d.dispatch_ttl, minimum=1.0),
             visibility_timeout=_float(env, "VISIBILITY_TIMEOUT", d.visibility_timeout),
             max_machines=_int(env, "MAX_MACHINES", d.max_machines),
             chunk_size=_int(env, "CHUNK_SIZE", d.chunk_size),
             creation_rate=_float(env, "CREATION_RATE", d.creation_rate),
             capacity_cooldown=_float(env, "CAPACITY_COOLDOWN", d.capacity_cooldown),
             assimilate=_bool(env, "ASSIMILATE", d.assimilate),
-            update_batch_size=_int(env, "UPDATE_BATCH_SIZE", d.update_batch_size),
-            session_interval=_float(env, "SESSION_INTERVAL", d.session_interval),
+            update_batch_size=_int(env, "UPDATE_BATCH_SIZE", d.update_batch_size, minimum=1),
+            session_interval=_float(env, "SESSION_INTERVAL", d.session_interval, minimum=1.0),
             first_heartbeat_timeout=_float(
                 env, "FIRST_HEARTBEAT_TIMEOUT", d.first_heartbeat_timeout
             ),

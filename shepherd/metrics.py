@@ -219,6 +219,18 @@ def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
 #: Why Recovery may be paused, as bounded label values (the reason text has numbers).
 PAUSE_REASONS = ("silent_share", "callback_server", "reboot_budget")
 
+RECOVERY_PAUSES = Counter(
+    "shepherd_recovery_pauses", "Times this process's sourcing or Recovery task found the "
+    "blast-radius guard pausing Recovery, by reason. Counted where the decision is taken, "
+    "so it shows on the worker's endpoint even while the callback server (whose /metrics "
+    "has the guard gauges) is the thing that is down.", ["reason"],
+)
+
+
+def count_recovery_pause(causes: Iterable[str]) -> None:
+    for cause in causes:
+        RECOVERY_PAUSES.labels(reason=cause).inc()
+
 
 def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
                   limits: GuardLimits) -> Iterator[Metric]:
@@ -237,12 +249,6 @@ def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
     except Exception as error:  # a scrape must answer even when the guard cannot
         log.warning("metrics: guard evaluation failed: %s", error)
         return
-    reasons = {
-        "silent_share": guard._share_reason(decision.started, decision.silent,
-                                            limits.max_share, limits.min_silent) is not None,
-        "callback_server": decision.callback_healthy is False,
-        "reboot_budget": decision.allowed == 0,
-    }
     yield _gauge("shepherd_recovery_paused",
                  "1 when the blast-radius guard pauses Recovery (reboots nothing) now.",
                  int(decision.paused is not None))
@@ -251,7 +257,7 @@ def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
         "1 for each reason the guard pauses Recovery now: silent_share, callback_server, "
         "reboot_budget.", labels=["reason"])
     for reason in PAUSE_REASONS:
-        paused.add_metric([reason], int(reasons[reason]))
+        paused.add_metric([reason], int(reason in decision.causes))
     yield paused
     yield _gauge("shepherd_recovery_agents_started",
                  "Machines with AgentStarted, the guard's denominator.", decision.started)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import bmdb
 from shepherd.config import Settings, SettingsError
 from shepherd.providers import Provider, ssh_keys
+from shepherd.providers.base import refuse_placeholder
 from shepherd.workflows import InitializerSettings, RecovererSettings
 from shepherd.workflows.guard import GuardLimits
 
@@ -34,12 +35,31 @@ def connect_bmdb(settings: Settings) -> bmdb.BMDB:
     return bmdb.connect(settings.bmdb_url, thresholds=settings.thresholds)
 
 
+def check_settings(settings: Settings) -> None:
+    """Refuse settings every task would fail on (``SettingsError`` / ``ConfigError``).
+
+    Why apart from ``build_provider``: a worker checks them as it starts, without a
+    provider call, so a placeholder prefix stops the worker with one clear line
+    instead of failing (and backing off) every machine it is handed.
+    """
+    if settings.provider in HTTP_PROVIDERS:
+        refuse_placeholder("SHEPHERD_DEVICE_PREFIX", settings.device_prefix)
+        refuse_placeholder("SHEPHERD_SSH_KEY_LABEL", settings.ssh_key_label)
+    elif settings.provider == "static":
+        if not settings.static_inventory:
+            raise SettingsError("SHEPHERD_PROVIDER=static needs SHEPHERD_STATIC_INVENTORY")
+    else:
+        raise SettingsError(f"SHEPHERD_PROVIDER={settings.provider!r}: expected simulator, "
+                            "equinix or static")
+
+
 def build_provider(settings: Settings) -> Provider:
     """The configured provider, with the shepherd's SSH key registered at it.
 
     Called once per worker process: registration is idempotent (``ensure_registered``)
     but costs API calls, and the key must be known before the first device is created.
     """
+    check_settings(settings)
     if settings.provider in HTTP_PROVIDERS:
         from shepherd.providers.equinix import (
             DEFAULT_BASE_URL,
@@ -62,15 +82,10 @@ def build_provider(settings: Settings) -> Provider:
         key = ssh_keys.load_or_create(settings.ssh_key_path)
         provider.ensure_ssh_key(ssh_keys.public_key_openssh(key))
         return provider
-    if settings.provider == "static":
-        from shepherd.providers.static import StaticProvider
+    from shepherd.providers.static import StaticProvider
 
-        if not settings.static_inventory:
-            raise SettingsError("SHEPHERD_PROVIDER=static needs SHEPHERD_STATIC_INVENTORY")
-        ssh_keys.load_or_create(settings.ssh_key_path)  # operators install it by hand
-        return StaticProvider(settings.static_inventory)
-    raise SettingsError(f"SHEPHERD_PROVIDER={settings.provider!r}: expected simulator, "
-                        "equinix or static")
+    ssh_keys.load_or_create(settings.ssh_key_path)  # operators install it by hand
+    return StaticProvider(settings.static_inventory)
 
 
 def initializer_settings(settings: Settings) -> InitializerSettings:
@@ -92,6 +107,7 @@ def guard_limits(settings: Settings) -> GuardLimits:
         reboots_per_hour=settings.reboots_per_hour,
         healthz_url=settings.bmaas_endpoint.rstrip("/") + "/healthz",
         healthz_timeout=settings.healthz_timeout,
+        healthz_ca_file=settings.bmaas_ca_file or None,
     )
 
 

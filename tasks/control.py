@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import bmdb
-from shepherd import runtime
+from shepherd import metrics, runtime
 from shepherd.workflows import guard as recovery_guard
 from tasks import app
 from tasks.errors import ReconcileRefused, ShepherdTaskError
@@ -100,6 +100,7 @@ def source(process: str) -> dict[str, Any]:
         if chosen is bmdb.Process.RECOVERY:
             decision = recovery_guard.evaluate(STATE.db, settings.thresholds,
                                                runtime.guard_limits(settings))
+            metrics.count_recovery_pause(decision.causes)
             if decision.paused:
                 log.error("RECOVERY PAUSED: %s", decision.paused)
                 return {"process": chosen.value, "paused": decision.paused,
@@ -125,7 +126,10 @@ def source(process: str) -> dict[str, Any]:
         # After one refusal the broker is most likely down: trying each remaining claim
         # would cost a connection timeout apiece while the machines stay held.
         refused += 1
-        work.cancel(refusal)
+        try:
+            work.cancel(refusal)
+        except Exception as error:  # keep cancelling the rest; the sweep gets this one
+            log.error("cancelling the refused claim %s failed: %s", work.id, error)
     if claims:
         log.info("sourced %d %s claims (%d refused by the broker)", len(claims),
                  chosen.value, refused)

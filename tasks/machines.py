@@ -20,9 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import bmdb
-from shepherd import runtime
+from shepherd import metrics, runtime
 from shepherd.workflows import WorkflowResult, initialize, recover
 from shepherd.workflows import guard as recovery_guard
+from shepherd.workflows.common import NOT_OURS, fail
 from tasks import app
 from tasks.errors import (
     MachineNotClaimable,
@@ -65,17 +66,34 @@ def claim(process: bmdb.Process, machine_id: str) -> bmdb.Work:
 
 
 def run(process: bmdb.Process, work: bmdb.Work, workflow: Workflow) -> dict[str, Any]:
-    """Run the workflow on ``work`` (failures use the configured backoff) and report."""
+    """Run the workflow on ``work`` (failures use the configured backoff) and report.
+
+    The workflow finishes or fails the work itself once it runs; what it needs first
+    (the provider, built on first use, and its settings) can fail before that, and
+    the claim must not stay held by this live session: it is failed here.
+    """
+    configured = runtime.configured(work, STATE.settings)
     try:
-        result = workflow(runtime.configured(work, STATE.settings))
-    except (bmdb.WorkGone, bmdb.SessionExpired, bmdb.CommitOutcomeUnknown) as error:
-        raise MachineWorkLost(f"{process.value} on machine {work.machine_id}: the claim was "
-                              f"lost mid-way ({type(error).__name__}: {error}); the sweep "
-                              "releases it") from None
+        result = workflow(configured)
+    except NOT_OURS as error:
+        raise lost(process, work, error) from None
+    except Exception as error:
+        log.exception("%s on %s: could not start the workflow", process.value,
+                      work.machine_id)
+        try:
+            result = fail(configured, f"worker: {type(error).__name__}: {error}")
+        except NOT_OURS as lost_meanwhile:
+            raise lost(process, work, lost_meanwhile) from None
     if not result.ok:
         raise MachineWorkFailed(f"{process.value} failed on machine {work.machine_id}: "
                                 f"{result.cause} (backoff {result.backoff_seconds}s)")
     return result.to_json() | {"work_id": str(work.id)}
+
+
+def lost(process: bmdb.Process, work: bmdb.Work, error: Exception) -> MachineWorkLost:
+    return MachineWorkLost(f"{process.value} on machine {work.machine_id}: the claim was "
+                           f"lost mid-way ({type(error).__name__}: {error}); the sweep "
+                           "releases it")
 
 
 def _initialize(work: bmdb.Work) -> WorkflowResult:
@@ -87,11 +105,27 @@ def _recover(work: bmdb.Work) -> WorkflowResult:
 
 
 def guard_pause(budget: bool) -> recovery_guard.GuardDecision | None:
-    """The guard's decision when it pauses Recovery now, else None."""
+    """The guard's decision when it pauses Recovery now, else None (counted in metrics)."""
     settings = STATE.settings
     decision = recovery_guard.evaluate(STATE.db, settings.thresholds,
                                        runtime.guard_limits(settings), budget=budget)
+    metrics.count_recovery_pause(decision.causes)
     return decision if decision.paused else None
+
+
+def paused_at_execution(work: bmdb.Work) -> str | None:
+    """Why Recovery must not reboot the adopted machine now, or None.
+
+    Asked right before the reboot: the callback server may have failed since the
+    claim was sourced. A guard that cannot decide (its BMDB read failed) pauses too:
+    a reboot is the one action here that cannot be taken back.
+    """
+    try:
+        paused = guard_pause(budget=False)
+    except Exception as error:
+        log.exception("recovery guard failed before rebooting %s", work.machine_id)
+        return f"recovery paused: the guard could not decide: {type(error).__name__}: {error}"
+    return paused.paused if paused is not None else None
 
 
 @app.task(name="shepherd.agent_start", throws=(ShepherdTaskError,))
@@ -121,12 +155,12 @@ def recovery(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
         if adopted is None:
             return gone(process, machine_id, work_id, "already adopted or released")
         work = adopted
-        paused = guard_pause(budget=False)
+        paused = paused_at_execution(work)
         if paused is not None:
-            log.error("RECOVERY PAUSED, not rebooting %s: %s", machine_id, paused.paused)
-            work.cancel(f"recovery paused: {paused.paused}")
+            log.error("RECOVERY PAUSED, not rebooting %s: %s", machine_id, paused)
+            work.cancel(paused)
             return {"machine_id": machine_id, "process": process.value, "work_id": work_id,
-                    "outcome": "paused", "cause": paused.paused, "guard": paused.to_json()}
+                    "outcome": "paused", "cause": paused}
     return run(process, work, _recover)
 
 

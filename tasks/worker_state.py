@@ -19,8 +19,9 @@ from celery.signals import worker_init, worker_process_init, worker_process_shut
 
 import bmdb
 from shepherd import metrics, runtime
-from shepherd.config import Settings
+from shepherd.config import Settings, SettingsError
 from shepherd.providers import Provider
+from shepherd.providers.base import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,20 @@ def _on_shutdown(pid: int | None = None, **_: Any) -> None:
         log.info("closing the BMDB session at shutdown failed: %s", error)
     # Multiprocess metrics: this child's live gauges must stop counting.
     metrics.child_exited(pid or os.getpid())
+
+
+@worker_init.connect
+def _refuse_unusable_settings(**_: Any) -> None:
+    """Stop the worker at start when every task would fail on its settings.
+
+    Celery logs and swallows a signal handler's exceptions, so the refusal is a
+    ``SystemExit``, which it lets through: the worker exits before taking a message.
+    """
+    try:
+        runtime.check_settings(Settings.from_env())
+    except (SettingsError, ConfigError) as error:
+        log.critical("shepherd worker refuses to start: %s", error)
+        raise SystemExit(2) from None
 
 
 #: Port of the worker host's metrics endpoint (provider calls of every pool process);

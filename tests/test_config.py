@@ -34,9 +34,16 @@ def test_secret_from_file_stays_out_of_repr(tmp_path):
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("SHEPHERD_BATCH_SIZE", "many", "SHEPHERD_BATCH_SIZE='many' is not a whole number"),
-    ("SHEPHERD_DISPATCH_TTL", "-1", "must not be negative"),
+    ("SHEPHERD_REBOOT_WAIT", "-1", "must not be negative"),
     ("SHEPHERD_RECOVERY_BACKOFF", "60", "expected initial,maximum,exponent"),
     ("SHEPHERD_PROVIDER_TOKEN_FILE", "/nonexistent/token", "No such file"),
+    ("SHEPHERD_BATCH_SIZE", "0", "SHEPHERD_BATCH_SIZE='0' must be at least 1"),
+    ("SHEPHERD_IN_FLIGHT_CAP", "-3", "must be at least 0"),
+    ("SHEPHERD_PROVIDER_SSH_PORT", "70000", "at least 1 and at most 65535"),
+    ("SHEPHERD_SESSION_INTERVAL", "0.5", "must be at least 1"),
+    ("SHEPHERD_DISPATCH_TTL", "0", "must be at least 1"),
+    ("SHEPHERD_HEARTBEAT_TIMEOUT", "nan", "must be a finite number"),
+    ("SHEPHERD_SOURCE_INTERVAL", "inf", "must be a finite number"),
 ])
 def test_bad_values_name_the_variable(name, value, message):
     with pytest.raises(SettingsError, match=message):

@@ -283,9 +283,19 @@ def test_settings_refuse_nonsense(bad):
     {"device_prefix": "", "ssh_key_label": "shepherd"},
     {"device_prefix": "shepherd-", "ssh_key_label": "FIXME"},
     {"device_prefix": "shepherd-", "ssh_key_label": "placeholder"},
+    {"device_prefix": "example-", "ssh_key_label": "shepherd"},
+    {"device_prefix": "shepherd-", "ssh_key_label": "my-todo-key"},
 ])
 def test_placeholder_prefix_and_label_are_refused_at_start(config):
     offline = EquinixClient(ClientConfig(token="t0ken", project_id="p-1",
                                          base_url="http://127.0.0.1:9/metal/v1"))
     with pytest.raises(ConfigError):
         EquinixProvider(offline, ProviderConfig(**config))
+
+
+def test_a_real_name_that_contains_a_placeholder_word_is_accepted():
+    offline = EquinixClient(ClientConfig(token="t0ken", project_id="p-1",
+                                         base_url="http://127.0.0.1:9/metal/v1"))
+    provider = EquinixProvider(offline, ProviderConfig(device_prefix="mastodon-",
+                                                       ssh_key_label="shepherd-xxxl"))
+    assert provider.config.device_prefix == "mastodon-"

@@ -57,3 +57,24 @@ def test_body_errors_roll_back_and_propagate(session):
         ).scalar_one()
     )
     assert count == 0
+
+
+def test_a_lease_that_could_not_be_extended_is_not_alive(db):
+    """The database unreachable from the keep-alive: past one interval the session
+    stops counting as alive on its own, and held work refuses to act."""
+    session = db.start_session("unreachable", interval=1)
+    seed = session.transact(lambda tx: bmdb.tags.create_machine(tx))
+    session.transact(lambda tx: bmdb.tags.upsert_provided(
+        tx, seed, provider="test", provider_id="p", provider_status="Running"))
+    (work,) = session.claim_backlog(bmdb.Process.AGENT_START, limit=1)
+    work.ensure_held()  # freshly extended: fine
+
+    def unreachable() -> None:
+        raise ConnectionError("the database is unreachable")
+
+    session._extend = unreachable  # the keep-alive now fails as in an outage
+    time.sleep(1.3)
+    assert not session.alive
+    with pytest.raises(bmdb.SessionExpired):
+        work.ensure_held()
+    session.close()

@@ -397,6 +397,73 @@ def test_recovery_pauses_at_execution_when_the_callback_server_is_down(state) ->
     assert len(state.db.read(lambda tx: bmdb.queries.history(tx, machine_id))) == 2
 
 
+def test_a_provider_that_cannot_be_built_fails_the_claim(state) -> None:
+    """What the workflow needs can fail before it runs (here: the provider): the
+    adopted claim is failed with a backoff, not left held by this live session."""
+    import dataclasses
+
+    from tasks import machines
+    from tasks.errors import MachineWorkFailed
+
+    state._settings = dataclasses.replace(state.settings, provider="static")  # no inventory
+    state._provider = None
+    [machine_id] = add_running(state.db, 1)
+    [work] = state.session.claim_backlog(bmdb.Process.AGENT_START, 1, dispatch_ttl=30)
+    with pytest.raises(MachineWorkFailed, match="SHEPHERD_STATIC_INVENTORY"):
+        machines.agent_start.run(str(machine_id), str(work.id))
+    history = state.db.read(lambda tx: bmdb.queries.history(tx, machine_id))
+    assert [h["event"] for h in history] == ["Failed", "Started"]
+    assert history[0]["cause"].startswith("worker: SettingsError")
+    assert state.db.read(lambda tx: tx.execute(bmdb.schema.work.select()).all()) == []
+    assert len(state.db.read(lambda tx: tx.execute(bmdb.schema.backoff.select()).all())) == 1
+
+
+@pytest.fixture
+def healthy_callback_server(state):
+    """A /healthz that answers 200, so only the share and the budget can pause Recovery."""
+    import dataclasses
+    import http.server
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    state._settings = dataclasses.replace(state.settings, bmaas_endpoint=url)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def test_sourcing_recovery_stays_within_the_hourly_budget(state, healthy_callback_server,
+                                                          monkeypatch) -> None:
+    from shepherd import metrics
+    from tasks import control, machines
+
+    add_running(state.db, 3, agent_started_ago=60)  # three silent machines, budget of two
+    sent: list[dict] = []
+    monkeypatch.setattr(machines.recovery, "apply_async", lambda **kw: sent.append(kw))
+    budget_pauses = metrics.RECOVERY_PAUSES.labels(reason="reboot_budget")
+    before = budget_pauses._value.get()
+
+    first = control.source.run("ShepherdRecovery")
+    assert (first["claimed"], len(sent)) == (2, 2), first
+    second = control.source.run("ShepherdRecovery")
+    assert "reboots in the last hour" in second["paused"], second
+    assert second["guard"]["causes"] == ["reboot_budget"]
+    assert len(sent) == 2
+    assert budget_pauses._value.get() == before + 1
+
+
 def test_the_hourly_reboot_budget_counts_history_fleet_wide(state) -> None:
     import datetime as dt
 
@@ -455,6 +522,8 @@ def test_settings_and_celery_config_from_the_environment(monkeypatch) -> None:
         assert config.broker_transport_options["visibility_timeout"] == 7200
         limit = settings.machine_task_time_limit
         assert config.broker_transport_options["visibility_timeout"] > limit
+        assert config.task_annotations["shepherd.agent_start"] == {
+            "time_limit": limit, "soft_time_limit": limit - 30}
         assert config.task_acks_late and config.task_reject_on_worker_lost
         assert config.worker_prefetch_multiplier == 1
     finally:
@@ -486,3 +555,20 @@ def test_reconcile_runs_once_at_a_time_fleet_wide(state) -> None:
             bmdb.singletons.hold(other, "reconcile") as held:
         assert held
         assert control.reconcile.run() == {"skipped": "reconcile already running"}
+
+
+def test_a_worker_with_a_placeholder_prefix_refuses_to_start(tmp_path, redis_url) -> None:
+    """One clear line and a non-zero exit, before any message is taken."""
+    import os
+    import subprocess
+
+    from tests.celery_fixtures import CELERY, REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    env.update(SHEPHERD_BROKER_URL=redis_url, SHEPHERD_DEVICE_PREFIX="example-",
+               SHEPHERD_BMDB_URL=f"sqlite:///{tmp_path / 'bmdb.sqlite'}")
+    result = subprocess.run([CELERY, "-A", "tasks", "worker", "--loglevel=INFO"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refuses to start: SHEPHERD_DEVICE_PREFIX 'example-' is empty or a placeholder" \
+        in result.stdout + result.stderr

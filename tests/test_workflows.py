@@ -220,3 +220,28 @@ def test_recovery_guard_pauses_on_a_fleet_wide_silence(
         assert recovery_paused(guard_db, strict, min_silent=3) is None
     finally:
         guard_db.close()
+
+
+class _StopAsked:
+    """A provider whose lookup is interrupted by Celery's soft time limit."""
+
+    name = "equinix"
+
+    def get_machine(self, provider_id: str) -> ProviderMachine:
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        raise SoftTimeLimitExceeded()
+
+
+def test_a_soft_time_limit_fails_the_work_into_backoff(db: bmdb.BMDB,
+                                                       settings: InitializerSettings) -> None:
+    """What a stuck task does when Celery asks it to stop: the machine sits out a
+    backoff, instead of being released by the sweep and claimed again at once."""
+    with db.start_session("w", interval=2) as session:
+        machine = ProviderMachine("dev-soft", "127.9.9.9", 22, None, None,
+                                  bmdb.ProviderStatus.RUNNING, False)
+        session.transact(lambda tx: register_provided(tx, "equinix", machine))
+        work = claim_one(session, bmdb.Process.AGENT_START)
+        result = initialize(work, _StopAsked(), settings)  # type: ignore[arg-type]
+    assert (result.outcome, result.backoff_seconds) == ("failed", 300)
+    assert "SoftTimeLimitExceeded" in (result.cause or "")

@@ -8,6 +8,7 @@ bare-metal APIs (Hetzner, OVH, Scaleway, ...) have no such thing.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -116,7 +117,8 @@ def refuse_placeholder(what: str, value: str | None) -> str:
     """
     text = (value or "").strip()
     lowered = text.lower()
-    if lowered in PLACEHOLDERS or any(p in lowered for p in ("changeme", "fixme")):
+    words = set(re.split(r"[^a-z0-9]+", lowered)) - {""}  # "example-", "my-todo-fleet"
+    if not words or words & PLACEHOLDERS or any(p in lowered for p in ("changeme", "fixme")):
         raise ConfigError(f"{what} {value!r} is empty or a placeholder; set a real value")
     return text
 

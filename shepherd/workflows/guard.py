@@ -70,6 +70,13 @@ class GuardLimits:
     reboots_per_hour: int = 50
     healthz_url: str | None = None
     healthz_timeout: float = 5.0
+    #: The CA the agents verify the callback server against (PEM file); the guard
+    #: must trust exactly what they trust, or a private CA would pause Recovery for good.
+    healthz_ca_file: str | None = None
+
+
+#: Why Recovery may be paused, as bounded labels (the reason text has numbers in it).
+SILENT_SHARE, CALLBACK_SERVER, REBOOT_BUDGET = "silent_share", "callback_server", "reboot_budget"
 
 
 @dataclass(frozen=True)
@@ -86,24 +93,29 @@ class GuardDecision:
     silent: int
     reboots_last_hour: int
     callback_healthy: bool | None
+    #: The labels (``SILENT_SHARE``, ``CALLBACK_SERVER``, ``REBOOT_BUDGET``) of ``paused``.
+    causes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"paused": self.paused, "allowed": self.allowed, "started": self.started,
-                "silent": self.silent, "reboots_last_hour": self.reboots_last_hour,
+        return {"paused": self.paused, "causes": list(self.causes), "allowed": self.allowed,
+                "started": self.started, "silent": self.silent,
+                "reboots_last_hour": self.reboots_last_hour,
                 "callback_healthy": self.callback_healthy}
 
 
-def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0) -> str | None:
+def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0,
+                              ca_file: str | None = None) -> str | None:
     """Why the agent callback server is not healthy (``GET /healthz`` not 200), or None.
 
     Why it matters: with the server down every agent looks silent; rebooting then
     would punish the fleet for our own outage. Proxies from the environment are
-    ignored: the worker must reach the server the way agents do, directly.
+    ignored: the worker must reach the server the way agents do, directly, and
+    trusting the CA they trust (``ca_file``), else the system's.
     """
     with requests.Session() as client:
         client.trust_env = False
         try:
-            response = client.get(healthz_url, timeout=timeout)
+            response = client.get(healthz_url, timeout=timeout, verify=ca_file or True)
         except requests.RequestException as error:
             return f"callback server {healthz_url} unreachable: {type(error).__name__}"
     if response.status_code != 200:
@@ -141,12 +153,13 @@ def evaluate(db: bmdb.BMDB, thresholds: bmdb.Thresholds, limits: GuardLimits, *,
     up. ``budget=False`` is for a claim already made: it counts in the budget itself.
     """
     healthy: bool | None = None
-    reasons: list[str] = []
+    reasons: dict[str, str] = {}
     if limits.healthz_url:
-        unhealthy = callback_server_unhealthy(limits.healthz_url, limits.healthz_timeout)
+        unhealthy = callback_server_unhealthy(limits.healthz_url, limits.healthz_timeout,
+                                              limits.healthz_ca_file)
         healthy = unhealthy is None
         if unhealthy:
-            reasons.append(f"recovery paused: {unhealthy}")
+            reasons[CALLBACK_SERVER] = f"recovery paused: {unhealthy}"
 
     def read(tx: bmdb.Tx) -> tuple[str | None, int, int, int]:
         started, silent = silent_counts(tx, thresholds)
@@ -155,10 +168,11 @@ def evaluate(db: bmdb.BMDB, thresholds: bmdb.Thresholds, limits: GuardLimits, *,
 
     share_reason, started, silent, reboots = db.read(read)
     if share_reason:
-        reasons.append(share_reason)
+        reasons[SILENT_SHARE] = share_reason
     allowed = max(0, limits.reboots_per_hour - reboots)
     if budget and allowed == 0:
-        reasons.append(f"recovery paused: {reboots} reboots in the last hour reach the limit "
-                       f"of {limits.reboots_per_hour} per hour")
-    return GuardDecision(paused="; ".join(reasons) or None, allowed=allowed, started=started,
-                         silent=silent, reboots_last_hour=reboots, callback_healthy=healthy)
+        reasons[REBOOT_BUDGET] = (f"recovery paused: {reboots} reboots in the last hour "
+                                  f"reach the limit of {limits.reboots_per_hour} per hour")
+    return GuardDecision(paused="; ".join(reasons.values()) or None, allowed=allowed,
+                         started=started, silent=silent, reboots_last_hour=reboots,
+                         callback_healthy=healthy, causes=tuple(reasons))

@@ -64,6 +64,7 @@ def initialize(work: bmdb.Work, provider: Provider,
 
     def body() -> Callable[[bmdb.Tx], None]:
         machine = reachable_machine(work, provider, settings.permanent_backoff)
+        work.ensure_held()
         key = take_over(machine, work.machine_id, settings)
         return lambda tx: bmdb.tags.set_agent_started(tx, work.machine_id, key)
 

@@ -42,6 +42,7 @@ def recover(work: bmdb.Work, provider: Provider, settings: RecovererSettings,
 
     def body() -> Callable[[bmdb.Tx], None]:
         provider_id = provider_id_of(work, provider, settings.permanent_backoff)
+        work.ensure_held()
         try:
             provider.reboot(provider_id)
         except NotFound as error:
