@@ -11,8 +11,10 @@ import base64
 import datetime as dt
 import importlib.util
 import ipaddress
+import itertools
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from shepherd.agent.protocol import (
 )
 from shepherd.server import RunningServer, ServerConfig, start_server
 from tests.agent_fixtures import (
+    CLOCK_WINDOW,
     AgentLauncher,
     AgentRun,
     agents,
@@ -60,10 +63,11 @@ def take_over(agents: AgentLauncher, machine_id: uuid.UUID, endpoint: str,
 
 
 def start_agent(agents: AgentLauncher, session: bmdb.Session, endpoint: str,
-                ca: str | None = None) -> tuple[uuid.UUID, TakeoverResponse, AgentRun]:
+                ca: str | None = None,
+                **kwargs: Any) -> tuple[uuid.UUID, TakeoverResponse, AgentRun]:
     """Takeover, then record AgentStarted with the agent's key, as the initializer does."""
     machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
-    response, run = take_over(agents, machine, endpoint, ca)
+    response, run = take_over(agents, machine, endpoint, ca, **kwargs)
     assert response.ok, response.error
     assert response.key is not None
     session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, response.key))
@@ -87,7 +91,10 @@ def test_takeover_answers_detaches_and_heartbeats_land(
 ) -> None:
     machine, response, run = start_agent(agents, session, callback_server.url)
 
-    assert response.init_message == TakeoverInit(machine, callback_server.url, None)
+    # What the agent printed, not what the parser hands back (that is ``sent`` itself).
+    assert run.answer["success"]["init_message"] == {
+        "machine_id": str(machine), "bmaas_endpoint": callback_server.url,
+        "ca_certificate": None}
     assert len(response.key or b"") == 32
     assert run.completed.returncode == 0 and run.elapsed < 5
     pid = run.pid()
@@ -104,9 +111,26 @@ def test_takeover_answers_detaches_and_heartbeats_land(
     assert_report_describes_this_machine(report)
 
 
-def assert_report_describes_this_machine(report: dict[str, Any]) -> None:
+def host_cpu_counts() -> tuple[int, int | None]:
+    """This host's logical CPUs and physical cores (None when /proc/cpuinfo does not
+    say), read here independently of the agent's parser."""
     cpuinfo = Path("/proc/cpuinfo").read_text()
-    assert report["cpu"]["cores"] == cpuinfo.count("\nprocessor") + cpuinfo.startswith("processor")
+    threads = len(re.findall(r"^processor\s*:", cpuinfo, re.MULTILINE))
+    sockets = re.findall(r"^physical id\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+    cores = re.findall(r"^core id\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+    if not len(sockets) == len(cores) == threads:
+        return threads, None
+    return threads, len(set(zip(sockets, cores, strict=True)))
+
+
+def assert_report_describes_this_machine(report: dict[str, Any]) -> None:
+    threads, cores = host_cpu_counts()
+    assert report["cpu"]["threads"] == threads
+    if cores is None:
+        assert report["cpu"]["cores"] == threads
+        assert any("core id" in warning for warning in report["warnings"])
+    else:
+        assert report["cpu"]["cores"] == cores
     assert isinstance(report["cpu"]["model"], str) and report["cpu"]["model"]
     meminfo = Path("/proc/meminfo").read_text().split("\n")[0].split()
     assert report["memory_bytes"] == int(meminfo[1]) * 1024
@@ -140,16 +164,87 @@ def test_an_installation_request_reaches_the_agent_and_its_report_returns(
     assert pending is None
 
 
+BACKOFF_INTERVAL, MAX_BACKOFF = 0.1, 0.8
+FAILURE_LINE = re.compile(
+    r"^(\S+ \S+) WARNING heartbeat failed \((\d+) in a row\): server answered 401",
+    re.MULTILINE)
+
+
+def failures_in(log: str) -> list[tuple[int, dt.datetime]]:
+    """(how many in a row, when) for each refused heartbeat in the agent's log."""
+    return [(int(count), dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f"))
+            for stamp, count in FAILURE_LINE.findall(log)]
+
+
 def test_agent_without_a_recorded_key_is_refused_and_backs_off(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
     agents: AgentLauncher,
 ) -> None:
     machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
-    response, run = take_over(agents, machine, callback_server.url)
+    response, run = take_over(agents, machine, callback_server.url, interval=BACKOFF_INTERVAL,
+                              env={"SHEPHERD_AGENT_MAX_BACKOFF": str(MAX_BACKOFF)})
     assert response.ok
-    wait_for(lambda: run.log().count("server answered 401") >= 3, what="refused heartbeats")
-    assert "in a row" in run.log()
+    failures = wait_for(lambda: len(f := failures_in(run.log())) >= 6 and f, timeout=15,
+                        what="six refused heartbeats")[:6]
+
+    assert [count for count, _ in failures] == [1, 2, 3, 4, 5, 6]
+    gaps = [(b - a).total_seconds() for (_, a), (_, b) in itertools.pairwise(failures)]
+    # After the n-th failure the agent waits min(max, interval * 2**n): 0.2, 0.4, 0.8,
+    # then the cap 0.8 (not 1.6, 3.2). Log stamps have millisecond resolution.
+    waits = [min(MAX_BACKOFF, BACKOFF_INTERVAL * 2 ** n) for n in range(1, 6)]
+    assert all(gap >= wait - 0.002 for gap, wait in zip(gaps, waits, strict=True)), gaps
+    assert gaps[0] < MAX_BACKOFF, f"the first wait should be short, not the cap: {gaps}"
+    assert max(gaps) < 2 * MAX_BACKOFF, f"the waits should stop at the cap: {gaps}"
     assert tags_of(db, machine) == {}
+
+
+SMALL_BODY = 1024
+
+
+def large_machine(root: Path, interfaces: int = 40) -> Path:
+    """A /proc and /sys whose hardware report is larger than ``SMALL_BODY``."""
+    write_tree(root, {
+        "proc/cpuinfo": "processor\t: 0\nmodel name\t: Test CPU\n",
+        "proc/meminfo": "MemTotal:       2048 kB\n",
+        **{f"sys/class/net/eth{i}/address": f"02:00:00:00:00:{i:02x}\n"
+           for i in range(interfaces)},
+    })
+    return root
+
+
+def test_reports_the_server_refuses_are_dropped_so_heartbeats_go_on(
+    db: bmdb.BMDB, session: bmdb.Session, agents: AgentLauncher, agent_module: ModuleType,
+    tmp_path: Path,
+) -> None:
+    """A server whose body limit a plain heartbeat fits but the reports do not (413)."""
+    root = large_machine(tmp_path / "machine")
+    assert len(json.dumps(agent_module.hardware_report(str(root)))) > SMALL_BODY
+    config = ServerConfig(bmdb_url=db.url, max_body=SMALL_BODY, clock_window=CLOCK_WINDOW,
+                          session_interval=2)
+    with start_server(config, db=db, threads=8) as server:
+        machine, _, run = start_agent(agents, session, server.url,
+                                      env={"SHEPHERD_AGENT_SYS_ROOT": str(root)})
+
+        wait_for(lambda: heartbeat_at(db, machine), what="a heartbeat without the report")
+        assert "HardwareReport" not in tags_of(db, machine)
+        assert_warned(run, "dropping the hardware report", "413")
+
+        request = {"kind": "k" * SMALL_BODY}  # the agent's report quotes it: too large
+        session.transact(lambda tx: bmdb.tags.set_os_installation_request(tx, machine, 7,
+                                                                          request))
+        wait_for(lambda: "dropping installation report 7" in run.log(), what="the drop")
+        for _ in range(2):
+            last = heartbeat_at(db, machine)
+            wait_for(lambda last=last: (heartbeat_at(db, machine) or last) > last,
+                     what="heartbeats after the installation report was dropped")
+    assert_warned(run, "dropping installation report 7", "413")
+    assert "OSInstallationReport" not in tags_of(db, machine)
+    assert run.log().count("OS installation request 7") == 1, "installed only once"
+
+
+def assert_warned(run: AgentRun, what: str, why: str) -> None:
+    lines = [line for line in run.log().splitlines() if what in line]
+    assert lines and all(" WARNING " in line and why in line for line in lines), lines
 
 
 # -- TLS --------------------------------------------------------------------------------
@@ -308,8 +403,9 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 
 def test_hardware_report_reads_proc_and_sys(agent_module: ModuleType, tmp_path: Path) -> None:
     write_tree(tmp_path, {
-        "proc/cpuinfo": "processor\t: 0\nmodel name\t: Test CPU 9000\n\n"
-                        "processor\t: 1\nmodel name\t: Test CPU 9000\n",
+        "proc/cpuinfo": "".join(  # two cores of two threads each
+            f"processor\t: {n}\nmodel name\t: Test CPU 9000\nphysical id\t: 0\n"
+            f"core id\t\t: {n % 2}\n\n" for n in range(4)),
         "proc/meminfo": "MemTotal:       2048 kB\nMemFree:        1024 kB\n",
         "sys/block/sda/size": "1000\n",
         "sys/block/loop0/size": "8\n",
@@ -319,7 +415,7 @@ def test_hardware_report_reads_proc_and_sys(agent_module: ModuleType, tmp_path: 
     })
     report = agent_module.hardware_report(str(tmp_path))
     assert report == {
-        "cpu": {"model": "Test CPU 9000", "cores": 2},
+        "cpu": {"model": "Test CPU 9000", "cores": 2, "threads": 4},
         "memory_bytes": 2048 * 1024,
         "block_devices": [{"name": "sda", "size_bytes": 512_000}],
         "network_interfaces": [{"name": "eth0", "mac": "02:00:00:00:00:01"}],
@@ -332,11 +428,39 @@ def test_hardware_report_warns_for_everything_it_cannot_read(
     agent_module: ModuleType, tmp_path: Path
 ) -> None:
     report = agent_module.hardware_report(str(tmp_path))
-    assert report["cpu"] == {"model": "unknown", "cores": 0}
+    assert report["cpu"] == {"model": "unknown", "cores": 0, "threads": 0}
     assert report["memory_bytes"] == 0
     assert report["block_devices"] == report["network_interfaces"] == []
     assert [w.split(":")[0] for w in report["warnings"]] == [
         "cpu", "memory", "block devices", "network interfaces"]
+
+
+@pytest.mark.parametrize(("cpuinfo", "cores", "threads"), [
+    ("".join(f"processor : {n}\nphysical id : {n // 4}\ncore id : {n % 4 // 2}\n\n"
+             for n in range(8)), 4, 8),  # two sockets of two cores of two threads
+    ("".join(f"processor : {n}\nphysical id : 0\ncore id : {n}\n\n" for n in range(3)),
+     3, 3),  # no SMT
+])
+def test_cores_are_distinct_physical_and_core_ids(
+    agent_module: ModuleType, cpuinfo: str, cores: int, threads: int
+) -> None:
+    warnings: list[str] = []
+    counts = agent_module.parse_cpuinfo(cpuinfo)[1]
+    assert (agent_module.count_cores(counts, warnings), len(counts)) == (cores, threads)
+    assert warnings == []
+
+
+def test_cores_fall_back_to_logical_cpus_without_topology(
+    agent_module: ModuleType, tmp_path: Path
+) -> None:
+    """Many ARM kernels print no physical id / core id."""
+    write_tree(tmp_path, {"proc/cpuinfo": "processor : 0\nBogoMIPS : 50\n\n"
+                                          "processor : 1\nBogoMIPS : 50\n\n"
+                                          "Hardware : Test\nModel : Test Board\n"})
+    warnings: list[str] = []
+    cpu = agent_module.read_cpu(str(tmp_path), warnings)
+    assert cpu == {"model": "Test Board", "cores": 2, "threads": 2}
+    assert warnings == ["cpu: no physical id/core id in /proc/cpuinfo; cores counts logical CPUs"]
 
 
 # -- protocol validation (the initializer's side) ------------------------------------------

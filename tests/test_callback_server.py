@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import requests
+import sqlalchemy as sa
 
 import bmdb
 from shepherd.agent.protocol import HEADER_SIGNATURE, HEARTBEAT_PATH
@@ -26,14 +27,15 @@ from tests.agent_fixtures import (
     CLOCK_WINDOW,
     MAX_BODY,
     add_machine,
+    bmdb_rows,
     callback_server,
     heartbeat_body,
     http,
     new_key,
     signed_headers,
-    tag_rows,
     tags_of,
     utc,
+    wait_for,
 )
 
 __all__ = ["callback_server", "http"]  # fixtures, imported for pytest to find
@@ -72,7 +74,7 @@ def test_a_signed_heartbeat_is_recorded_with_its_hardware_report(
 ) -> None:
     key, public = new_key()
     machine = add_machine(session, public)
-    report = {"cpu": {"model": "Test CPU", "cores": 4}, "memory_bytes": 1 << 30,
+    report = {"cpu": {"model": "Test CPU", "cores": 4, "threads": 8}, "memory_bytes": 1 << 30,
               "block_devices": [], "network_interfaces": [], "warnings": []}
     body = heartbeat_body(machine, hardware_report=report)
     stamp = time.time()
@@ -122,70 +124,87 @@ def test_installation_request_is_answered_until_reported(
 # -- refusals: each leaves every tag row as it was ------------------------------------
 
 
-def refusal_cases() -> dict[str, Callable[..., tuple[bytes | Any, dict[str, str]]]]:
-    """name -> builder(key, machine, other_machine, stranger_key) of (body, headers)."""
+Built = tuple[bytes | Any, dict[str, str]]
 
-    def wrong_key(key, machine, other, stranger):
-        body = heartbeat_body(machine)
-        return body, signed_headers(stranger, machine, body)
 
-    def other_machines_id(key, machine, other, stranger):
-        body = heartbeat_body(other)
-        return body, signed_headers(key, other, body)
+def refusal_cases() -> dict[str, Callable[[dict[str, Any]], Built]]:
+    """name -> builder(fleet) of (body, headers); ``fleet`` is the fixture below."""
 
-    def body_names_another_machine(key, machine, other, stranger):
-        body = heartbeat_body(other)
-        return body, signed_headers(key, machine, body)
+    def wrong_key(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["machine"])
+        return body, signed_headers(f["stranger"], f["machine"], body)
 
-    def unknown_machine(key, machine, other, stranger):
+    def other_machines_id(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["other"])
+        return body, signed_headers(f["key"], f["other"], body)
+
+    def body_names_another_machine(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["other"])
+        return body, signed_headers(f["key"], f["machine"], body)
+
+    def unknown_machine(f: dict[str, Any]) -> Built:
         ghost = uuid.uuid4()
         body = heartbeat_body(ghost)
-        return body, signed_headers(key, ghost, body)
+        return body, signed_headers(f["key"], ghost, body)
 
-    def bad_signature(key, machine, other, stranger):
-        body = heartbeat_body(machine)
-        headers = signed_headers(key, machine, body)
-        return heartbeat_body(machine, hardware_report={}), headers  # body changed after signing
+    def bad_signature(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["machine"])
+        headers = signed_headers(f["key"], f["machine"], body)
+        return heartbeat_body(f["machine"], hardware_report={}), headers  # changed after signing
 
-    def signature_for_another_path(key, machine, other, stranger):
-        body = heartbeat_body(machine)
-        return body, signed_headers(key, machine, body, path="/healthz")
+    def signature_for_another_path(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["machine"])
+        return body, signed_headers(f["key"], f["machine"], body, path="/healthz")
 
-    def garbled_signature(key, machine, other, stranger):
-        body = heartbeat_body(machine)
-        return body, {**signed_headers(key, machine, body), HEADER_SIGNATURE: "not base64!"}
+    def garbled_signature(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["machine"])
+        headers = signed_headers(f["key"], f["machine"], body)
+        return body, {**headers, HEADER_SIGNATURE: "not base64!"}
 
-    def no_headers(key, machine, other, stranger):
-        return heartbeat_body(machine), {"Content-Type": "application/json"}
+    def no_headers(f: dict[str, Any]) -> Built:
+        return heartbeat_body(f["machine"]), {"Content-Type": "application/json"}
 
-    def stale_timestamp(key, machine, other, stranger):
-        body = heartbeat_body(machine)
-        return body, signed_headers(key, machine, body, timestamp=time.time() - 2 * CLOCK_WINDOW)
+    def stale_timestamp(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["machine"])
+        stamp = time.time() - 2 * CLOCK_WINDOW
+        return body, signed_headers(f["key"], f["machine"], body, timestamp=stamp)
 
-    def future_timestamp(key, machine, other, stranger):
-        body = heartbeat_body(machine)
-        return body, signed_headers(key, machine, body, timestamp=time.time() + 2 * CLOCK_WINDOW)
+    def stale_timestamp_before_any_heartbeat(f: dict[str, Any]) -> Built:
+        # No heartbeat on record, so no "newer than the last one" check to hide behind:
+        # only the clock window can refuse this one.
+        body = heartbeat_body(f["newcomer"])
+        stamp = time.time() - 2 * CLOCK_WINDOW
+        return body, signed_headers(f["newcomer_key"], f["newcomer"], body, timestamp=stamp)
 
-    def unauthenticated_garbage(key, machine, other, stranger):
+    def future_timestamp(f: dict[str, Any]) -> Built:
+        body = heartbeat_body(f["machine"])
+        stamp = time.time() + 2 * CLOCK_WINDOW
+        return body, signed_headers(f["key"], f["machine"], body, timestamp=stamp)
+
+    def unauthenticated_garbage(f: dict[str, Any]) -> Built:
         return b"{not json", {"Content-Type": "application/json"}
 
     return {f.__name__: f for f in (
         wrong_key, other_machines_id, body_names_another_machine, unknown_machine,
         bad_signature, signature_for_another_path, garbled_signature, no_headers,
-        stale_timestamp, future_timestamp, unauthenticated_garbage,
+        stale_timestamp, stale_timestamp_before_any_heartbeat, future_timestamp,
+        unauthenticated_garbage,
     )}
 
 
 @pytest.fixture
 def fleet(session: bmdb.Session, post: Post) -> dict[str, Any]:
-    """Two machines with keys, one without AgentStarted, each with a heartbeat on record."""
+    """Two machines with keys and a heartbeat on record, a "newcomer" with a key but no
+    heartbeat yet, and a "bare" machine without AgentStarted."""
     key, public = new_key()
     other_key, other_public = new_key()
+    newcomer_key, newcomer_public = new_key()
     machine, other = add_machine(session, public), add_machine(session, other_public)
     for k, m in ((key, machine), (other_key, other)):
         body = heartbeat_body(m)
         assert post(body, signed_headers(k, m, body, timestamp=time.time() - 5)).status_code == 200
     return {"key": key, "machine": machine, "other": other, "stranger": new_key()[0],
+            "newcomer": add_machine(session, newcomer_public), "newcomer_key": newcomer_key,
             "bare": add_machine(session, None)}
 
 
@@ -193,14 +212,72 @@ def fleet(session: bmdb.Session, post: Post) -> dict[str, Any]:
 def test_unauthenticated_requests_get_one_401_and_change_nothing(
     case: str, db: bmdb.BMDB, fleet: dict[str, Any], post: Post
 ) -> None:
-    body, headers = refusal_cases()[case](fleet["key"], fleet["machine"], fleet["other"],
-                                          fleet["stranger"])
-    before = tag_rows(db)
+    body, headers = refusal_cases()[case](fleet)
+    before = bmdb_rows(db)
 
     answer = post(body, headers)
 
     assert (answer.status_code, answer.json()) == (401, {"error": "unauthorized"})
-    assert tag_rows(db) == before
+    assert bmdb_rows(db) == before
+
+
+def test_the_newcomer_is_accepted_within_the_clock_window(
+    db: bmdb.BMDB, fleet: dict[str, Any], post: Post
+) -> None:
+    """The stale newcomer case is refused for its timestamp alone, not for its key."""
+    body = heartbeat_body(fleet["newcomer"])
+    stamp = time.time() - CLOCK_WINDOW / 2
+    headers = signed_headers(fleet["newcomer_key"], fleet["newcomer"], body, timestamp=stamp)
+    assert post(body, headers).status_code == 200
+    assert tags_of(db, fleet["newcomer"])["AgentHeartbeat"]["last_signed_at"] == utc(stamp)
+
+
+def test_the_bmdb_snapshot_sees_every_table_but_session_deadlines(
+    db: bmdb.BMDB, session: bmdb.Session
+) -> None:
+    """What the refusal tests' "changed nothing" rests on."""
+    before = bmdb_rows(db)
+    assert set(before) == set(bmdb.schema.metadata.tables)
+    deadline = sa.select(bmdb.schema.sessions.c.deadline)
+    old_deadlines = db.read(lambda tx: tx.execute(deadline).all())
+    wait_for(lambda: db.read(lambda tx: tx.execute(deadline).all()) != old_deadlines,
+             timeout=5, what="the session's keep-alive to move its deadline")
+    assert bmdb_rows(db) == before
+    session.transact(lambda tx: tx.execute(sa.insert(bmdb.schema.history).values(
+        machine_id=uuid.uuid4(), process="test", event="test", at=tx.now)))
+    assert bmdb_rows(db) != before
+
+
+def statements_of(db: bmdb.BMDB, send: Callable[[], requests.Response]) -> list[str]:
+    """The SQL that one request runs (the sessions' keep-alive threads left out)."""
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if not threading.current_thread().name.startswith("bmdb-session"):
+            seen.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        assert send().status_code == 401
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", record)
+    return seen
+
+
+def test_an_unknown_machine_runs_the_same_statements_as_a_known_one(
+    db: bmdb.BMDB, fleet: dict[str, Any], post: Post
+) -> None:
+    """No timing assertion: the BMDB work of a refusal must not depend on whether the
+    machine exists or has a key (see ``heartbeat.lock_credentials``)."""
+
+    def refused(machine: uuid.UUID, key: Any) -> list[str]:
+        body = heartbeat_body(machine)
+        return statements_of(db, lambda: post(body, signed_headers(key, machine, body)))
+
+    known = refused(fleet["machine"], fleet["stranger"])
+    assert any("agent_heartbeat" in statement for statement in known), known
+    assert refused(uuid.uuid4(), fleet["key"]) == known
+    assert refused(fleet["bare"], fleet["key"]) == known
 
 
 def test_machine_without_agent_started_gets_the_same_401(
@@ -208,25 +285,25 @@ def test_machine_without_agent_started_gets_the_same_401(
 ) -> None:
     bare = fleet["bare"]
     body = heartbeat_body(bare)
-    before = tag_rows(db)
+    before = bmdb_rows(db)
     refused = post(body, signed_headers(fleet["key"], bare, body))
     wrong_key = post(body, signed_headers(fleet["key"], fleet["other"], body))
     assert refused.status_code == wrong_key.status_code == 401
     assert refused.content == wrong_key.content
     assert refused.headers.keys() == wrong_key.headers.keys()
-    assert tag_rows(db) == before
+    assert bmdb_rows(db) == before
 
 
 def test_a_replayed_request_is_refused(db: bmdb.BMDB, fleet: dict[str, Any], post: Post) -> None:
     body = heartbeat_body(fleet["machine"], hardware_report={"replayed": False})
     headers = signed_headers(fleet["key"], fleet["machine"], body)
     assert post(body, headers).status_code == 200
-    before = tag_rows(db)
+    before = bmdb_rows(db)
 
     replay = post(body, headers)
 
     assert (replay.status_code, replay.json()) == (401, {"error": "unauthorized"})
-    assert tag_rows(db) == before
+    assert bmdb_rows(db) == before
 
 
 def test_an_older_timestamp_than_the_last_accepted_is_refused(
@@ -236,10 +313,10 @@ def test_an_older_timestamp_than_the_last_accepted_is_refused(
     body = heartbeat_body(machine)
     now = time.time()
     assert post(body, signed_headers(key, machine, body, timestamp=now)).status_code == 200
-    before = tag_rows(db)
+    before = bmdb_rows(db)
     older = post(body, signed_headers(key, machine, body, timestamp=now - 1))
     assert older.status_code == 401
-    assert tag_rows(db) == before
+    assert bmdb_rows(db) == before
 
 
 def test_concurrent_replays_are_accepted_once(
@@ -269,13 +346,13 @@ def test_concurrent_replays_are_accepted_once(
 def test_malformed_json_with_a_valid_signature_is_400(
     db: bmdb.BMDB, fleet: dict[str, Any], post: Post
 ) -> None:
-    before = tag_rows(db)
+    before = bmdb_rows(db)
     for body in (b"{not json", b"[1, 2]", heartbeat_body(fleet["machine"], hardware_report=7),
                  heartbeat_body(fleet["machine"], installation_report={"generation": "x",
                                                                         "result": {}})):
         answer = post(body, signed_headers(fleet["key"], fleet["machine"], body))
         assert answer.status_code == 400, body
-    assert tag_rows(db) == before
+    assert bmdb_rows(db) == before
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
@@ -285,13 +362,13 @@ def test_an_oversize_body_is_413(
     padding = "x" * (MAX_BODY + 100)
     body = heartbeat_body(fleet["machine"], hardware_report={"padding": padding})
     headers = signed_headers(fleet["key"], fleet["machine"], body)
-    before = tag_rows(db)
+    before = bmdb_rows(db)
 
     sent = (body[i:i + 1000] for i in range(0, len(body), 1000)) if chunked else body
     answer = post(sent, headers)
 
     assert answer.status_code == 413
-    assert tag_rows(db) == before
+    assert bmdb_rows(db) == before
 
 
 def test_a_body_at_the_limit_is_accepted(fleet: dict[str, Any], post: Post) -> None:

@@ -16,6 +16,8 @@ Exit status 0 on success, 1 when the answer is an error.
 
 Then heartbeat to the shepherd's callback server every few seconds, signed with
 that key, the first one with a hardware report; answer OS installation requests.
+A report the server refuses with a 4xx other than 401 or 429 (a body over its size
+limit, say) is dropped with a warning, so that plain heartbeats still go through.
 
 Only the standard library and ``cryptography`` (imported lazily, so that its
 absence is reported instead of crashing). Kept to Python 3.8 syntax, since it runs
@@ -62,6 +64,14 @@ log = logging.getLogger("shepherd-agent")
 
 class TakeoverFailed(Exception):
     """Why the takeover cannot succeed; becomes the TakeoverResponse error message."""
+
+
+class Refused(RuntimeError):
+    """The server answered a heartbeat with an HTTP error; ``code`` says which."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"server answered {code} {reason}")
+        self.code = code
 
 
 # -- configuration ---------------------------------------------------------
@@ -259,24 +269,53 @@ def read_text(root: str, path: str) -> str:
         return handle.read()
 
 
+MODEL_FIELDS = ("model name", "Model", "cpu model")
+
+
 def read_cpu(root: str, warnings: list[str]) -> dict[str, Any]:
+    """The CPU model, its physical ``cores`` and its logical CPUs (``threads``).
+
+    Both counts, because a hyper-threaded CPU shows two ``processor`` entries per
+    core and the one number alone would mislead whoever sizes work by it.
+    """
     try:
         text = read_text(root, "/proc/cpuinfo")
     except OSError as error:
         warnings.append(f"cpu: cannot read /proc/cpuinfo: {error}")
-        return {"model": "unknown", "cores": 0}
-    model, cores = None, 0
+        return {"model": "unknown", "cores": 0, "threads": 0}
+    model, processors = parse_cpuinfo(text)
+    if model is None:
+        warnings.append("cpu: no model name in /proc/cpuinfo")
+    if not processors:
+        warnings.append("cpu: no processor entries in /proc/cpuinfo")
+    return {"model": model or "unknown", "cores": count_cores(processors, warnings),
+            "threads": len(processors)}
+
+
+def parse_cpuinfo(text: str) -> tuple[str | None, list[dict[str, str]]]:
+    """The first model name, and the fields of each ``processor`` entry (logical CPU)."""
+    model, processors = None, []
     for line in text.splitlines():
         name, _, value = (part.strip() for part in line.partition(":"))
         if name == "processor":
-            cores += 1
-        elif name in ("model name", "Model", "cpu model") and model is None:
+            processors.append({})
+        elif name in MODEL_FIELDS and model is None:
             model = value
-    if model is None:
-        warnings.append("cpu: no model name in /proc/cpuinfo")
-    if cores == 0:
-        warnings.append("cpu: no processor entries in /proc/cpuinfo")
-    return {"model": model or "unknown", "cores": cores}
+        elif processors and name:
+            processors[-1].setdefault(name, value)
+    return model, processors
+
+
+def count_cores(processors: list[dict[str, str]], warnings: list[str]) -> int:
+    """Physical cores: distinct (physical id, core id) pairs, since the threads of one
+    core share them. Some kernels (many ARM ones, some hypervisors) leave them out:
+    then count logical CPUs and say so, rather than report no cores at all."""
+    pairs = {(cpu.get("physical id"), cpu.get("core id")) for cpu in processors}
+    if any(None in pair for pair in pairs):
+        warnings.append("cpu: no physical id/core id in /proc/cpuinfo;"
+                        " cores counts logical CPUs")
+        return len(processors)
+    return len(pairs)
 
 
 def read_memory(root: str, warnings: list[str]) -> int:
@@ -378,12 +417,26 @@ class Heartbeater:
         return min(self.args.max_backoff, self.args.interval * 2 ** min(failures, 20))
 
     def beat(self) -> None:
+        try:
+            answer = self.post(json.dumps(self.body()).encode())
+        except Refused as error:
+            if refuses_the_body(error.code):
+                self.drop_reports(error)
+            raise
+        self.delivered()
+        self.handle(answer)
+
+    def body(self) -> dict[str, Any]:
+        """The heartbeat, with whichever optional reports are still to be delivered."""
         body = {"machine_id": self.machine_id}
         if self.hardware is not None:
             body["hardware_report"] = self.hardware
         if self.installation_report is not None:
             body["installation_report"] = self.installation_report
-        answer = self.post(json.dumps(body).encode())
+        return body
+
+    def delivered(self) -> None:
+        """The server has the reports just sent: stop sending them."""
         if self.hardware is not None:
             log.info("hardware report delivered")
             self.hardware = None
@@ -391,7 +444,24 @@ class Heartbeater:
             self.reported_generation = self.installation_report["generation"]
             log.info("installation report %d delivered", self.reported_generation)
             self.installation_report = None
-        self.handle(answer)
+
+    def drop_reports(self, error: Refused) -> None:
+        """Give up the optional reports the server refused.
+
+        The server would refuse the same body every time (too large, say), and
+        resending it forever would fail every heartbeat until Recovery reboots the
+        machine: plain heartbeats matter more than the reports. A dropped
+        installation report still counts as reported, so that the same
+        installation is not run again when the server repeats its request.
+        """
+        if self.hardware is not None:
+            log.warning("dropping the hardware report from the heartbeats: %s", error)
+            self.hardware = None
+        if self.installation_report is not None:
+            self.reported_generation = self.installation_report["generation"]
+            log.warning("dropping installation report %s from the heartbeats: %s",
+                        self.reported_generation, error)
+            self.installation_report = None
 
     def handle(self, answer: Any) -> None:
         request = answer.get("os_installation_request") if isinstance(answer, dict) else None
@@ -417,7 +487,13 @@ class Heartbeater:
             with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
                 return json.loads(response.read(MAX_ANSWER) or b"{}")
         except urllib.error.HTTPError as error:
-            raise RuntimeError(f"server answered {error.code} {error.reason}") from error
+            raise Refused(error.code, str(error.reason)) from error
+
+
+def refuses_the_body(code: int) -> bool:
+    """True for an answer that the same body would get again: a 4xx, but for 401 (our
+    key is not recorded yet, or the clock is off) and 429 (the server is busy)."""
+    return 400 <= code < 500 and code not in (401, 429)
 
 
 def install_os(request: Any) -> dict[str, Any]:

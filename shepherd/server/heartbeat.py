@@ -69,15 +69,29 @@ def _installation_report(document: dict[str, Any]) -> tuple[int, dict[str, Any]]
 
 
 def lock_credentials(tx: bmdb.Tx, machine_id: uuid.UUID) -> bmdb.queries.AgentCredentials | None:
-    """The machine's key and last accepted timestamp, with its heartbeats serialised."""
+    """The machine's key and last accepted timestamp, with its heartbeats serialised.
+
+    Invariant: every request runs the same two statements, in the same order,
+    whether or not the machine exists or has an AgentStarted tag: a locking
+    primary-key probe of ``agent_started``, then the credentials join, each of
+    which simply finds no row for a stranger. No statement is skipped on the
+    unknown path, so the BMDB work (and so the time) does not tell a caller
+    whether the machine exists; ``auth.verify`` does the same for the signature.
+
+    They cannot be merged into one joined ``SELECT ... FOR NO KEY UPDATE OF
+    agent_started``: on PostgreSQL (READ COMMITTED) a statement that waited for
+    the lock re-checks only the locked row, and would return the
+    ``agent_heartbeat`` row from its snapshot of before the wait, so a replay
+    racing the original would read the old ``last_signed_at`` and be accepted
+    too (``test_concurrent_replays_are_accepted_once`` fails so). The second
+    statement takes a fresh snapshot after the lock is granted.
+    """
     started = schema.agent_started
-    locked = tx.execute(
+    tx.execute(
         sa.select(started.c.machine_id)
         .where(started.c.machine_id == machine_id)
         .with_for_update(key_share=True)  # FOR NO KEY UPDATE on PostgreSQL
     ).scalar_one_or_none()
-    if locked is None:
-        return None
     return bmdb.queries.agent_credentials(tx, machine_id)
 
 
