@@ -120,6 +120,8 @@ class Settings:
     device_prefix: str = "shepherd-"
     ssh_key_label: str = "shepherd"
     ssh_key_path: Path = Path("var/ssh/shepherd_ed25519")
+    # Replace a different key registered under ssh_key_label (a deliberate rotation).
+    ssh_key_replace: bool = False
     bmaas_endpoint: str = "http://127.0.0.1:8080"
     # PEM file of the CA agents verify the callback server against (empty: plain HTTP).
     bmaas_ca_file: str = ""
@@ -213,6 +215,7 @@ class Settings:
             device_prefix=_get(env, "DEVICE_PREFIX", d.device_prefix),
             ssh_key_label=_get(env, "SSH_KEY_LABEL", d.ssh_key_label),
             ssh_key_path=Path(_get(env, "SSH_KEY_PATH", str(d.ssh_key_path))),
+            ssh_key_replace=_bool(env, "SSH_KEY_REPLACE", d.ssh_key_replace),
             bmaas_endpoint=_get(env, "BMAAS_ENDPOINT", d.bmaas_endpoint),
             bmaas_ca_file=_get(env, "BMAAS_CA_FILE", d.bmaas_ca_file),
             reconcile_interval=_float(env, "RECONCILE_INTERVAL", d.reconcile_interval),

@@ -80,7 +80,8 @@ def build_provider(settings: Settings) -> Provider:
             ssh_port=settings.provider_ssh_port,
         ))
         key = ssh_keys.load_or_create(settings.ssh_key_path)
-        provider.ensure_ssh_key(ssh_keys.public_key_openssh(key))
+        provider.ensure_ssh_key(ssh_keys.public_key_openssh(key),
+                                replace=settings.ssh_key_replace)
         return provider
     from shepherd.providers.static import StaticProvider
 

@@ -33,6 +33,7 @@ import dataclasses
 import importlib.util
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -137,10 +138,7 @@ class Up:
         env.setdefault("SHEPHERD_RESULT_BACKEND", sqlite_url("db+sqlite", w / "results.sqlite"))
         env.setdefault("SHEPHERD_STATE_DIR", str(w))
         env.setdefault("SHEPHERD_SSH_KEY_PATH", str(w / "ssh" / "shepherd_ed25519"))
-        serve_port = port(self.options.serve_port)
-        self.urls["web"] = f"http://127.0.0.1:{serve_port}"
-        env["SHEPHERD_SERVE_LISTEN"] = f"127.0.0.1:{serve_port}"
-        env.setdefault("SHEPHERD_BMAAS_ENDPOINT", self.urls["web"])
+        self.serve_addresses(env)
         if self.simulated:
             token = env.get("SHEPHERD_SIMULATOR_TOKEN") or secrets.token_hex(16)
             sim_port, ssh_port = port(self.options.simulator_port), port(self.options.ssh_port)
@@ -164,6 +162,28 @@ class Up:
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("SHEPHERD_CLI_HOOKS", "tasks.cli_hooks")
         return env
+
+    def serve_addresses(self, env: dict[str, str]) -> None:
+        """Where the callback server listens, where agents reach it, where the view is.
+
+        On the simulator everything is on loopback. With a real provider the agents run
+        on other machines: the operator says where the server listens
+        (``SHEPHERD_SERVE_LISTEN``) and how machines reach it
+        (``SHEPHERD_BMAAS_ENDPOINT``); a loopback endpoint there would make every agent
+        silent, so it is refused. The web view then gets a loopback listener of its own.
+        """
+        local_port = port(self.options.serve_port)
+        if not self.simulated and "SHEPHERD_BMAAS_ENDPOINT" not in env:
+            raise UpError("with a real provider, set SHEPHERD_BMAAS_ENDPOINT to the URL "
+                          "machines reach the callback server at, and SHEPHERD_SERVE_LISTEN "
+                          "to the address it listens on (e.g. 0.0.0.0:8470)")
+        listen = env.setdefault("SHEPHERD_SERVE_LISTEN", f"127.0.0.1:{local_port}")
+        if listen != f"127.0.0.1:{local_port}":
+            if listen.rsplit(":", 1)[-1] == str(local_port):  # 0.0.0.0:8470 holds it too
+                local_port = free_port()
+            env.setdefault("SHEPHERD_SERVE_OPERATOR_LISTEN", f"127.0.0.1:{local_port}")
+        env.setdefault("SHEPHERD_BMAAS_ENDPOINT", f"http://{listen}")
+        self.urls["web"] = f"http://{env.get('SHEPHERD_SERVE_OPERATOR_LISTEN', listen)}"
 
     # -- preparing the state directory ----------------------------------------
 
@@ -270,7 +290,7 @@ class Up:
                 "--workdir", str(self.workdir / "simulator")])
             self.wait_port("simulator", int(sim_port))
         server = self.spawn("server", [sys.executable, "-m", "shepherd.cli", "serve"])
-        self.wait_port(server.name, int(env["SHEPHERD_SERVE_LISTEN"].rsplit(":", 1)[1]))
+        self.wait_port(server.name, int(self.urls["web"].rsplit(":", 1)[1]))
         common = ["--loglevel=INFO", "--without-gossip", "--without-mingle"]
         prom = self.workdir / "prometheus"
         for name, queue, concurrency in (
@@ -356,6 +376,9 @@ class Up:
                  "/metrics)")
         if "flower" in self.urls:
             self.out(f"Flower:    {self.urls['flower']}")
+            if self.env["SHEPHERD_BROKER_URL"].startswith("sqla+"):
+                self.out("           (the embedded SQLite broker does not broadcast: Flower "
+                         "shows no workers or tasks; --broker redis-server shows them)")
         else:
             self.out("Flower:    not installed (pip install flower)")
         for name, url in self.urls.items():
@@ -365,6 +388,17 @@ class Up:
             self.out(f"provider:  simulator with {self.options.machines} machines at "
                      f"{self.env['SHEPHERD_PROVIDER_URL']}")
         self.out(f"logs:      {self.logs}/   (Ctrl-C stops everything)")
+        self.out(f"CLI here:  {self.cli_environment()} shepherd fleet")
+
+    #: What the CLI in another terminal needs to see the same BMDB, thresholds and guard.
+    CLI_SETTINGS = ("SHEPHERD_BMDB_URL", "SHEPHERD_HEARTBEAT_TIMEOUT",
+                    "SHEPHERD_FIRST_HEARTBEAT_TIMEOUT", "SHEPHERD_BMAAS_ENDPOINT")
+
+    def cli_environment(self) -> str:
+        """The settings this run chose itself (the caller's own are in their shell)."""
+        chosen = [name for name in self.CLI_SETTINGS
+                  if name in self.env and name not in self.base_env]
+        return " ".join(f"{name}={shlex.quote(self.env[name])}" for name in chosen)
 
     def watch(self) -> None:
         """Progress lines while every child runs; a child that dies stops the rest."""

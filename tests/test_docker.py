@@ -109,20 +109,34 @@ def compose_environment(pg_url: str, redis_url: str, tmp_path: Path) -> dict[str
     return env
 
 
-def on_loopback(command: list[str], port: int, tmp_path: Path) -> list[str]:
+def loopback_swaps(port: int, tmp_path: Path, second_port: int = 0) -> dict[str, str]:
+    """Compose values moved to loopback, free ports and the test's own directories."""
+    return {"--address=0.0.0.0": "--address=127.0.0.1", "--port=5555": f"--port={port}",
+            "0.0.0.0:8080": f"127.0.0.1:{port}", "0.0.0.0:8081": f"127.0.0.1:{second_port}",
+            "0.0.0.0": "127.0.0.1", "8780": str(port), "9101": str(second_port),
+            "--schedule=/var/lib/shepherd/beat/celerybeat-schedule":
+                f"--schedule={tmp_path / 'beat-schedule'}",
+            "/var/lib/shepherd/simulator": str(tmp_path / "simulator"),
+            "/tmp/shepherd-metrics": str(tmp_path / "metrics")}
+
+
+def on_loopback(command: list[str], port: int, tmp_path: Path,
+                second_port: int = 0) -> list[str]:
     """The compose command with listen addresses moved to loopback and free ports."""
-    swaps = {"--address=0.0.0.0": "--address=127.0.0.1", "--port=5555": f"--port={port}",
-             "0.0.0.0:8080": f"127.0.0.1:{port}", "0.0.0.0": "127.0.0.1",
-             "8780": str(port),
-             "--schedule=/var/lib/shepherd/beat/celerybeat-schedule":
-                 f"--schedule={tmp_path / 'beat-schedule'}",
-             "/var/lib/shepherd/simulator": str(tmp_path / "simulator")}
+    swaps = loopback_swaps(port, tmp_path, second_port)
     return [str(BIN / command[0])] + [swaps.get(arg, arg) for arg in command[1:]]
 
 
 @contextlib.contextmanager
-def role(name: str, env: dict[str, str], tmp_path: Path, port: int) -> Iterator[None]:
-    command = on_loopback(compose_services()[name]["command"], port, tmp_path)
+def role(name: str, env: dict[str, str], tmp_path: Path, port: int,
+         second_port: int = 0) -> Iterator[None]:
+    """The service's command, with its compose ``environment`` too, on loopback."""
+    service = compose_services()[name]
+    command = on_loopback(service["command"], port, tmp_path, second_port)
+    swaps = loopback_swaps(port, tmp_path, second_port)
+    env = {**env, **{k: swaps.get(str(v), str(v))
+                     for k, v in (service.get("environment") or {}).items()}}
+    (tmp_path / "metrics").mkdir(exist_ok=True)
     log = (tmp_path / f"{name}.log").open("w")
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
@@ -152,8 +166,9 @@ def test_migrate_role(env, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["control-worker", "worker"])
-def test_worker_roles_answer_ping(name, env, tmp_path):
-    with role(name, env, tmp_path, 0):
+def test_worker_roles_answer_ping_and_serve_metrics(name, env, tmp_path):
+    metrics_port = free_port()
+    with role(name, env, tmp_path, 0, metrics_port):
         deadline = time.monotonic() + 60
         while True:
             ping = subprocess.run([BIN / "celery", "-A", "tasks", "inspect", "ping",
@@ -163,6 +178,34 @@ def test_worker_roles_answer_ping(name, env, tmp_path):
                 break
             assert time.monotonic() < deadline, ping.stdout + ping.stderr
             time.sleep(1)
+        wait_for_port("127.0.0.1", metrics_port, timeout=30)
+        scraped = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        assert scraped.status_code == 200  # empty until a pool child calls the provider
+        assert scraped.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+
+
+def test_only_workers_hold_the_ssh_key_and_operator_ports_stay_local():
+    services = compose_services()
+    with_key = {name for name, service in services.items()
+                if any("ssh-key:" in str(v) for v in service.get("volumes") or [])}
+    assert with_key == {"control-worker", "worker", "demo-worker"}
+    published = {name: service.get("ports") or [] for name, service in services.items()}
+    assert published["flower"] == ["127.0.0.1:5555:5555"]
+    assert published["server"] == ["8080:8080", "127.0.0.1:8081:8081"]
+    assert all(not ports for name, ports in published.items()
+               if name not in ("flower", "server"))
+
+
+def test_the_build_context_leaves_out_state_and_secrets():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", "var", "docker/shepherd.env", ".git"} <= set(ignored)
+    dockerfile = (DOCKER / "Dockerfile").read_text().splitlines()
+    copied = [word for line in dockerfile if line.startswith("COPY")
+              for word in line.split()[1:-1]]
+    assert copied and all((ROOT / path).exists() for path in copied), copied
+    assert not any(path in ignored for path in copied)
+    users = [line.split()[1] for line in dockerfile if line.startswith("USER")]
+    assert users and users[-1] not in ("root", "0")
 
 
 def test_flower_role_answers_with_basic_auth(env, tmp_path):
@@ -175,13 +218,16 @@ def test_flower_role_answers_with_basic_auth(env, tmp_path):
         assert requests.get(url, auth=(user, password), timeout=10).status_code == 200
 
 
-def test_server_role_answers_health(env, tmp_path):
-    port = free_port()
-    with role("server", env, tmp_path, port):
+def test_server_role_answers_health_and_keeps_the_view_apart(env, tmp_path):
+    port, views = free_port(), free_port()
+    with role("server", env, tmp_path, port, views):
         wait_for_port("127.0.0.1", port, timeout=60)
+        wait_for_port("127.0.0.1", views, timeout=60)
         answer = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert answer.status_code == 200
         assert answer.json() == {"status": "ok"}
+        assert requests.get(f"http://127.0.0.1:{port}/machines", timeout=10).status_code == 404
+        assert requests.get(f"http://127.0.0.1:{views}/machines", timeout=10).status_code == 200
 
 
 def test_simulator_role_answers(env, tmp_path):

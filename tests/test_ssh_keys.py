@@ -60,7 +60,7 @@ def test_garbage_key_file_is_refused(tmp_path: Path) -> None:
         load_or_create(path)
 
 
-def test_register_creates_then_reuses_then_updates(client: EquinixClient,
+def test_register_creates_reuses_and_replaces_only_when_asked(client: EquinixClient,
                                                    simulator: Simulator,
                                                    tmp_path: Path) -> None:
     ours = public_key_openssh(load_or_create(tmp_path / "a"))
@@ -71,7 +71,10 @@ def test_register_creates_then_reuses_then_updates(client: EquinixClient,
     assert len(simulator.requests("POST")) == 1  # the second call created nothing
 
     rotated = public_key_openssh(load_or_create(tmp_path / "b"))
-    assert ensure_registered(client, "shepherd-prod", rotated) == key_id
+    with pytest.raises(ConfigError, match="not this host's key"):  # another host's key
+        ensure_registered(client, "shepherd-prod", rotated)
+    assert simulator.state.ssh_keys[key_id].key == ours
+    assert ensure_registered(client, "shepherd-prod", rotated, replace=True) == key_id
     assert simulator.state.ssh_keys[key_id].key == rotated
     assert [m for m, _, _ in simulator.requests() if m in ("POST", "PUT")] == ["POST", "PUT"]
 

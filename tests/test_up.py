@@ -48,6 +48,40 @@ def test_progress_line_counts_backoffs() -> None:
                                      "heartbeating 1  in backoff 2")
 
 
+def test_a_real_provider_needs_an_endpoint_machines_can_reach(tmp_path: Path) -> None:
+    from shepherd.up import Up, UpError, UpOptions
+
+    real = {"SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1"}
+    with pytest.raises(UpError, match="SHEPHERD_BMAAS_ENDPOINT"):
+        Up(UpOptions(workdir=tmp_path), env=real).build_env()
+
+
+def test_agents_listen_where_asked_and_the_view_stays_on_loopback(tmp_path: Path) -> None:
+    from shepherd.up import Up, UpOptions
+
+    up = Up(UpOptions(workdir=tmp_path, serve_port=8470), env={
+        "SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1",
+        "SHEPHERD_SERVE_LISTEN": "0.0.0.0:8470",
+        "SHEPHERD_BMAAS_ENDPOINT": "https://shepherd.example.net:8470"})
+    env = up.build_env()
+    assert env["SHEPHERD_SERVE_LISTEN"] == "0.0.0.0:8470"
+    view = env["SHEPHERD_SERVE_OPERATOR_LISTEN"]
+    assert view.startswith("127.0.0.1:") and view != "127.0.0.1:8470"  # 8470 is the agents'
+    assert up.urls["web"] == f"http://{view}"
+    assert env["SHEPHERD_BMAAS_ENDPOINT"] == "https://shepherd.example.net:8470"
+
+
+def test_on_the_simulator_everything_is_on_loopback(tmp_path: Path) -> None:
+    from shepherd.up import Up, UpOptions
+
+    up = Up(UpOptions(workdir=tmp_path, serve_port=8470), env={})
+    env = up.env = up.build_env()
+    assert env["SHEPHERD_SERVE_LISTEN"] == "127.0.0.1:8470"
+    assert "SHEPHERD_SERVE_OPERATOR_LISTEN" not in env
+    assert env["SHEPHERD_BMAAS_ENDPOINT"] == up.urls["web"] == "http://127.0.0.1:8470"
+    assert "SHEPHERD_HEARTBEAT_TIMEOUT=30" in up.cli_environment()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("broker", ["sqlite", "redis-server"])

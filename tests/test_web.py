@@ -18,6 +18,7 @@ import requests
 import bmdb
 from shepherd.server import RunningServer, ServerConfig, start_server
 from tests.operator_fixtures import Fleet, seed_fleet
+from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(120)
 VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
@@ -199,6 +200,33 @@ def test_sessions_page(web, browse) -> None:
     assert sessions[str(fleet.dead_session)][0] == "no"
     assert "doomed-worker" in sessions[str(fleet.dead_session)][1]
     assert any(alive == "yes" and "test" in text for alive, text in sessions.values())
+
+
+def test_the_web_view_can_have_a_listener_of_its_own(sqlite_url: str) -> None:
+    """Agents reach one socket, operators another: the fleet inventory is only on theirs."""
+    config = ServerConfig(bmdb_url=sqlite_url)
+    with start_server(config, operator_listen=("127.0.0.1", free_port())) as server:
+        assert server.operator_url and server.operator_url != server.url
+        assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
+        assert requests.get(f"{server.operator_url}/machines", timeout=10).status_code == 200
+        heartbeat = "/agent/v1/heartbeat"
+        assert requests.post(f"{server.operator_url}{heartbeat}", timeout=10).status_code == 404
+        assert requests.post(f"{server.url}{heartbeat}", timeout=10).status_code == 401
+        for url in (server.url, server.operator_url):
+            assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(("host", "operator_listen", "expected"), [
+    ("127.0.0.1", None, True), ("::1", None, True), ("localhost", None, True),
+    ("0.0.0.0", None, False), ("10.1.2.3", None, False), ("::", None, False),
+    ("127.0.0.1", ("127.0.0.1", 8471), False),
+])
+def test_the_agents_listener_serves_the_view_only_on_loopback(
+        sqlite_url: str, host: str, operator_listen, expected: bool) -> None:
+    from shepherd.server.serve import views_on_agent_listener
+
+    config = ServerConfig(bmdb_url=sqlite_url)
+    assert views_on_agent_listener(config, host, operator_listen) is expected
 
 
 def test_operator_views_can_be_turned_off(sqlite_url: str) -> None:

@@ -492,9 +492,12 @@ class EquinixProvider:
     def name(self) -> str:
         return self.config.name
 
-    def ensure_ssh_key(self, public_key: str) -> str:
-        """Register our public key under the configured label; new devices get only it."""
-        key_id = ensure_registered(self.client, self.config.ssh_key_label, public_key)
+    def ensure_ssh_key(self, public_key: str, *, replace: bool = False) -> str:
+        """Register our public key under the configured label; new devices get only it.
+        ``replace``: rotate a different key registered under that label (see
+        ``ensure_registered``)."""
+        key_id = ensure_registered(self.client, self.config.ssh_key_label, public_key,
+                                   replace=replace)
         self.ssh_key_ids = [key_id]
         return key_id
 

@@ -93,20 +93,29 @@ def same_key(a: str, b: str) -> bool:
     return a.split()[:2] == b.split()[:2]
 
 
-def ensure_registered(api: SSHKeyAPI, label: str, public_key: str) -> str:
+def ensure_registered(api: SSHKeyAPI, label: str, public_key: str, *,
+                      replace: bool = False) -> str:
     """Make ``public_key`` registered under ``label``; return the key's provider id.
 
     Labels are not unique server-side, so this is idempotent client-side: reuse a
-    key with our label and blob, else update the first key with our label, else create.
+    key with our label and blob, else create one. A key under our label with another
+    blob is refused unless ``replace`` (a deliberate rotation): it is most likely the
+    fleet's key from another worker host, and replacing it would give new machines a
+    key the other hosts do not have, each host overwriting the others in turn.
     """
     label = refuse_placeholder("SSH key label", label)
     labelled = [k for k in api.list_ssh_keys() if k.get("label") == label]
     for existing in labelled:
         if same_key(str(existing.get("key") or ""), public_key):
             return str(existing["id"])
-    if labelled:
-        key_id = str(labelled[0]["id"])
-        log.warning("SSH key %r at the provider differs from ours; updating it", label)
-        api.update_ssh_key(key_id, key=public_key)
-        return key_id
-    return str(api.create_ssh_key(label, public_key)["id"])
+    if not labelled:
+        return str(api.create_ssh_key(label, public_key)["id"])
+    key_id = str(labelled[0]["id"])
+    if not replace:
+        raise ConfigError(
+            f"the provider's SSH key {label!r} ({key_id}) is not this host's key: give "
+            "every worker host the same key file (SHEPHERD_SSH_KEY_PATH), or set "
+            "SHEPHERD_SSH_KEY_REPLACE=true once to rotate the fleet to this one")
+    log.warning("SSH key %r at the provider differs from ours; replacing it", label)
+    api.update_ssh_key(key_id, key=public_key)
+    return key_id

@@ -12,8 +12,9 @@ Endpoints:
   GET  /metrics              Prometheus: fleet counts and task outcomes from the BMDB,
                              this process's provider calls (``shepherd.metrics``)
   GET  /, /machines, /machines/<id>, /sessions
-                             the operator's web view (``web.py``), unless
-                             ``ServerConfig.operator_views`` is off
+                             the operator's web view (``web.py``): fleet inventory, so
+                             only where operators, not machines, can reach it (see
+                             ``serve.start_server``)
 """
 
 from __future__ import annotations
@@ -86,12 +87,30 @@ class SessionHolder:
                 self._session = None
 
 
-def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
-    """The WSGI app. ``app.extensions["shepherd"]`` holds the BMDB session (close it at exit)."""
-    app = Flask("shepherd.server")
-    holder = SessionHolder(db or bmdb.connect(config.bmdb_url), config)
-    app.extensions["shepherd"] = holder
+def create_app(config: ServerConfig, db: bmdb.BMDB | None = None, *,
+               holder: SessionHolder | None = None, agent_api: bool = True,
+               views: bool | None = None) -> Flask:
+    """The WSGI app. ``app.extensions["shepherd"]`` holds the BMDB session (close it at exit).
 
+    ``agent_api`` serves the heartbeat endpoint; ``views`` (default:
+    ``config.operator_views``) the web view. Two apps sharing one ``holder`` let the
+    agents' listener and the operators' listener be different sockets.
+    """
+    app = Flask("shepherd.server")
+    holder = holder or SessionHolder(db or bmdb.connect(config.bmdb_url), config)
+    app.extensions["shepherd"] = holder
+    if agent_api:
+        register_agent_api(app, config, holder)
+    register_health_and_metrics(app, holder)
+    if config.operator_views if views is None else views:
+        from shepherd.server import web
+
+        web.register(app)
+    register_error_handlers(app)
+    return app
+
+
+def register_agent_api(app: Flask, config: ServerConfig, holder: SessionHolder) -> None:
     @app.post(HEARTBEAT_PATH)
     def heartbeat() -> tuple[Response, int]:
         body = read_body(config.max_body)
@@ -107,6 +126,8 @@ def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
             return jsonify({"error": f"bad request: {error}"}), 400
         return jsonify(answer), 200
 
+
+def register_health_and_metrics(app: Flask, holder: SessionHolder) -> None:
     @app.get("/healthz")
     def healthz() -> tuple[Response, int]:
         try:
@@ -123,13 +144,6 @@ def create_app(config: ServerConfig, db: bmdb.BMDB | None = None) -> Flask:
     def prometheus() -> Response:
         body, content_type = metrics.exposition(registry)
         return Response(body, 200, content_type=content_type)
-
-    if config.operator_views:
-        from shepherd.server import web
-
-        web.register(app)
-    register_error_handlers(app)
-    return app
 
 
 def read_body(limit: int) -> bytes:

@@ -2,11 +2,18 @@
 
 cheroot serves the Flask app from a pool of threads, with TLS from a certificate
 and key file when given (agents verify it against the CA sent at takeover).
+
+Where the web view is served, and why: it shows the whole fleet's inventory, and
+every machine can reach the agents' listener. So the view is served either on its
+own operator listener (``--operator-listen``), or on the agents' listener only
+while that is bound to loopback (one host: ``shepherd up``, tests). Bound anywhere
+else without an operator listener, the server serves no view and says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -34,6 +41,11 @@ class RunningServer:
     thread: threading.Thread
     tls: bool
     owns_db: bool = False
+    #: The operators' listener (web view), when it is a socket of its own.
+    operator: wsgi.Server | None = None
+    operator_thread: threading.Thread | None = None
+    #: Whether the agents' listener serves the web view too (loopback only).
+    views_here: bool = False
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -46,14 +58,24 @@ class RunningServer:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+        return _url(self.server, self.tls)
+
+    @property
+    def operator_url(self) -> str | None:
+        """Where the web view is, or None when it is served nowhere."""
+        if self.operator is not None:
+            return _url(self.operator, self.tls)
+        return self.url if self.views_here else None
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self.server.stop()
-        self.thread.join(timeout=10)
+        for server, thread in ((self.server, self.thread),
+                               (self.operator, self.operator_thread)):
+            if server is not None and thread is not None:
+                server.stop()
+                thread.join(timeout=10)
         self.holder.close()
         if self.owns_db:
             self.holder.db.close()
@@ -67,20 +89,66 @@ class RunningServer:
 
 def start_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 0, *,
                  tls_cert: str | None = None, tls_key: str | None = None,
-                 db: bmdb.BMDB | None = None, threads: int = 16) -> RunningServer:
-    """Bind (port 0: a free one) and serve in a background thread; returns once listening."""
+                 db: bmdb.BMDB | None = None, threads: int = 16,
+                 operator_listen: tuple[str, int] | None = None) -> RunningServer:
+    """Bind (port 0: a free one) and serve in background threads; returns once listening.
+
+    ``operator_listen`` gives the web view a listener of its own (see the module
+    docstring for where it goes otherwise).
+    """
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
-    owns_db = db is None
-    app = create_app(config, db or bmdb.connect(config.bmdb_url))
-    server = wsgi.Server((host, port), app, numthreads=threads,
-                         server_name="shepherd-callback", shutdown_timeout=2)
-    if tls_cert and tls_key:
-        server.ssl_adapter = BuiltinSSLAdapter(tls_cert, tls_key)
+    holder = SessionHolder(db or bmdb.connect(config.bmdb_url), config)
+    views_here = views_on_agent_listener(config, host, operator_listen)
+    app = create_app(config, holder=holder, views=views_here)
+    tls = (tls_cert, tls_key) if tls_cert and tls_key else None
+    server, thread = _serve(app, (host, port), threads, tls, "callback-server")
+    running = RunningServer(server, holder, thread, tls is not None, db is None,
+                            views_here=views_here)
+    if operator_listen is not None:
+        views = create_app(config, holder=holder, agent_api=False, views=True)
+        running.operator, running.operator_thread = _serve(views, operator_listen, 4, tls,
+                                                           "operator-views")
+    return running
+
+
+def views_on_agent_listener(config: ServerConfig, host: str,
+                            operator_listen: tuple[str, int] | None) -> bool:
+    """Whether the agents' listener on ``host`` also serves the web view."""
+    if not config.operator_views or operator_listen is not None:
+        return False
+    if is_loopback(host):
+        return True
+    log.warning("not serving the web view on %s, which machines can reach; give it an "
+                "operator listener of its own (--operator-listen)", host)
+    return False
+
+
+def _serve(app: object, addr: tuple[str, int], threads: int,
+           tls: tuple[str, str] | None, name: str) -> tuple[wsgi.Server, threading.Thread]:
+    server = wsgi.Server(addr, app, numthreads=threads, server_name=f"shepherd-{name}",
+                         shutdown_timeout=2)
+    if tls is not None:
+        server.ssl_adapter = BuiltinSSLAdapter(*tls)
     server.prepare()  # binds now, so bind_addr carries the real port
-    thread = threading.Thread(target=server.serve, name="callback-server", daemon=True)
+    thread = threading.Thread(target=server.serve, name=name, daemon=True)
     thread.start()
-    return RunningServer(server, app.extensions["shepherd"], thread, bool(tls_cert), owns_db)
+    return server, thread
+
+
+def _url(server: wsgi.Server, tls: bool) -> str:
+    host, port = server.bind_addr[0], server.bind_addr[1]
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Only this host can reach an address like 127.0.0.1, ::1 or localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -110,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(env("SHEPHERD_SERVE_CLOCK_WINDOW", "60")),
                         help="seconds a heartbeat's timestamp may differ from the server clock")
     parser.add_argument("--threads", type=int, default=16)
+    operator = env("SHEPHERD_SERVE_OPERATOR_LISTEN")
+    parser.add_argument("--operator-listen", type=parse_listen,
+                        default=parse_listen(operator) if operator else None,
+                        help="host:port of the web view's own listener; without it the "
+                             "view is served only while --listen is loopback (env "
+                             "SHEPHERD_SERVE_OPERATOR_LISTEN)")
     parser.add_argument("--no-operator-views", dest="operator_views", action="store_false",
                         default=env("SHEPHERD_SERVE_OPERATOR_VIEWS", "true").lower()
                         not in ("0", "false", "no", "off"),
@@ -127,13 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(bmdb_url=args.bmdb_url, max_body=args.max_body,
                           clock_window=args.clock_window, operator_views=args.operator_views)
     host, port = args.listen
+    operator_listen = args.operator_listen if args.operator_views else None
     try:
         running = start_server(config, host, port, tls_cert=args.tls_cert,
-                               tls_key=args.tls_key, threads=args.threads)
+                               tls_key=args.tls_key, threads=args.threads,
+                               operator_listen=operator_listen)
     except (OSError, ValueError) as error:
         log.error("cannot start the callback server: %s", error)
         return 2
-    log.info("callback server listening on %s", running.url)
+    log.info("callback server listening on %s; web view: %s", running.url,
+             running.operator_url or "off")
     done = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
