@@ -8,8 +8,10 @@ at 1k machines as at 1M (``bench/backlog_latency.py`` measures it).
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -29,34 +31,79 @@ class Thresholds:
     heartbeat: float = 10 * 60
 
 
-def agent_start(tx: Tx) -> sa.Select:
-    """Running at the provider, and no agent started yet."""
-    p = schema.provided
-    return sa.select(p.c.machine_id).where(
-        ~p.c.agent_started, p.c.provider_status == ProviderStatus.RUNNING.value
-    )
+@dataclass(frozen=True, eq=False)
+class Backlog:
+    """A backlog query built once, with bind parameters, and their values per transaction.
+
+    Why built once: composing a statement of this size costs more CPU than the
+    database spends running it, and claims run it on every poll. The claim
+    (``work.py``) composes its locking and re-check statements from ``statement``
+    once per backlog and binds ``values(tx)`` at each execution. Called with a
+    ``Tx`` it is a plain retriever: the statement with its values bound.
+    """
+
+    statement: sa.Select | sa.CompoundSelect
+    values: Callable[[Tx], dict[str, Any]]
+
+    def __call__(self, tx: Tx) -> sa.Select:
+        values = self.values(tx)
+        return self.statement.params(**values) if values else self.statement  # type: ignore[return-value]
 
 
-def recovery(tx: Tx, thresholds: Thresholds) -> sa.CompoundSelect:
+def _no_values(tx: Tx) -> dict[str, Any]:
+    return {}
+
+
+#: Running at the provider, and no agent started yet.
+agent_start = Backlog(
+    sa.select(schema.provided.c.machine_id).where(
+        ~schema.provided.c.agent_started,
+        schema.provided.c.provider_status == ProviderStatus.RUNNING.value,
+    ),
+    _no_values,
+)
+
+
+def _recovery_statement() -> sa.CompoundSelect:
     """Agent started, but no heartbeat soon enough after start, or none lately."""
     s, h = schema.agent_started, schema.agent_heartbeat
     never_heard = sa.select(s.c.machine_id).where(
-        ~s.c.heartbeat_seen,
-        s.c.started_at < tx.now - dt.timedelta(seconds=thresholds.first_heartbeat),
+        ~s.c.heartbeat_seen, s.c.started_at < sa.bindparam("started_before"),
     )
     gone_quiet = (
         sa.select(h.c.machine_id)
         .join(s, s.c.machine_id == h.c.machine_id)
-        .where(h.c.last_heartbeat_at < tx.now - dt.timedelta(seconds=thresholds.heartbeat))
+        .where(h.c.last_heartbeat_at < sa.bindparam("heard_before"))
     )
     return sa.union_all(never_heard, gone_quiet)
 
 
-def retriever(process: Process, thresholds: Thresholds) -> Callable[[Tx], sa.Select]:
+RECOVERY = _recovery_statement()
+
+
+def recovery_cutoffs(tx: Tx, thresholds: Thresholds) -> dict[str, dt.datetime]:
+    return {
+        "started_before": tx.now - dt.timedelta(seconds=thresholds.first_heartbeat),
+        "heard_before": tx.now - dt.timedelta(seconds=thresholds.heartbeat),
+    }
+
+
+def recovery(tx: Tx, thresholds: Thresholds) -> sa.CompoundSelect:
+    """Agent started, but no heartbeat soon enough after start, or none lately."""
+    return RECOVERY.params(**recovery_cutoffs(tx, thresholds))
+
+
+@functools.cache
+def recovery_backlog(thresholds: Thresholds) -> Backlog:
+    """One ``Backlog`` per thresholds, so claims reuse its statements."""
+    return Backlog(RECOVERY, lambda tx: recovery_cutoffs(tx, thresholds))
+
+
+def retriever(process: Process, thresholds: Thresholds) -> Backlog:
     """The backlog query of ``process`` as a claim retriever."""
     process = Process(process)
     if process is Process.AGENT_START:
         return agent_start
     if process is Process.RECOVERY:
-        return lambda tx: recovery(tx, thresholds)
+        return recovery_backlog(thresholds)
     raise ValueError(f"{process} has no backlog query; claim it with a retriever of your own")

@@ -50,6 +50,12 @@ class Session:
         self.interval = interval
         self._stopped = threading.Event()
         self._expired = threading.Event()
+        # Built once: every transaction of the session runs it first.
+        self._liveness = (
+            sa.select(schema.sessions.c.deadline, db_now())
+            .where(schema.sessions.c.id == self.id)
+            .with_for_update(read=True, key_share=True)
+        )
         holder = f"{socket.gethostname()}:{os.getpid()}"
 
         def create(tx: Tx) -> None:
@@ -111,11 +117,7 @@ class Session:
         self._lease_until = asked_at + self.interval
 
     def _open(self, conn: Connection) -> Tx:
-        row = conn.execute(
-            sa.select(schema.sessions.c.deadline, db_now())
-            .where(schema.sessions.c.id == self.id)
-            .with_for_update(read=True, key_share=True)
-        ).one_or_none()
+        row = conn.execute(self._liveness).one_or_none()
         if row is None or row.deadline <= row[1]:
             self._expired.set()
             raise SessionExpired(f"session {self.id} ({self.component}) has expired")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -33,20 +34,37 @@ class ProviderStatus(enum.StrEnum):
 
 def upsert(
     tx: Tx, table: sa.Table, key: Mapping[str, Any], values: Mapping[str, Any],
-    *, markers: Mapping[str, Any] | None = None,
+    *, markers: tuple[str, ...] = (),
 ) -> None:
     """INSERT, or UPDATE on a conflict over ``key``: one statement on either backend.
 
     ``markers`` are written only by the INSERT, never by the UPDATE. A marker's
-    value is an EXISTS over another tag, read from the statement's snapshot; on
-    PostgreSQL at READ COMMITTED that snapshot predates the row lock the UPDATE
-    may wait for, so an UPDATE would write back a value a concurrent writer of
-    that tag (who holds the lock and moves the marker with ``_mark``) has just
-    changed. Once the row exists, only ``_mark`` moves its markers.
+    value is an EXISTS over another tag (``MARKED_BY``), read from the statement's
+    snapshot; on PostgreSQL at READ COMMITTED that snapshot predates the row lock
+    the UPDATE may wait for, so an UPDATE would write back a value a concurrent
+    writer of that tag (who holds the lock and moves the marker with ``_mark``) has
+    just changed. Once the row exists, only ``_mark`` moves its markers.
     """
-    dialect_insert = postgresql.insert if tx.dialect == "postgresql" else sqlite.insert
-    statement = dialect_insert(table).values(**key, **values, **(markers or {}))
-    tx.execute(statement.on_conflict_do_update(index_elements=list(key), set_=dict(values)))
+    statement = _upsert_statement(tx.dialect, table, tuple(key), tuple(values), markers)
+    tx.execute(statement, {**key, **values})
+
+
+#: Marker column -> the tag table whose rows it mirrors (for the machine of the row).
+MARKED_BY = {"agent_started": schema.agent_started, "heartbeat_seen": schema.agent_heartbeat}
+
+
+@functools.cache
+def _upsert_statement(dialect: str, table: sa.Table, key: tuple[str, ...],
+                      columns: tuple[str, ...], markers: tuple[str, ...]) -> sa.Insert:
+    """The statement of ``upsert``, built once per shape (see ``backlog.Backlog`` for why)."""
+    dialect_insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    values: dict[str, Any] = {name: sa.bindparam(name, type_=table.c[name].type)
+                              for name in key + columns}
+    for name in markers:
+        values[name] = _has_tag(MARKED_BY[name], sa.bindparam("machine_id"))
+    statement = dialect_insert(table).values(values)
+    return statement.on_conflict_do_update(
+        index_elements=list(key), set_={name: statement.excluded[name] for name in columns})
 
 
 def create_machine(tx: Tx, machine_id: uuid.UUID | None = None) -> uuid.UUID:
@@ -84,7 +102,7 @@ def upsert_provided(
             "provider_status": ProviderStatus(provider_status).value,
             "updated_at": tx.now,
         },
-        markers={"agent_started": _has_tag(schema.agent_started, machine_id)},
+        markers=("agent_started",),
     )
 
 
@@ -103,7 +121,7 @@ def set_agent_started(
         schema.agent_started,
         {"machine_id": machine_id},
         {"started_at": started_at or tx.now, "public_key": public_key},
-        markers={"heartbeat_seen": _has_tag(schema.agent_heartbeat, machine_id)},
+        markers=("heartbeat_seen",),
     )
     _mark(tx, schema.provided, machine_id, agent_started=True)
 
@@ -169,16 +187,19 @@ def _delete(tx: Tx, table: sa.Table, machine_id: uuid.UUID) -> None:
     tx.execute(sa.delete(table).where(table.c.machine_id == machine_id))
 
 
-def _has_tag(table: sa.Table, machine_id: uuid.UUID) -> sa.Exists:
+def _has_tag(table: sa.Table, machine_id: Any) -> sa.Exists:
     """The marker's value, computed inside the statement that writes it (no extra round trip)."""
     return sa.exists().where(table.c.machine_id == machine_id)
 
 
 def _mark(tx: Tx, table: sa.Table, machine_id: uuid.UUID, **marker: bool) -> None:
-    # Write only on change: a heartbeat every few seconds must not rewrite the row.
     ((column, value),) = marker.items()
-    tx.execute(
-        sa.update(table)
-        .where(table.c.machine_id == machine_id, table.c[column] != value)
-        .values(**marker)
-    )
+    tx.execute(_mark_statement(table, column, value), {"marked": machine_id})
+
+
+@functools.cache
+def _mark_statement(table: sa.Table, column: str, value: bool) -> sa.Update:
+    # Write only on change: a heartbeat every few seconds must not rewrite the row.
+    return (sa.update(table)
+            .where(table.c.machine_id == sa.bindparam("marked"), table.c[column] != value)
+            .values({column: value}))

@@ -22,6 +22,7 @@ Rules (DESIGN.md section 2) and where each is enforced:
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from bmdb import backlog, schema
+from bmdb.backlog import Backlog
 from bmdb.backoff import Backoff, default_backoff, next_interval
 from bmdb.database import Tx
 from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, SessionExpired, WorkGone
@@ -76,12 +78,8 @@ class Work:
 
         def body(tx: Tx) -> None:
             self._release(tx)
-            tx.execute(
-                sa.delete(schema.backoff).where(
-                    schema.backoff.c.machine_id == self.machine_id,
-                    schema.backoff.c.process == self.process,
-                )
-            )
+            tx.execute(_CLEAR_BACKOFF, {"machine_id": self.machine_id,
+                                        "process": self.process.value})
             if apply is not None:
                 apply(tx)
             _record(tx, [self], Event.FINISHED)
@@ -110,13 +108,19 @@ class Work:
         self.session.transact(body)
 
     def _release(self, tx: Tx) -> None:
-        deleted = tx.execute(
-            sa.delete(schema.work).where(
-                schema.work.c.id == self.id, schema.work.c.session_id == self.session.id
-            )
-        )
+        deleted = tx.execute(_RELEASE, {"work_id": self.id, "session_id": self.session.id})
         if deleted.rowcount != 1:
             raise WorkGone(f"work {self.id} on machine {self.machine_id} is no longer held")
+
+
+# Statements of every finish, built once (see ``backlog.Backlog`` for why).
+_RELEASE = sa.delete(schema.work).where(schema.work.c.id == sa.bindparam("work_id"),
+                                        schema.work.c.session_id == sa.bindparam("session_id"))
+_CLEAR_BACKOFF = sa.delete(schema.backoff).where(
+    schema.backoff.c.machine_id == sa.bindparam("machine_id"),
+    schema.backoff.c.process == sa.bindparam("process"))
+_ADD_HISTORY = sa.insert(schema.history)
+_ADD_WORK = sa.insert(schema.work)
 
 
 # -- claiming ---------------------------------------------------------------
@@ -124,6 +128,11 @@ class Work:
 
 def eligible(tx: Tx, process: Process, retriever: Retriever) -> sa.Select:
     """Machines the retriever selects that are free in the group and not in backoff."""
+    return _eligible(process, retriever(tx)).params(now=tx.now)
+
+
+def _eligible(process: Process, candidates: sa.Select | sa.CompoundSelect) -> sa.Select:
+    """``eligible`` with the time as a bind parameter (``now``)."""
     group = exclusion_group(process)
     m = schema.machines
     busy = sa.exists().where(
@@ -132,9 +141,41 @@ def eligible(tx: Tx, process: Process, retriever: Retriever) -> sa.Select:
     backing_off = sa.exists().where(
         schema.backoff.c.machine_id == m.c.id,
         schema.backoff.c.process == process.value,
-        schema.backoff.c.until > tx.now,
+        schema.backoff.c.until > sa.bindparam("now"),
     )
-    return sa.select(m.c.id).where(m.c.id.in_(retriever(tx)), ~busy, ~backing_off)
+    return sa.select(m.c.id).where(m.c.id.in_(candidates), ~busy, ~backing_off)
+
+
+@dataclass(frozen=True)
+class _ClaimStatements:
+    """The claim's two statements: lock up to ``limit`` candidates not yet ``seen``,
+    and re-check the ``locked`` ones. Bind parameters throughout, so one pair serves
+    every claim of a backlog (``_backlog_statements``)."""
+
+    lock: sa.Select
+    recheck: sa.Select
+
+    @classmethod
+    def of(cls, query: sa.Select, wait: bool) -> _ClaimStatements:
+        m = schema.machines
+        lock = (query.where(m.c.id.not_in(sa.bindparam("seen", expanding=True)))
+                .limit(sa.bindparam("limit"))
+                .with_for_update(of=m, skip_locked=not wait))
+        return cls(lock, query.where(m.c.id.in_(sa.bindparam("locked", expanding=True))))
+
+
+@functools.cache
+def _backlog_statements(process: Process, backlog: Backlog, wait: bool) -> _ClaimStatements:
+    return _ClaimStatements.of(_eligible(process, backlog.statement), wait)
+
+
+def _claim_statements(tx: Tx, process: Process, retriever: Retriever,
+                      wait: bool) -> tuple[_ClaimStatements, dict[str, object]]:
+    """The statements for this claim and the values they share."""
+    if isinstance(retriever, Backlog):
+        return _backlog_statements(process, retriever, wait), {
+            "now": tx.now, **retriever.values(tx)}
+    return _ClaimStatements.of(_eligible(process, retriever(tx)), wait), {"now": tx.now}
 
 
 def claim(
@@ -154,21 +195,18 @@ def claim(
     skipped: for naming one machine, where skipping would misreport it.
     """
     process = Process(process)
-    m = schema.machines
 
     def body(tx: Tx) -> list[Work]:
-        query = eligible(tx, process, retriever)
+        statements, values = _claim_statements(tx, process, retriever, wait)
         taken: list[uuid.UUID] = []
         passed_over: list[uuid.UUID] = []  # claimed and finished since our snapshot
         while len(taken) < limit:
-            seen = taken + passed_over
-            fresh = query.where(m.c.id.not_in(seen)) if seen else query
-            locked = list(tx.execute(
-                fresh.limit(limit - len(taken)).with_for_update(of=m, skip_locked=not wait)
-            ).scalars())
+            locked = list(tx.execute(statements.lock, {
+                **values, "seen": taken + passed_over, "limit": limit - len(taken)
+            }).scalars())
             if not locked:
                 break
-            still = set(tx.execute(query.where(m.c.id.in_(locked))).scalars())
+            still = set(tx.execute(statements.recheck, {**values, "locked": locked}).scalars())
             taken += [machine for machine in locked if machine in still]
             passed_over += [machine for machine in locked if machine not in still]
         return _insert_work(tx, session, process, taken, dispatch_ttl)
@@ -197,7 +235,7 @@ def _insert_work(
     ]
     # Candidates are locked and re-checked, so a conflict here cannot happen
     # between claimers; the constraint is the last line, not the mechanism.
-    tx.execute(sa.insert(schema.work), rows)
+    tx.execute(_ADD_WORK, rows[0] if len(rows) == 1 else rows)
     claimed = [Work(r["id"], r["machine_id"], process, session) for r in rows]
     _record(tx, claimed, Event.STARTED)
     return claimed
@@ -282,21 +320,19 @@ def adopt(
 
 
 def _record(tx: Tx, items: list[Work], event: str, cause: str | None = None) -> None:
-    tx.execute(
-        sa.insert(schema.history),
-        [
-            {
-                "machine_id": item.machine_id,
-                "process": item.process.value,
-                "event": event,
-                "at": tx.now,
-                "work_id": item.id,
-                "session_id": item.session.id,
-                "cause": cause,
-            }
-            for item in items
-        ],
-    )
+    rows = [
+        {
+            "machine_id": item.machine_id,
+            "process": item.process.value,
+            "event": event,
+            "at": tx.now,
+            "work_id": item.id,
+            "session_id": item.session.id,
+            "cause": cause,
+        }
+        for item in items
+    ]
+    tx.execute(_ADD_HISTORY, rows[0] if len(rows) == 1 else rows)
 
 
 def _upsert_backoff(
