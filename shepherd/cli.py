@@ -3,20 +3,22 @@
 Operator commands (tables for people, ``--json`` for scripts)::
 
     shepherd machines [--tag T]... [--without T]... [--provider P] [--work PROC|any]
-                      [--backoff PROC|any] [--limit N] [--json]
-    shepherd show MACHINE [--history N] [--json]
-    shepherd explain MACHINE [--json]
+                      [--backoff PROC|any] [--limit N]
+    shepherd show MACHINE [--history N]
+    shepherd explain MACHINE
     shepherd clear-backoff MACHINE PROCESS
     shepherd start PROCESS MACHINE [--wait S]      PROCESS: agent-start | recovery
     shepherd reconcile
-    shepherd sessions [--alive] [--json]
-    shepherd fleet [--json] | migrate [REV] | sweep | serve ... | simulator ... | up
+    shepherd sessions [--alive]
+    shepherd fleet | migrate [REV] | sweep | serve ... | simulator ... | up
 
-MACHINE is a BMDB machine id (UUID); PROCESS a full name (``ShepherdRecovery``) or a
-short one (``recovery``). Exit status: 0 done; 1 could not be done now (machine busy,
-in backoff or not in the backlog, Recovery paused, no worker layer, BMDB unreadable);
-2 a bad argument (malformed id, unknown machine, process or tag), with one line on
-stderr saying which.
+Each takes --json (one JSON document on stdout; not up) and --bmdb-url URL, before
+or after its name. MACHINE is a BMDB machine id (UUID); PROCESS a full name
+(``ShepherdRecovery``) or a short one (``recovery``). Exit status: 0 done; 1 could
+not be done now (machine busy, in backoff or not in the backlog, Recovery paused, no
+worker layer, BMDB unreadable); 2 a bad argument (malformed id, unknown machine,
+process, tag or revision, a BMDB URL that is not one), with one line on stderr
+saying which.
 
 ``start`` and ``reconcile`` hand over to the Celery layer through ``start_hooks`` and
 ``reconcile_hook``, which the module named by ``$SHEPHERD_CLI_HOOKS`` (default
@@ -28,10 +30,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib
 import json
 import os
+import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +42,11 @@ from typing import Any, NoReturn
 
 DEFAULT_BMDB_URL = "sqlite:///var/bmdb.sqlite"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_ARGUMENT = 0, 1, 2
+BMDB_URL_HELP = "BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)"
+URL_SHAPE = "dialect[+driver]://user[:password]@host[:port]/database or sqlite:///path"
+#: Alembic revisions counted from another (``+1``, ``head-1``): valid or not only
+#: against the BMDB's current revision.
+RELATIVE_REVISION = re.compile(r"[+-]\d+$")
 
 #: Process -> callable(work) that dispatches the per-machine task with ``work.id``
 #: (the worker adopts the claim); its return value (a task id, say) is printed.
@@ -57,6 +64,46 @@ def bmdb_url(args: argparse.Namespace) -> str:
     return args.bmdb_url or os.environ.get("SHEPHERD_BMDB_URL") or DEFAULT_BMDB_URL
 
 
+def checked_bmdb_url(args: argparse.Namespace) -> str:
+    """The BMDB URL, or ``BadArgument`` naming what is wrong with it.
+
+    Why before connecting: SQLAlchemy's errors for a bad URL read like a schema problem
+    (and were answered with "is it migrated?"), and a URL that does not parse cannot
+    be shown with its password hidden: ``_redacted`` hides everything before its ``@``.
+    """
+    import sqlalchemy as sa
+
+    from shepherd.operator import BadArgument
+
+    text = bmdb_url(args)
+    source = ("--bmdb-url" if args.bmdb_url else
+              "SHEPHERD_BMDB_URL" if os.environ.get("SHEPHERD_BMDB_URL") else "the default")
+    try:
+        url = sa.make_url(text)
+    except (sa.exc.ArgumentError, ValueError):
+        raise BadArgument(f"the BMDB URL from {source}, {_redacted(text)!r}, is not a "
+                          f"database URL ({URL_SHAPE})") from None
+    shown = url.render_as_string(hide_password=True)
+    try:
+        url.get_dialect().import_dbapi()
+    except sa.exc.NoSuchModuleError:
+        raise BadArgument(f"the BMDB URL from {source}, {shown!r}: no database dialect "
+                          f"{url.drivername!r} ({URL_SHAPE})") from None
+    except ImportError as error:
+        raise BadArgument(f"the BMDB URL from {source}, {shown!r}: its driver "
+                          f"{error.name or url.drivername!r} is not installed") from None
+    return text
+
+
+def _redacted(text: str) -> str:
+    """An unparsable URL without what may be credentials (all before the last ``@``)."""
+    if "@" not in text:
+        return text
+    scheme, sep, _ = text.partition("://")
+    host = text.rsplit("@", 1)[1]
+    return f"{scheme}://***@{host}" if sep else f"***@{host}"
+
+
 def settings(args: argparse.Namespace) -> Any:
     from shepherd.config import Settings
 
@@ -68,7 +115,7 @@ def connected(args: argparse.Namespace) -> Iterator[Any]:
     """The BMDB with the configured thresholds, closed at the end."""
     import bmdb
 
-    db = bmdb.connect(bmdb_url(args), thresholds=settings(args).thresholds)
+    db = bmdb.connect(checked_bmdb_url(args), thresholds=settings(args).thresholds)
     try:
         yield db
     finally:
@@ -76,20 +123,20 @@ def connected(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def guard_limits(config: Any) -> Any:
-    """The guard's share and budget from the settings. No callback-server health check:
-    the worker checks that itself when it adopts a Recovery claim."""
-    from shepherd.workflows.guard import GuardLimits
+    """The guard's limits exactly as workers build them (share, hourly budget, the
+    callback server's ``/healthz`` with the agents' CA), so ``explain`` and ``start``
+    pause for every reason a worker would; only the health check's wait is bounded, as
+    a person is waiting."""
+    from shepherd import runtime
 
-    return GuardLimits(max_share=config.recovery_max_share,
-                       min_silent=config.recovery_min_silent,
-                       reboots_per_hour=config.reboots_per_hour)
+    return runtime.guard_limits(config, interactive=True)
 
 
 def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
     if getattr(args, "json", False):
         from shepherd.operator import jsonable
 
-        print(json.dumps(jsonable(data), indent=None))
+        print(json.dumps(jsonable(data), default=str))
     else:
         print(text())
 
@@ -104,32 +151,94 @@ def machine_arg(text: str) -> uuid.UUID:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from alembic.util import CommandError
+
     import bmdb
 
-    db = bmdb.connect(bmdb_url(args))
-    db.migrate(args.revision)
-    db.close()
-    print(f"BMDB at {db.engine.url.render_as_string(hide_password=True)} is at {args.revision}")
+    url = checked_bmdb_url(args)
+    _check_revision(url, args.revision)
+    db = bmdb.connect(url)
+    shown = db.engine.url.render_as_string(hide_password=True)
+    try:
+        db.migrate(args.revision)
+        revisions = _current_revisions(db)
+    except (CommandError, AssertionError) as error:  # alembic asserts on some forms
+        raise _migration_refused(args.revision, shown, error) from None
+    finally:
+        db.close()
+    emit(args, {"bmdb": shown, "requested": args.revision, "revisions": revisions},
+         lambda: f"BMDB at {shown} is at {args.revision}: revision "
+                 f"{', '.join(revisions) or '(none)'}")
     return 0
+
+
+def _check_revision(url: str, revision: str) -> None:
+    """Refuse a revision the migrations do not have (``BadArgument``), before the BMDB
+    is touched; relative ones are left to the upgrade (``_migration_refused``)."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    from bmdb.api import alembic_config
+    from shepherd.operator import BadArgument
+
+    if RELATIVE_REVISION.search(revision):
+        return
+    script = ScriptDirectory.from_config(alembic_config(url))
+    try:
+        script.get_revisions(revision)
+    except (CommandError, AssertionError, ValueError):
+        known = ", ".join(["head", "base", *(r.revision for r in script.walk_revisions())])
+        raise BadArgument(f"unknown revision {revision!r}; one of: {known} "
+                          "(or relative: +1, head-1)") from None
+
+
+def _migration_refused(revision: str, shown: str, error: Exception) -> Exception:
+    """What a refused upgrade means. A relative revision is the argument's fault; a
+    known one is the BMDB's (say, at a revision of a newer shepherd)."""
+    from shepherd.operator import BadArgument
+
+    if RELATIVE_REVISION.search(revision):
+        return BadArgument(f"cannot migrate to {revision!r}: {error or 'no such revision'}")
+    return Failed(f"cannot migrate the BMDB at {shown} to {revision!r}: {error}")
+
+
+def _current_revisions(db: Any) -> list[str]:
+    from alembic.runtime.migration import MigrationContext
+
+    with db.engine.connect() as conn:
+        return sorted(MigrationContext.configure(conn).get_current_heads())
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     import bmdb
 
     with connected(args) as db:
-        counts = dataclasses.asdict(db.read(lambda tx: bmdb.queries.fleet_counts(tx,
-                                                                                 db.thresholds)))
-    if args.json:
-        print(json.dumps(counts))
-    else:
-        for key, value in counts.items():
-            print(f"{key:>16}: {value}")
+        counts = db.read(lambda tx: bmdb.queries.fleet_counts(tx, db.thresholds))
+    emit(args, counts, lambda: render_fleet(counts))
     return 0
+
+
+def render_fleet(c: Any) -> str:
+    """The counts as people read them: the fleet on one line, one row per process."""
+    from shepherd import tables
+
+    rows = [(process, c.backlog.get(process), work, c.active_backoffs.get(process, 0))
+            for process, work in c.active_work.items()]
+    return "\n".join([
+        f"machines {c.machines}   provided {c.provided}   agent started "
+        f"{c.agent_started}   heartbeating {c.heartbeating}", "",
+        tables.table(["PROCESS", "BACKLOG", "WORK", "BACKOFFS"], rows),
+        "(backlog: what a claim could take, held and backing-off machines excluded; "
+        "the Recovery guard is not asked: `shepherd explain`)",
+    ])
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     with connected(args) as db:
-        print(db.sweep())
+        result = db.sweep()
+    emit(args, result, lambda: f"sweep: {result.abandoned} work of dead sessions released "
+                               f"(Abandoned), {result.unadopted} claims nobody adopted "
+                               f"cancelled, {result.sessions_deleted} dead sessions deleted")
     return 0
 
 
@@ -238,10 +347,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     machine_id = machine_arg(args.machine)
     limits = guard_limits(settings(args))
     with connected(args) as db:
-        found = db.read(lambda tx: operator.explain(tx, machine_id, db.thresholds, limits))
+        found = operator.explain_machine(db, machine_id, limits)
     data = {**operator.jsonable(found),
             "processes": [{**operator.jsonable(p), "claimable": p.claimable,
-                           "summary": p.summary} for p in found.processes]}
+                           "state": p.state, "summary": p.summary}
+                          for p in found.processes]}
     emit(args, data, lambda: render_explain(found))
     return 0
 
@@ -252,7 +362,7 @@ def render_explain(e: Any) -> str:
     lines = [f"machine {e.id}  tags: {', '.join(e.tags) or '(none)'}",
              f"BMDB time {tables.when(e.now)} UTC"]
     for p in e.processes:
-        lines += ["", f"{p.process}: {'CLAIMABLE NOW' if p.claimable else 'not claimable'}"]
+        lines += ["", f"{p.process}: {p.verdict}"]
         lines.append(f"  backlog: {'yes' if p.in_backlog else 'no'} — {p.backlog}")
         if p.work is None:
             lines.append("  work:    none in its exclusion group")
@@ -269,15 +379,19 @@ def render_explain(e: Any) -> str:
         else:
             lines.append(f"  backoff: expired at {tables.when(b.until)} (was: {b.cause})")
         if p.guard:
-            g = p.guard
-            if p.paused:
-                lines.append(f"  guard:   PAUSED — {p.paused}")
-            else:
-                lines.append(f"  guard:   not paused ({g['silent']} of {g['started']} started "
-                             f"agents silent, max share {g['max_share']:.0%}; "
-                             f"{g['reboots_last_hour']} of {g['reboots_per_hour']} reboots "
-                             "in the last hour)")
+            lines.append(f"  guard:   {_guard_line(p)}")
     return "\n".join(lines)
+
+
+def _guard_line(p: Any) -> str:
+    if p.paused:
+        return f"PAUSED — {p.paused}"
+    g = p.guard
+    callback = (f"callback server {g['callback_server']} healthy" if g.get("callback_server")
+                else "callback server not checked")
+    return (f"not paused ({g['silent']} of {g['started']} started agents silent, max share "
+            f"{g['max_share']:.0%}; {g['reboots_last_hour']} of {g['reboots_per_hour']} "
+            f"reboots in the last hour; {callback})")
 
 
 def cmd_clear_backoff(args: argparse.Namespace) -> int:
@@ -287,17 +401,19 @@ def cmd_clear_backoff(args: argparse.Namespace) -> int:
     process = operator.parse_process(args.process)
     with connected(args) as db, db.start_session("operator-cli") as session:
         cleared = operator.clear_backoff(session, machine_id, process)
-    if cleared is None:
-        print(f"machine {machine_id} had no {process.value} backoff")
-    else:
+
+    def text() -> str:
+        if cleared is None:
+            return f"machine {machine_id} had no {process.value} backoff"
         state = "active" if cleared.active else "already expired"
-        print(f"cleared {process.value} backoff of machine {machine_id} ({state}, until "
-              f"{tables.when(cleared.until)}, after: {cleared.cause})")
+        return (f"cleared {process.value} backoff of machine {machine_id} ({state}, until "
+                f"{tables.when(cleared.until)}, after: {cleared.cause})")
+
+    emit(args, {"machine": machine_id, "process": process.value, "cleared": cleared}, text)
     return 0
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    import bmdb
     from shepherd import operator
 
     process = operator.parse_process(args.process, operator.BACKLOG_PROCESSES)
@@ -305,34 +421,54 @@ def cmd_start(args: argparse.Namespace) -> int:
     config = settings(args)
     load_hooks()
     hook = start_hooks.get(process)
+    wait = args.wait if args.wait is not None else config.dispatch_ttl
     with connected(args) as db, db.start_session("operator-cli") as session:
-        limits = guard_limits(config)
-        try:
-            work = operator.claim_for_handoff(session, process, machine_id,
-                                              config.dispatch_ttl, limits)
-        except (bmdb.NotClaimable, operator.RecoveryPaused) as error:
-            raise Failed(str(error)) from None
-        if hook is None:
-            work.cancel("operator start: no worker layer to hand the claim to")
-            raise Failed(f"machine {machine_id}: {process.value} is claimable, but the worker "
-                         "layer is not available (no start hook); claim cancelled")
-        try:
-            result = hook(work)
-        except Exception as error:
-            with contextlib.suppress(bmdb.WorkGone):
-                work.cancel(f"operator start: dispatch failed: {type(error).__name__}")
-            raise Failed(f"machine {machine_id}: could not dispatch {process.value}: "
-                         f"{error}") from None
-        wait = args.wait if args.wait is not None else config.dispatch_ttl
-        if not operator.wait_adopted(session, work, wait):
-            # WorkGone here means a worker adopted it at the last moment: a success.
-            with contextlib.suppress(bmdb.WorkGone):
-                work.cancel(f"operator start: no worker adopted the claim within {wait:g}s")
-                raise Failed(f"machine {machine_id}: no worker took {process.value} within "
-                             f"{wait:g}s; claim cancelled")
-    print(f"{process.value} started on machine {machine_id}: work {work.id}"
-          + (f", task {result}" if result is not None else ""))
+        work = _claim(session, process, machine_id, config)
+        result = _hand_over(session, work, hook, wait)
+    emit(args, {"machine": machine_id, "process": process.value, "work": work.id,
+                "task": result},
+         lambda: f"{process.value} started on machine {machine_id}: work {work.id}"
+                 + (f", task {result}" if result is not None else ""))
     return 0
+
+
+def _claim(session: Any, process: Any, machine_id: uuid.UUID, config: Any) -> Any:
+    """The claim to hand over, or ``Failed`` saying why the machine is not claimable."""
+    import bmdb
+    from shepherd import operator
+
+    try:
+        return operator.claim_for_handoff(session, process, machine_id, config.dispatch_ttl,
+                                          guard_limits(config))
+    except (bmdb.NotClaimable, operator.RecoveryPaused) as error:
+        raise Failed(str(error)) from None
+
+
+def _hand_over(session: Any, work: Any, hook: Callable[[Any], object] | None,
+               wait: float) -> object:
+    """Dispatch the claim through the hook and wait until a worker adopted it; on any
+    failure cancel it (a claim nobody runs would hold the machine until the sweep)."""
+    import bmdb
+    from shepherd import operator
+
+    machine, process = work.machine_id, work.process.value
+    if hook is None:
+        work.cancel("operator start: no worker layer to hand the claim to")
+        raise Failed(f"machine {machine}: {process} is claimable, but the worker layer is "
+                     "not available (no start hook); claim cancelled")
+    try:
+        result = hook(work)
+    except Exception as error:
+        with contextlib.suppress(bmdb.WorkGone):
+            work.cancel(f"operator start: dispatch failed: {type(error).__name__}")
+        raise Failed(f"machine {machine}: could not dispatch {process}: {error}") from None
+    if not operator.wait_adopted(session, work, wait):
+        # WorkGone here means a worker adopted it at the last moment: a success.
+        with contextlib.suppress(bmdb.WorkGone):
+            work.cancel(f"operator start: no worker adopted the claim within {wait:g}s")
+            raise Failed(f"machine {machine}: no worker took {process} within {wait:g}s; "
+                         "claim cancelled")
+    return result
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
@@ -343,7 +479,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         result = reconcile_hook()
     except Exception as error:
         raise Failed(f"reconcile failed: {type(error).__name__}: {error}") from None
-    print(f"reconcile: {result}" if result is not None else "reconcile: started")
+    emit(args, {"result": result},
+         lambda: f"reconcile: {result}" if result is not None else "reconcile: started")
     return 0
 
 
@@ -405,18 +542,48 @@ class Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     top = Parser(prog="shepherd", description=__doc__.replace("``", ""),
                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("--bmdb-url", help="BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)")
+    top.add_argument("--bmdb-url", help=BMDB_URL_HELP)
     sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
+    commands = _Commands(sub)
+    _operator_commands(commands)
+    _up_command(commands.add("up", "run the whole control plane in the foreground", cmd_up,
+                             json=False))
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return top
 
-    migrate = sub.add_parser("migrate", help="bring the BMDB schema up to date")
-    migrate.add_argument("revision", nargs="?", default="head")
-    migrate.set_defaults(run=cmd_migrate)
 
-    fleet = sub.add_parser("fleet", help="fleet counts from the BMDB")
-    fleet.add_argument("--json", action="store_true")
-    fleet.set_defaults(run=cmd_fleet)
+class _Commands:
+    """Adds subcommands that all take ``--bmdb-url`` after their name too, and (unless
+    told otherwise) ``--json``. Delegated commands own their flags and get neither.
 
-    machines = sub.add_parser("machines", help="list machines, with filters")
+    Why ``default=SUPPRESS``: a subcommand's own default would overwrite the value
+    given before the name; suppressed, the attribute is set only when given after it.
+    """
+
+    def __init__(self, sub: Any) -> None:
+        self.sub = sub
+        self.url = argparse.ArgumentParser(add_help=False)
+        self.url.add_argument("--bmdb-url", default=argparse.SUPPRESS, help=BMDB_URL_HELP)
+        self.json = argparse.ArgumentParser(add_help=False)
+        self.json.add_argument("--json", action="store_true",
+                               help="one JSON document on stdout, for scripts")
+
+    def add(self, name: str, text: str, run: Callable[[argparse.Namespace], int], *,
+            json: bool = True) -> argparse.ArgumentParser:
+        parents = [self.url, self.json] if json else [self.url]
+        command = self.sub.add_parser(name, help=text, parents=parents)
+        command.set_defaults(run=run)
+        return command
+
+
+def _operator_commands(commands: _Commands) -> None:
+    migrate = commands.add("migrate", "bring the BMDB schema up to date", cmd_migrate)
+    migrate.add_argument("revision", nargs="?", default="head",
+                         help="alembic revision to upgrade to (default: head)")
+    commands.add("fleet", "fleet counts from the BMDB", cmd_fleet)
+
+    machines = commands.add("machines", "list machines, with filters", cmd_machines)
     machines.add_argument("--tag", action="append", default=[], metavar="TAG",
                           help="only machines with this tag (repeatable)")
     machines.add_argument("--without", action="append", default=[], metavar="TAG",
@@ -427,42 +594,34 @@ def parser() -> argparse.ArgumentParser:
     machines.add_argument("--backoff", metavar="PROCESS|any",
                           help="only machines in an active backoff of this process")
     machines.add_argument("--limit", type=_positive, default=500)
-    machines.add_argument("--json", action="store_true")
-    machines.set_defaults(run=cmd_machines)
 
-    show = sub.add_parser("show", help="one machine: tags, work, backoffs, history")
+    show = commands.add("show", "one machine: tags, work, backoffs, history", cmd_show)
     show.add_argument("machine", metavar="MACHINE")
     show.add_argument("--history", type=_positive, default=50, help="history rows (newest)")
-    show.add_argument("--json", action="store_true")
-    show.set_defaults(run=cmd_show)
 
-    explain = sub.add_parser("explain", help="why a machine is or is not in each backlog")
+    explain = commands.add("explain", "why a machine is or is not in each backlog",
+                           cmd_explain)
     explain.add_argument("machine", metavar="MACHINE")
-    explain.add_argument("--json", action="store_true")
-    explain.set_defaults(run=cmd_explain)
 
-    clear = sub.add_parser("clear-backoff", help="delete a machine's backoff for a process")
+    clear = commands.add("clear-backoff", "delete a machine's backoff for a process",
+                         cmd_clear_backoff)
     clear.add_argument("machine", metavar="MACHINE")
     clear.add_argument("process", metavar="PROCESS")
-    clear.set_defaults(run=cmd_clear_backoff)
 
-    start = sub.add_parser("start", help="start AgentStart or Recovery on a machine now")
+    start = commands.add("start", "start AgentStart or Recovery on a machine now", cmd_start)
     start.add_argument("process", metavar="PROCESS", help="agent-start or recovery")
     start.add_argument("machine", metavar="MACHINE")
     start.add_argument("--wait", type=float, metavar="SECONDS",
                        help="how long a worker may take to adopt the claim "
                             "(default: SHEPHERD_DISPATCH_TTL)")
-    start.set_defaults(run=cmd_start)
 
-    sub.add_parser("reconcile", help="run a reconcile now").set_defaults(run=cmd_reconcile)
-
-    sessions = sub.add_parser("sessions", help="BMDB sessions and the work each holds")
+    commands.add("reconcile", "run a reconcile now", cmd_reconcile)
+    sessions = commands.add("sessions", "BMDB sessions and the work each holds", cmd_sessions)
     sessions.add_argument("--alive", action="store_true", help="only live sessions")
-    sessions.add_argument("--json", action="store_true")
-    sessions.set_defaults(run=cmd_sessions)
+    commands.add("sweep", "release work of dead sessions now", cmd_sweep)
 
-    sub.add_parser("sweep", help="release work of dead sessions now").set_defaults(run=cmd_sweep)
-    up = sub.add_parser("up", help="run the whole control plane in the foreground")
+
+def _up_command(up: argparse.ArgumentParser) -> None:
     up.add_argument("--workdir", type=Path, default=Path(os.environ.get("SHEPHERD_STATE_DIR",
                                                                         "var")),
                     help="state directory: SQLite BMDB and broker, logs, keys (default ./var)")
@@ -482,10 +641,6 @@ def parser() -> argparse.ArgumentParser:
                     help="embedded broker when SHEPHERD_BROKER_URL is unset: SQLite under "
                          "the state directory (default; Flower sees no workers or events "
                          "on it), or a private redis-server (needs the binary)")
-    up.set_defaults(run=cmd_up)
-    for name, (_, text) in DELEGATED.items():
-        sub.add_parser(name, help=text, add_help=False)
-    return top
 
 
 def _port(text: str) -> int:

@@ -276,19 +276,16 @@ def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
 
 
 def default_guard_limits() -> GuardLimits | None:
-    """The guard limits of this process's ``SHEPHERD_*`` settings (healthz bounded to 2 s
-    so a scrape stays quick), or None when the settings are unusable."""
-    import dataclasses
-
+    """The guard limits of this process's ``SHEPHERD_*`` settings (the health check's
+    wait bounded so a scrape stays quick), or None when the settings are unusable."""
     from shepherd import runtime
     from shepherd.config import Settings, SettingsError
 
     try:
-        limits = runtime.guard_limits(Settings.from_env())
+        return runtime.guard_limits(Settings.from_env(), interactive=True)
     except SettingsError as error:
         log.warning("metrics: no guard gauges: %s", error)
         return None
-    return dataclasses.replace(limits, healthz_timeout=min(limits.healthz_timeout, 2.0))
 
 
 # -- registries and exposition -------------------------------------------------------

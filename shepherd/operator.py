@@ -39,6 +39,8 @@ TAG_LEGEND = ", ".join(f"{short}={name}" for name, short in SHORT_TAGS.items())
 BACKLOG_PROCESSES: tuple[bmdb.Process, ...] = (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY)
 #: Filter value meaning "any process" for ``--work`` / ``--backoff``.
 ANY = "any"
+#: How every guard reason starts (``shepherd.workflows.guard``'s wording).
+PAUSED_PREFIX = "recovery paused: "
 
 
 class BadArgument(ValueError):
@@ -225,9 +227,15 @@ class ProcessExplanation:
     guard: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def backing_off(self) -> bool:
+        return self.backoff is not None and self.backoff.active
+
+    @property
     def claimable(self) -> bool:
-        active_backoff = self.backoff is not None and self.backoff.active
-        return self.in_backlog and self.work is None and not active_backoff
+        """Whether a claim would take the machine now. A paused guard counts: every
+        Recovery claim (sourcing, a manual task, ``shepherd start``) asks it first."""
+        return (self.in_backlog and self.work is None and not self.backing_off
+                and not self.paused)
 
     @property
     def state(self) -> str:
@@ -236,9 +244,9 @@ class ProcessExplanation:
             return "not in backlog"
         if self.work is not None:
             return "held by work"
-        if self.backoff is not None and self.backoff.active:
+        if self.backing_off:
             return "in backoff"
-        return "claimable, guard paused" if self.paused else "claimable now"
+        return "PAUSED by the guard" if self.paused else "claimable now"
 
     @property
     def summary(self) -> str:
@@ -249,12 +257,23 @@ class ProcessExplanation:
             state = "alive" if self.work.session_alive else "dead, the sweep releases it"
             return (f"in backlog but held by {self.work.process} work {self.work.id} "
                     f"(session {self.work.session_id}, {state})")
-        if self.backoff is not None and self.backoff.active:
+        if self.backing_off:
             return (f"in backlog but in backoff until {_t(self.backoff.until)} "
                     f"after: {self.backoff.cause}")
         if self.paused:
-            return f"claimable, but sourcing holds back: {self.paused}"
+            name = self.process.removeprefix("Shepherd")
+            return (f"in the backlog, but {name} is PAUSED by the guard: "
+                    f"{self.paused.removeprefix(PAUSED_PREFIX)}")
         return "claimable now"
+
+    @property
+    def verdict(self) -> str:
+        """The headline ``explain`` prints for the process."""
+        if self.claimable:
+            return "CLAIMABLE NOW"
+        if self.in_backlog and self.work is None and not self.backing_off:
+            return f"not claimable: {self.summary}"
+        return f"not claimable ({self.state})"
 
 
 @dataclass(frozen=True)
@@ -471,12 +490,43 @@ def _recovery_reason(tags: dict[str, dict[str, Any]], now: dt.datetime,
             f"{thresholds.heartbeat:g}s since {_t(stale_at)}")
 
 
+@dataclass(frozen=True)
+class CallbackCheck:
+    """The guard's check of the agent callback server (``GET /healthz``): ``unhealthy``
+    is why it failed, None when it answered 200."""
+
+    url: str
+    unhealthy: str | None
+
+
+def check_callback(limits: guard.GuardLimits) -> CallbackCheck | None:
+    """The guard's callback-server check, or None when ``limits`` has no ``healthz_url``.
+
+    Why apart from ``explain``: it is an HTTP call, made before the BMDB transaction
+    so that it never holds one (on SQLite a transaction locks every writer out).
+    """
+    if not limits.healthz_url:
+        return None
+    return CallbackCheck(limits.healthz_url, guard.callback_server_unhealthy(
+        limits.healthz_url, limits.healthz_timeout, limits.healthz_ca_file))
+
+
+def explain_machine(db: bmdb.BMDB, machine_id: uuid.UUID, limits: guard.GuardLimits
+                    ) -> Explanation:
+    """``explain`` with the whole guard a worker asks: the callback server checked first
+    (when ``limits`` names it), then one read transaction."""
+    callback = check_callback(limits)
+    return db.read(lambda tx: explain(tx, machine_id, db.thresholds, limits, callback))
+
+
 def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
-            limits: guard.GuardLimits | None = None) -> Explanation:
+            limits: guard.GuardLimits | None = None, callback: CallbackCheck | None = None
+            ) -> Explanation:
     """For AgentStart and Recovery: in the backlog or not and why, the work holding the
     machine in the group (and whether its session lives), the active backoff, and for
-    Recovery what the blast-radius guard says (share of silent agents, hourly budget;
-    the callback server's health is checked by the worker, not here)."""
+    Recovery what the blast-radius guard says (share of silent agents, hourly budget,
+    and the callback server's health as ``check_callback`` found it: not checked when
+    ``callback`` is None; ``explain_machine`` checks it)."""
     require_machine(tx, machine_id)
     limits = limits or guard.GuardLimits()
     tags = bmdb.queries.machine_tags(tx, machine_id)
@@ -488,7 +538,7 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
             reason, paused, guard_state = _agent_start_reason(tags), None, {}
         else:
             reason = _recovery_reason(tags, tx.now, thresholds)
-            paused, guard_state = _guard(tx, thresholds, limits)
+            paused, guard_state = _guard(tx, thresholds, limits, callback)
         out.append(ProcessExplanation(
             process=process.value, in_backlog=_in_backlog(tx, process, machine_id, thresholds),
             backlog=reason, work=held[0] if held else None,
@@ -497,19 +547,24 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
     return Explanation(now=tx.now, id=machine_id, tags=list(tags), processes=out)
 
 
-def _guard(tx: bmdb.Tx, thresholds: bmdb.Thresholds, limits: guard.GuardLimits
-           ) -> tuple[str | None, dict[str, Any]]:
+def _guard(tx: bmdb.Tx, thresholds: bmdb.Thresholds, limits: guard.GuardLimits,
+           callback: CallbackCheck | None = None) -> tuple[str | None, dict[str, Any]]:
+    """Why the guard pauses Recovery now (reasons in ``guard.evaluate``'s order and
+    wording: callback server, silent share, hourly budget), and the numbers behind it."""
     started, silent = guard.silent_counts(tx, thresholds)
     reboots = guard.reboots_last_hour(tx)
-    reasons = [r for r in (guard.recovery_paused(tx, thresholds, limits.max_share,
-                                                 limits.min_silent),) if r]
+    reasons = [callback.unhealthy if callback else None,
+               guard.recovery_paused(tx, thresholds, limits.max_share, limits.min_silent)]
     if reboots >= limits.reboots_per_hour:
-        reasons.append(f"recovery paused: {reboots} reboots in the last hour reach the limit "
+        reasons.append(f"{reboots} reboots in the last hour reach the limit "
                        f"of {limits.reboots_per_hour} per hour")
+    found = [r.removeprefix(PAUSED_PREFIX) for r in reasons if r]
     state = {"started": started, "silent": silent, "max_share": limits.max_share,
              "min_silent": limits.min_silent, "reboots_last_hour": reboots,
-             "reboots_per_hour": limits.reboots_per_hour}
-    return "; ".join(reasons) or None, state
+             "reboots_per_hour": limits.reboots_per_hour,
+             "callback_server": callback.url if callback else None,
+             "callback_healthy": callback.unhealthy is None if callback else None}
+    return (PAUSED_PREFIX + "; ".join(found) if found else None), state
 
 
 # -- the one write ---------------------------------------------------------------
@@ -553,8 +608,9 @@ def claim_for_handoff(session: bmdb.Session, process: bmdb.Process, machine_id: 
     This is the same claim (the process's backlog query, narrowed to the machine)
     made with ``dispatch_ttl``; when it finds nothing, ``explain`` says why
     (``MachineBusy`` / ``MachineInBackoff`` / ``NotInBacklog``, as ``claim_machine``
-    would). Recovery is claimed under the guard (silent share and hourly budget,
-    under the fleet-wide hold): ``RecoveryPaused`` when it says no.
+    would). Recovery is claimed under the guard (silent share, hourly budget and, when
+    ``limits`` names it, the callback server's health; under the fleet-wide hold):
+    ``RecoveryPaused`` when it says no.
     """
     thresholds = session.db.thresholds
     in_backlog = bmdb.backlog.retriever(process, thresholds)
@@ -572,8 +628,9 @@ def claim_for_handoff(session: bmdb.Session, process: bmdb.Process, machine_id: 
             if not held:
                 raise RecoveryPaused("another claimer holds Recovery claims right now; "
                                      "try again in a few seconds")
-            paused, _ = session.transact(
-                lambda tx: _guard(tx, thresholds, limits or guard.GuardLimits()))
+            limits = limits or guard.GuardLimits()
+            callback = check_callback(limits)  # HTTP: before the transaction, not in it
+            paused, _ = session.transact(lambda tx: _guard(tx, thresholds, limits, callback))
             if paused:
                 raise RecoveryPaused(paused)
             claimed = claim()

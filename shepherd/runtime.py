@@ -102,12 +102,20 @@ def recoverer_settings(settings: Settings) -> RecovererSettings:
     return RecovererSettings(reboot_wait=settings.reboot_wait)
 
 
-def guard_limits(settings: Settings) -> GuardLimits:
+#: The longest an operator's command, page or scrape waits for the callback server.
+INTERACTIVE_HEALTHZ_TIMEOUT = 2.0
+
+
+def guard_limits(settings: Settings, *, interactive: bool = False) -> GuardLimits:
+    """The blast-radius guard's limits, one way for workers, CLI, web view and metrics,
+    so they pause for the same reasons; ``interactive`` bounds the health check's wait
+    (``INTERACTIVE_HEALTHZ_TIMEOUT``) where a person or a scraper is waiting."""
+    timeout = settings.healthz_timeout
     return GuardLimits(
         max_share=settings.recovery_max_share, min_silent=settings.recovery_min_silent,
         reboots_per_hour=settings.reboots_per_hour,
         healthz_url=settings.bmaas_endpoint.rstrip("/") + "/healthz",
-        healthz_timeout=settings.healthz_timeout,
+        healthz_timeout=min(timeout, INTERACTIVE_HEALTHZ_TIMEOUT) if interactive else timeout,
         healthz_ca_file=settings.bmaas_ca_file or None,
     )
 

@@ -2,12 +2,17 @@
 
 Used by the CLI, operator, web and metrics tests. Thresholds are the ``db`` fixture's
 (first heartbeat 60 s, heartbeat 30 s); ``THRESHOLD_ENV`` gives the CLI the same.
+``healthy_callback_server`` stands in for the agent callback server the guard asks.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import http.server
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -78,3 +83,28 @@ def seed_fleet(db: bmdb.BMDB, session: bmdb.Session) -> Fleet:
     return Fleet(new=new, stopped=stopped, busy=busy, backing_off=backing_off,
                  healthy=healthy, silent=silent, quiet=quiet, orphaned=orphaned,
                  fresh_agent=fresh_agent, busy_work=busy_work, dead_session=dead_session)
+
+
+class _Healthz(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/healthz" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def healthy_callback_server() -> Iterator[str]:
+    """A loopback server whose ``GET /healthz`` answers 200; yields its base URL (what
+    ``SHEPHERD_BMAAS_ENDPOINT`` holds), so the guard's health check passes for real."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthz)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

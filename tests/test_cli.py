@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+
+import sqlalchemy as sa
 
 
 def shepherd(*args: str) -> subprocess.CompletedProcess:
@@ -44,27 +47,38 @@ def test_unknown_flag_is_a_usage_error(tmp_path):
 
 # -- operator commands against a seeded BMDB (in-process: fast, same exit statuses) ---
 
+import socket  # noqa: E402
 import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
 import bmdb  # noqa: E402
 from shepherd import cli  # noqa: E402
-from tests.operator_fixtures import THRESHOLD_ENV, Fleet, seed_fleet  # noqa: E402
+from tests.operator_fixtures import (  # noqa: E402
+    THRESHOLD_ENV,
+    Fleet,
+    healthy_callback_server,
+    seed_fleet,
+)
 
 UNKNOWN = "00000000-0000-4000-8000-000000000000"
 
 
 @pytest.fixture
 def fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str,
-          monkeypatch: pytest.MonkeyPatch) -> Fleet:
+          monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
+    """The seeded fleet, and a healthy callback server for the guard to ask (as the
+    CLI's guard asks it, like the workers')."""
     for name, value in THRESHOLD_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("SHEPHERD_BMDB_URL", db_url)
     monkeypatch.setenv("SHEPHERD_CLI_HOOKS", "")
     monkeypatch.setattr(cli, "start_hooks", {})
     monkeypatch.setattr(cli, "reconcile_hook", None)
-    return seed_fleet(db, session)
+    with healthy_callback_server() as endpoint:
+        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", endpoint)
+        yield seed_fleet(db, session)
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -284,3 +298,220 @@ def test_hooks_come_from_the_hooks_module(fleet: Fleet, capsys, monkeypatch, tmp
     monkeypatch.setenv("SHEPHERD_CLI_HOOKS", name)
     status, out, _ = run(capsys, "reconcile")
     assert status == 0 and "from the hooks module" in out
+
+
+# -- migrate: bad revisions, --json --------------------------------------------------
+
+
+def test_bad_migrate_revision_is_one_line_and_status_2(tmp_path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    status, out, err = run(capsys, "--bmdb-url", url, "migrate", "nope")
+    assert "unknown revision 'nope'; one of: head, base" in one_line_error(err, status)
+    assert out == ""
+    status, _, err = run(capsys, "migrate", "--bmdb-url", url, "+99")  # relative: past head
+    assert "cannot migrate to '+99'" in one_line_error(err, status)
+    result = shepherd("--bmdb-url", url, "migrate", "head+1")  # a real process: no traceback
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_migrate_json_and_a_bmdb_newer_than_the_migrations(tmp_path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    status, out, _ = run(capsys, "migrate", "--json", "--bmdb-url", url)
+    assert status == 0
+    done = json.loads(out)
+    assert done["requested"] == "head" and len(done["revisions"]) == 1
+    db = bmdb.connect(url)
+    db.read(lambda tx: tx.execute(sa.text("UPDATE alembic_version SET version_num = '9999'")))
+    db.close()
+    status, _, err = run(capsys, "migrate", "--bmdb-url", url)
+    assert "cannot migrate the BMDB at" in one_line_error(err, status, expected=1)
+
+
+# -- reconcile: arguments, --json ---------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["now"], ["--wait", "5"]])
+def test_bad_reconcile_argument_is_one_line_and_status_2(fleet: Fleet, capsys, argv) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["reconcile", *argv])
+    assert "unrecognized arguments" in one_line_error(capsys.readouterr().err,
+                                                      exit_.value.code)
+
+
+def test_reconcile_json(fleet: Fleet, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cli, "reconcile_hook", lambda: {"created": 2, "gone": []})
+    status, out, _ = run(capsys, "reconcile", "--json")
+    assert status == 0 and json.loads(out) == {"result": {"created": 2, "gone": []}}
+
+
+# -- explain: the guard as a claim sees it ---------------------------------------------
+
+
+def test_explain_says_paused_recovery_is_not_claimable(fleet: Fleet, capsys,
+                                                       monkeypatch) -> None:
+    status, out, _ = run(capsys, "explain", str(fleet.silent))
+    assert status == 0
+    assert "CLAIMABLE NOW" not in out
+    assert ("ShepherdRecovery: not claimable: in the backlog, but Recovery is PAUSED by the "
+            "guard: 3 of 5 started agents are silent") in out
+    status, out, _ = run(capsys, "explain", str(fleet.silent), "--json")
+    recovery = {p["process"]: p for p in json.loads(out)["processes"]}["ShepherdRecovery"]
+    assert recovery["claimable"] is False and recovery["in_backlog"] is True
+    assert "silent" in recovery["paused"] and recovery["state"] == "PAUSED by the guard"
+
+    monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1")
+    status, out, _ = run(capsys, "explain", str(fleet.silent))
+    assert "ShepherdRecovery: CLAIMABLE NOW" in out
+    assert "healthy)" in out  # the guard line: the callback server was asked
+
+
+def unreachable_endpoint() -> tuple[socket.socket, str]:
+    """A loopback port bound (so nobody else takes it) but not listening: refused."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_explain_and_start_ask_the_callback_server(fleet: Fleet, capsys, monkeypatch) -> None:
+    sock, endpoint = unreachable_endpoint()
+    with sock:
+        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", endpoint)
+        monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1")  # only the server pauses
+        status, out, _ = run(capsys, "explain", str(fleet.silent), "--json")
+        assert status == 0
+        by_process = {p["process"]: p for p in json.loads(out)["processes"]}
+        recovery = by_process["ShepherdRecovery"]
+        assert recovery["claimable"] is False
+        assert f"callback server {endpoint}/healthz unreachable" in recovery["paused"]
+        assert recovery["guard"]["callback_healthy"] is False
+        status, out, _ = run(capsys, "explain", str(fleet.silent))
+        assert f"guard:   PAUSED — recovery paused: callback server {endpoint}" in out
+        monkeypatch.setitem(cli.start_hooks, bmdb.Process.RECOVERY,
+                            lambda work: pytest.fail("must not dispatch"))
+        status, _, err = run(capsys, "start", "recovery", str(fleet.silent))
+        assert "callback server" in one_line_error(err, status, expected=1)
+
+
+def test_the_guard_waits_for_the_callback_server_at_most_2s(monkeypatch) -> None:
+    from shepherd import runtime
+    from shepherd.config import Settings
+
+    monkeypatch.setenv("SHEPHERD_HEALTHZ_TIMEOUT", "30")
+    monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", "https://callbacks.example:8443/")
+    limits = cli.guard_limits(Settings.from_env())
+    assert limits.healthz_url == "https://callbacks.example:8443/healthz"
+    assert limits.healthz_timeout == runtime.INTERACTIVE_HEALTHZ_TIMEOUT == 2.0
+
+
+# -- fleet as a table -------------------------------------------------------------------
+
+
+def test_fleet_is_a_table(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "fleet")
+    assert status == 0
+    assert "{" not in out and "machines 9" in out and "agent started 5" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith("Shepherd")}
+    assert rows == {"ShepherdAgentStart": ["1", "1", "1"], "ShepherdRecovery": ["2", "1", "0"],
+                    "ShepherdOSInstall": ["-", "0", "0"]}
+
+
+# -- shared options: --bmdb-url before or after the name, --json -------------------------
+
+#: Each operator command with the arguments it needs to parse.
+COMMAND_ARGS = {
+    "migrate": [], "fleet": [], "machines": [], "show": [UNKNOWN], "explain": [UNKNOWN],
+    "clear-backoff": [UNKNOWN, "recovery"], "start": ["recovery", UNKNOWN], "reconcile": [],
+    "sessions": [], "sweep": [], "up": [],
+}
+
+
+def test_every_command_takes_the_shared_options_after_its_name() -> None:
+    top = cli.parser()
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(COMMAND_ARGS) == set(commands.choices) - set(cli.DELEGATED)
+    for name, argv in COMMAND_ARGS.items():
+        assert top.parse_args([name, *argv, "--bmdb-url", "sqlite:///a"]).bmdb_url == (
+            "sqlite:///a"), name
+        assert top.parse_args(["--bmdb-url", "sqlite:///b", name, *argv]).bmdb_url == (
+            "sqlite:///b"), name
+        if name != "up":  # runs in the foreground: nothing to print as JSON
+            assert top.parse_args([name, *argv, "--json"]).json is True, name
+
+
+def test_bmdb_url_after_the_command(fleet: Fleet, db_url: str, tmp_path, capsys,
+                                    monkeypatch) -> None:
+    monkeypatch.setenv("SHEPHERD_BMDB_URL", f"sqlite:///{tmp_path / 'elsewhere.sqlite'}")
+    status, out, err = run(capsys, "fleet", "--bmdb-url", db_url, "--json")
+    assert status == 0, err
+    assert json.loads(out)["machines"] == 9
+
+
+def test_bmdb_url_after_the_command_in_a_real_process(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    assert shepherd("migrate", "--bmdb-url", url).returncode == 0
+    result = shepherd("fleet", "--bmdb-url", url, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["machines"] == 0
+
+
+@pytest.mark.parametrize("url", [
+    "not a url", "postgresql://shepherd:hunter2@db:notaport/shepherd",
+    "postgres:/shepherd:hunter2@db/shepherd", "nosuchdb://shepherd:hunter2@db/shepherd",
+])
+@pytest.mark.parametrize("command", ["machines", "migrate"])
+def test_unusable_bmdb_url_is_one_line_and_status_2(capsys, url: str, command: str) -> None:
+    status, _, err = run(capsys, "--bmdb-url", url, command)
+    line = one_line_error(err, status)
+    assert "the BMDB URL from --bmdb-url" in line
+    assert "hunter2" not in line and "migrated" not in line
+
+
+def test_unusable_bmdb_url_from_the_environment(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SHEPHERD_BMDB_URL", "postgresql://u:hunter2@db:x/y")
+    status, _, err = run(capsys, "sessions")
+    line = one_line_error(err, status)
+    assert "SHEPHERD_BMDB_URL" in line and "'postgresql://***@db:x/y'" in line
+
+
+# -- --json for the commands that change things ----------------------------------------
+
+
+def test_clear_backoff_json(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "clear-backoff", str(fleet.backing_off), "agent-start",
+                         "--json")
+    assert status == 0
+    cleared = json.loads(out)
+    assert (cleared["machine"], cleared["process"]) == (str(fleet.backing_off),
+                                                        "ShepherdAgentStart")
+    assert cleared["cleared"]["cause"] == "ssh: connection refused"
+    assert cleared["cleared"]["active"] is True
+    status, out, _ = run(capsys, "clear-backoff", str(fleet.backing_off), "agent-start",
+                         "--json")
+    assert json.loads(out)["cleared"] is None
+
+
+def test_start_json(fleet: Fleet, db: bmdb.BMDB, capsys, monkeypatch) -> None:
+    with db.start_session("fake-worker", interval=2) as worker:
+        adopted: list[bmdb.Work] = []
+
+        def dispatch(work: bmdb.Work) -> str:
+            adopted.append(worker.adopt(work.id, machine_id=work.machine_id,
+                                        process=work.process))
+            return "task-2"
+
+        monkeypatch.setitem(cli.start_hooks, bmdb.Process.AGENT_START, dispatch)
+        status, out, _ = run(capsys, "start", "agent-start", str(fleet.new), "--json")
+        assert status == 0, out
+        assert json.loads(out) == {"machine": str(fleet.new), "process": "ShepherdAgentStart",
+                                   "work": str(adopted[0].id), "task": "task-2"}
+        adopted[0].cancel("test")
+
+
+def test_sweep_json(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "sweep", "--json")
+    assert status == 0 and json.loads(out)["abandoned"] == 1
+    status, out, _ = run(capsys, "sweep")
+    assert "sweep: 0 work of dead sessions released" in out

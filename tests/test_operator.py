@@ -3,14 +3,16 @@ handoff) against a seeded BMDB, on PostgreSQL and SQLite."""
 
 from __future__ import annotations
 
+import socket
 import uuid
 
 import pytest
 
 import bmdb
 from shepherd import operator
+from shepherd.workflows import guard
 from tests.bmdb_helpers import backlog_ids
-from tests.operator_fixtures import Fleet, seed_fleet
+from tests.operator_fixtures import Fleet, healthy_callback_server, seed_fleet
 
 
 @pytest.fixture
@@ -42,18 +44,77 @@ def test_list_filters_combine(db: bmdb.BMDB, fleet: Fleet) -> None:
                                "OSInstallationReport": 0}
 
 
+@pytest.mark.parametrize("limits", [guard.GuardLimits(), guard.GuardLimits(max_share=1.0)],
+                         ids=["guard-pauses", "guard-allows"])
 def test_explain_agrees_with_what_a_claim_would_take(db: bmdb.BMDB, session: bmdb.Session,
-                                                     fleet: Fleet) -> None:
-    """``claimable`` must be exactly the claim's own eligibility, for every machine."""
+                                                     fleet: Fleet,
+                                                     limits: guard.GuardLimits) -> None:
+    """``claimable`` must be exactly what a claim would take, for every machine: the
+    claim's own eligibility, and for Recovery nothing while the guard (which the task
+    asks before claiming) pauses it. Checked twice: against the eligibility and the
+    guard's ``evaluate``, and by claiming each machine for real."""
+    paused = guard.evaluate(db, db.thresholds, limits).paused
+    assert (paused is not None) == (limits.max_share < 1)  # both cases are exercised
     for process in operator.BACKLOG_PROCESSES:
         eligible = backlog_ids(session, process)
+        assert eligible  # so that an empty answer cannot pass by accident
+        if process is bmdb.Process.RECOVERY and paused:
+            eligible = set()
         claimable = set()
         for machine_id in fleet.all:
-            found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds))
+            found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds,
+                                                                      limits))
             mine = next(p for p in found.processes if p.process == process.value)
             if mine.claimable:
                 claimable.add(machine_id)
         assert claimable == eligible, process
+        assert claimed_one_by_one(session, process, fleet.all, limits) == claimable, process
+
+
+def claimed_one_by_one(session: bmdb.Session, process: bmdb.Process,
+                       machines: list[uuid.UUID], limits: guard.GuardLimits) -> set[uuid.UUID]:
+    """The machines a guarded claim takes, each released at once (no backoff, and a
+    cancelled claim does not count in the hourly budget)."""
+    taken = set()
+    for machine_id in machines:
+        try:
+            work = operator.claim_for_handoff(session, process, machine_id, 30, limits)
+        except (bmdb.NotClaimable, operator.RecoveryPaused):
+            continue
+        taken.add(machine_id)
+        work.cancel("test")
+    return taken
+
+
+def test_paused_recovery_is_not_claimable_and_says_why(db: bmdb.BMDB, fleet: Fleet) -> None:
+    found = db.read(lambda tx: operator.explain(tx, fleet.silent, db.thresholds))
+    recovery = next(p for p in found.processes if p.process == "ShepherdRecovery")
+    assert recovery.in_backlog and recovery.work is None and recovery.backoff is None
+    assert not recovery.claimable and recovery.state == "PAUSED by the guard"
+    assert recovery.summary.startswith("in the backlog, but Recovery is PAUSED by the guard: "
+                                       "3 of 5 started agents are silent")
+    assert recovery.verdict == f"not claimable: {recovery.summary}"
+
+
+def test_explain_asks_the_callback_server_like_the_guard(db: bmdb.BMDB, session: bmdb.Session,
+                                                         fleet: Fleet) -> None:
+    with socket.socket() as sock:  # bound, not listening: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/healthz"
+        limits = guard.GuardLimits(max_share=1.0, healthz_url=url, healthz_timeout=2)
+        found = operator.explain_machine(db, fleet.silent, limits)
+        recovery = next(p for p in found.processes if p.process == "ShepherdRecovery")
+        assert not recovery.claimable and recovery.guard["callback_healthy"] is False
+        assert recovery.paused == guard.evaluate(db, db.thresholds, limits).paused
+        assert recovery.paused.startswith(f"recovery paused: callback server {url} unreachable")
+        with pytest.raises(operator.RecoveryPaused, match="callback server"):
+            operator.claim_for_handoff(session, bmdb.Process.RECOVERY, fleet.silent, 30, limits)
+    with healthy_callback_server() as endpoint:
+        limits = guard.GuardLimits(max_share=1.0, healthz_url=f"{endpoint}/healthz")
+        found = operator.explain_machine(db, fleet.silent, limits)
+        recovery = next(p for p in found.processes if p.process == "ShepherdRecovery")
+        assert recovery.claimable and recovery.paused is None
+        assert recovery.guard["callback_healthy"] is True
 
 
 def test_explain_reasons(db: bmdb.BMDB, fleet: Fleet) -> None:

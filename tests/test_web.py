@@ -62,11 +62,15 @@ def browse(chromium: str, tmp_path: Path):
 
 
 class Page(HTMLParser):
-    """Rows (``tr``) with their attributes and text, and the text of elements with an id."""
+    """Rows (``tr``) with their attributes and text, the classes of each row's cells,
+    and the text of elements with an id."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[tuple[dict[str, str], str]] = []
+        #: Per row (in ``rows``' order), the ``class`` of each of its ``td`` cells.
+        self.cell_classes: list[list[str]] = []
+        self._cells: list[str] = []
         self.by_id: dict[str, str] = {}
         self.title = ""
         self._row: tuple[dict[str, str], list[str]] | None = None
@@ -87,7 +91,9 @@ class Page(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = {k: v or "" for k, v in attrs}
         if tag == "tr":
-            self._row = (attributes, [])
+            self._row, self._cells = (attributes, []), []
+        if tag == "td" and self._row is not None:
+            self._cells.append(attributes.get("class", ""))
         if tag in VOID:
             return
         for open_ in self._ids:
@@ -100,6 +106,7 @@ class Page(HTMLParser):
     def handle_endtag(self, tag: str) -> None:
         if tag == "tr" and self._row is not None:
             self.rows.append((self._row[0], " ".join(" ".join(self._row[1]).split())))
+            self.cell_classes.append(self._cells)
             self._row = None
         for open_ in list(self._ids):
             if open_[0] == tag:
@@ -120,6 +127,12 @@ class Page(HTMLParser):
 
     def rows_with(self, attribute: str) -> list[tuple[dict[str, str], str]]:
         return [(a, t) for a, t in self.rows if attribute in a]
+
+    def classes_of(self, attribute: str, value: str) -> list[str]:
+        """The cell classes of the row whose ``attribute`` is ``value``."""
+        (found,) = [c for (a, _), c in zip(self.rows, self.cell_classes, strict=True)
+                    if a.get(attribute) == value]
+        return found
 
 
 def test_machines_page_shows_tags_counts_and_filters(web, browse) -> None:
@@ -179,6 +192,42 @@ def test_machine_page_shows_work_backoffs_and_history(web, browse) -> None:
         session.close()
     new = browse(f"{server.url}/machines/{fleet.new}")
     assert [a["data-event"] for a, _ in new.rows_with("data-event")] == ["Finished", "Started"]
+
+
+def test_a_paused_recovery_is_not_shown_as_claimable(web, browse) -> None:
+    """The guard pauses Recovery (3 of 5 started agents silent): a silent machine in the
+    backlog is not claimable now, and its state is not green."""
+    server, _, fleet = web
+    silent = browse(f"{server.url}/machines/{fleet.silent}")
+    explain = {a["data-explain"]: t for a, t in silent.rows_with("data-explain")}
+    assert "PAUSED by the guard" in explain["ShepherdRecovery"]
+    assert "claimable" not in explain["ShepherdRecovery"]
+    assert "claimable" not in silent.classes_of("data-explain", "ShepherdRecovery")
+    assert "blocked" in silent.classes_of("data-explain", "ShepherdRecovery")
+    new = browse(f"{server.url}/machines/{fleet.new}")  # what green is for
+    assert "claimable" in new.classes_of("data-explain", "ShepherdAgentStart")
+
+
+def test_the_machine_page_asks_the_callback_server_like_the_guard(
+        sqlite_url: str, browse, monkeypatch) -> None:
+    """The whole guard, as a worker asks it: with the share allowed, an unreachable
+    callback server alone pauses Recovery on the page; a healthy one does not."""
+    db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
+    monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1.0")
+    with db.start_session("test", interval=2) as session:
+        fleet = seed_fleet(db, session)
+        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db) as server:
+            page = browse(f"{server.url}/machines/{fleet.silent}")
+        explain = {a["data-explain"]: t for a, t in page.rows_with("data-explain")}
+        assert "PAUSED" in explain["ShepherdRecovery"]
+        assert "callback server" in explain["ShepherdRecovery"]
+        port = free_port()
+        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{port}")
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, port=port) as server:
+            page = browse(f"{server.url}/machines/{fleet.silent}")  # its own /healthz: 200
+        assert "claimable" in page.classes_of("data-explain", "ShepherdRecovery")
+    db.close()
 
 
 def test_unknown_and_malformed_machines_get_a_404_page(web, browse) -> None:

@@ -33,22 +33,16 @@ HISTORY_ROWS = 200
 
 
 def register(app: Flask, limits: GuardLimits | None = None) -> None:
-    """Mount the pages on ``app`` (whose ``extensions["shepherd"]`` holds the BMDB)."""
-    app.extensions["shepherd_guard_limits"] = limits or _configured_limits()
+    """Mount the pages on ``app`` (whose ``extensions["shepherd"]`` holds the BMDB).
+
+    The guard's limits are the workers' (``metrics.default_guard_limits``), so a
+    machine's page says Recovery is paused exactly when a worker would pause it.
+    """
+    from shepherd import metrics
+
+    app.extensions["shepherd_guard_limits"] = (limits or metrics.default_guard_limits()
+                                               or GuardLimits())
     app.register_blueprint(bp)
-
-
-def _configured_limits() -> GuardLimits:
-    """The guard's share and budget from ``SHEPHERD_RECOVERY_*`` (defaults if unusable:
-    the page only reports them)."""
-    from shepherd.config import Settings, SettingsError
-
-    try:
-        s = Settings.from_env()
-    except SettingsError:
-        return GuardLimits()
-    return GuardLimits(max_share=s.recovery_max_share, min_silent=s.recovery_min_silent,
-                       reboots_per_hour=s.reboots_per_hour)
 
 
 def _db() -> bmdb.BMDB:
@@ -119,10 +113,11 @@ def machine(machine: str) -> tuple[str, int] | str:
         return _error(404, str(error))
     db = _db()
     limits = current_app.extensions["shepherd_guard_limits"]
+    callback = operator.check_callback(limits)  # HTTP, so before the read transaction
 
     def read(tx: bmdb.Tx) -> tuple[operator.MachineDetail, operator.Explanation]:
         return (operator.show_machine(tx, machine_id, HISTORY_ROWS),
-                operator.explain(tx, machine_id, db.thresholds, limits))
+                operator.explain(tx, machine_id, db.thresholds, limits, callback))
 
     try:
         detail, why = db.read(read)
