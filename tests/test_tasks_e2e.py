@@ -175,9 +175,23 @@ def test_two_workers_share_the_work_and_survive_a_lost_one(control_plane) -> Non
         by_node.update(node for node, pids in pools.items() if pid in pids)
     assert by_node["w1"] > 0 and by_node["w2"] > 0, (by_node, pools)
 
-    cp.kill("w2")  # a lost host: SIGKILL to the whole worker, mid-SSH perhaps
+    def held_by_w2() -> list | None:
+        """Claims w2's pool has adopted (mid-SSH), if any right now."""
+        def read(tx: bmdb.Tx) -> list:
+            pids = {r.id: int(r.holder.rsplit(":", 1)[1])
+                    for r in tx.execute(bmdb.schema.sessions.select())}
+            return [r for r in tx.execute(bmdb.schema.work.select())
+                    if r.dispatch_deadline is None and pids.get(r.session_id) in pools["w2"]]
+
+        return cp.db.read(read) or None
+
+    held = wait_until(held_by_w2, 30, "w2 holding adopted work", cp)
+    cp.kill("w2")  # a lost host: SIGKILL to the whole worker, mid-SSH
     cp.wait_for(all_heartbeating(20), timeout=70, what="20 heartbeating with w1 alone")
     assert overlapping_work(cp.history()) == []
+    abandoned = {h["work_id"] for h in events(cp, bmdb.Process.AGENT_START,
+                                              bmdb.Event.ABANDONED)}
+    assert {r.id for r in held} <= abandoned, (held, abandoned)  # released, then redone
     started = Counter(h["machine_id"] for h in events(cp, bmdb.Process.AGENT_START,
                                                       bmdb.Event.FINISHED))
     assert set(started) == set(cp.machine_ids())
@@ -235,6 +249,16 @@ def test_per_machine_task_by_hand(control_plane) -> None:
     done = cp.client.send_task("shepherd.agent_start", args=[str(free)]).get(timeout=30)
     assert done["outcome"] == "finished", done
     assert "AgentStarted" in cp.tags(free)
+
+    guard = cp.cli("call", "shepherd.recovery_guard")
+    status = cp.client.AsyncResult(guard.stdout.strip()).get(timeout=30)
+    assert {"paused", "allowed", "silent", "started"} <= set(status), status
+    called = cp.cli("call", "shepherd.recovery", "--args", json.dumps([str(free)]))
+    refused = cp.client.AsyncResult(called.stdout.strip())
+    refused.get(timeout=30, propagate=False)  # just started: not silent, not due
+    assert refused.state == "FAILURE", refused.result
+    assert "not in its backlog" in str(refused.result), refused.result
+    assert cp.simulator.devices[cp.provider_id(free)].reboots == 0
     swept = cp.client.send_task("shepherd.sweep").get(timeout=20)
     assert set(swept) == {"abandoned", "unadopted", "sessions_deleted"}
 
