@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -106,3 +107,12 @@ def redis_server() -> Iterator[RedisServer | None]:
 @pytest.fixture(scope="session")
 def redis_url(redis_server: RedisServer | None) -> str:
     return os.environ.get("SHEPHERD_TEST_REDIS_URL") or redis_server.url
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault scenarios' recovery times and invariant summaries, as a short table."""
+    faults = sys.modules.get("tests.fault_fixtures")  # only if a fault test was collected
+    if faults is None or not faults.RECOVERIES:
+        return
+    terminalreporter.write_sep("=", "fault scenarios: recovery after the fault ended")
+    faults.fault_summary(terminalreporter.write_line)

@@ -1,7 +1,8 @@
 """Fault tolerance (issue 8): each scenario starts a fleet on the simulator (real Redis,
 PostgreSQL, ``celery worker`` and ``celery beat`` processes), injects ONE fault, and
 ends with the same invariants (``tests.fault_fixtures.assert_invariants``). Every test
-stops by itself; ``pytest -m faults -s`` prints how long each recovery took.
+stops by itself. How long each recovery took and what the invariants saw is printed as
+a table at the end of the run (``record_recovery``; ``tests/conftest.py``).
 """
 
 # Fixtures are imported and used as arguments:
@@ -9,6 +10,7 @@ stops by itself; ``pytest -m faults -s`` prints how long each recovery took.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import time
@@ -16,13 +18,16 @@ import uuid
 from collections import Counter
 
 import pytest
+import sqlalchemy as sa
 
 import bmdb
 from tests.fault_fixtures import (
     FaultPlane,
+    api_request_bound,
     assert_invariants,
     fault_plane,
-    print_recovery,
+    overlapping_holds,
+    record_recovery,
     wait_until,
 )
 
@@ -74,8 +79,8 @@ def test_worker_killed_mid_ssh_releases_the_machine_once(fault_plane) -> None:
     finished = Counter(h["machine_id"] for h in cp.events(AGENT_START, bmdb.Event.FINISHED))
     assert set(finished.values()) == {1} and len(finished) == 3
     assert report.redelivered, "the killed process's message was not redelivered"
-    print_recovery(f"worker SIGKILL mid-SSH (released after {released_after:.1f}s)",
-                   took, report)
+    record_recovery(f"worker SIGKILL mid-SSH (released after {released_after:.1f}s)",
+                    took, report)
 
 
 def test_redis_restart_loses_queues_claims_released_after_dispatch_ttl(fault_plane) -> None:
@@ -116,7 +121,7 @@ def test_redis_restart_loses_queues_claims_released_after_dispatch_ttl(fault_pla
         held = (ends[0]["at"] - claim["started_at"]).total_seconds()
         assert held >= ttl, f"released after {held}s, before dispatch_ttl"
     assert took >= ttl - 3, "machines started before the lost claims could be released?"
-    print_recovery("Redis restarted, queues lost", took, report)
+    record_recovery("Redis restarted, queues lost", took, report)
 
 
 def test_postgres_restart_mid_run(fault_plane) -> None:
@@ -144,46 +149,89 @@ def test_postgres_restart_mid_run(fault_plane) -> None:
     log = cp.log("w1")
     assert "WorkerLostError" not in log and "exited with" not in log, \
         "a pool process died (crash loop?)"
-    print_recovery("PostgreSQL restarted", took, report)
+    record_recovery("PostgreSQL restarted", took, report)
+
+
+def creates_per_reservation(cp: FaultPlane) -> Counter:
+    """How many device creates (POST, whatever the answer) named each reservation."""
+    return Counter(r.reservation_id for r in cp.simulator.requests("POST")
+                   if r.path.endswith("/devices"))
 
 
 def test_provider_api_outage_then_errors(fault_plane) -> None:
     """The provider API is down for a minute: it refuses connections (30 s), then
-    answers every call with 500 (30 s), each longer than the client's ~15 s of
-    retries, so calls do give up. Reconcile and update report it and wait; nothing is
-    created twice; both recover when the API returns."""
+    answers every call with 500 (20 s), each longer than the client's ~15 s of retries,
+    so calls do give up; for the last 10 s reads work again but every device create is
+    *applied* and answered 500. Reconcile and update both report the outage and wait
+    (the requests the API received stay within what the client's backoff allows);
+    nothing is created twice; both recover when the API returns."""
+    concurrency = 2
     cp: FaultPlane = fault_plane(reservations=6, SHEPHERD_CREATION_RATE="1",
                                  SHEPHERD_CHUNK_SIZE="6")
-    cp.start_worker("w1")
+    # Control tasks on their own worker, so AgentStarts waiting out the outage (their
+    # get_machine retries too) cannot keep reconcile or update queued the whole time.
+    cp.start_worker("control", concurrency, queues="shepherd.control")
+    cp.start_worker("machines", concurrency, queues="shepherd.machines")
     cp.start_beat()
     cp.wait_for(lambda c: 2 <= c.provided < 6, timeout=40, what="reconcile mid-creation")
     cp.simulator.stop_api()
     devices_before = len(cp.simulator.devices)
+    assert devices_before < 6, "every device created before the outage: nothing to test"
     time.sleep(30)
+    cp.simulator.faults.set(api_error_rate=1.0)  # before the port opens: no call slips by
     cp.simulator.start_api()
-    cp.simulator.faults.set(api_error_rate=1.0)
-    time.sleep(30)
+    errors_from = time.monotonic()
+    time.sleep(20)
+    errors_until = time.monotonic()
     assert len(cp.simulator.devices) == devices_before
+    # Budgets go before rates: the creates are armed before the reads start working.
+    cp.simulator.faults.fail_after_apply_next(6 - devices_before, method="POST")
+    cp.simulator.faults.set(api_error_rate=0.0)
+    recovered_at = None  # recovery counts from the end of the 500s: reads work again
+    while (now := time.monotonic()) < errors_until + 10:
+        if recovered_at is None and agent_started(6)(cp.counts()):
+            recovered_at = now
+        time.sleep(0.25)
     cp.simulator.faults.clear()
-    back_at = time.monotonic()
 
     cp.wait_for(agent_started(6), timeout=75, what="6 AgentStarted after the outage")
-    took = time.monotonic() - back_at
-    # Reported: whichever control task ran during the outage (with one worker of two
-    # processes, AgentStarts retrying the API may keep update waiting in the queue)
-    # ended with the provider's TransientExhausted, as a failure or in its result.
-    lines = cp.log("w1").splitlines()
-    reported = [line for line in lines if "TransientExhausted" in line and any(
-        f"Task {task}[" in line for task in ("shepherd.update", "shepherd.reconcile"))]
-    assert reported, "neither reconcile nor update reported the outage"
+    took = (recovered_at or time.monotonic()) - errors_until
+    # Reported: both control tasks ended with the provider's TransientExhausted, as a
+    # failure or in their result (a reconcile cut off mid-creation returns its failure).
+    lines = cp.log("control").splitlines()
+    reported = {task for task in ("shepherd.update", "shepherd.reconcile")
+                if any(f"Task {task}[" in line and "TransientExhausted" in line
+                       for line in lines)}
+    assert reported == {"shepherd.update", "shepherd.reconcile"}, \
+        f"only {sorted(reported)} reported the outage"
+    # Waited: what reached the API while it answered only errors.
+    window = errors_until - errors_from
+    during = [r for r in cp.simulator.requests() if errors_from <= r.at < errors_until]
+    bound = api_request_bound(window, processes=2 * concurrency)
+    assert during and all(r.status == 500 for r in during), during
+    assert len(during) <= bound, f"{len(during)} requests in {window:.0f}s of 500s"
     wait_until(lambda: any("Task shepherd.update[" in line and "'unchanged': 6" in line
-                           for line in cp.log("w1").splitlines()), 15,
+                           for line in cp.log("control").splitlines()), 15,
                "update listing all 6 machines again", cp)
     report = assert_invariants(cp, machines=6)
-    posts = [r for r in cp.simulator.requests("POST") if r[1].endswith("/devices")
-             and r[2] in (200, 201)]
-    assert len(posts) == 6, posts
-    print_recovery("provider API refused 30 s, then 500s 30 s", took, report)
+    # Nothing created twice: one create per reservation, each applied, and those
+    # answered 500 after they were applied were not sent again (the client found the
+    # device on the reservation instead).
+    reservations = {r.id for r in cp.simulator.state.project_reservations()}
+    assert creates_per_reservation(cp) == Counter(dict.fromkeys(reservations, 1)), \
+        creates_per_reservation(cp)
+    creates = [r for r in cp.simulator.requests("POST") if r.path.endswith("/devices")]
+    assert all(r.applied for r in creates), creates
+    hidden = [r for r in creates if r.status == 500]
+    assert hidden, "no create was applied and answered 500: the client was not tested"
+    assert all(r.applied and r.path.endswith("/devices")
+               for r in cp.simulator.requests("POST") if r.status == 500)
+    record_recovery("provider API refused 30s, 500s 20s, creates 500 after apply",
+                    took, report,
+                    "recovered: from the end of the 500s (creates answered 500 for 10 s "
+                    f"more); API requests during the 500s: {len(during)} in {window:.0f}s "
+                    f"(bound {bound}); creates answered 500 after apply: {len(hidden)}, "
+                    "none repeated")
 
 
 def test_device_hanging_ssh_times_out_into_backoff(fault_plane) -> None:
@@ -223,7 +271,7 @@ def test_device_hanging_ssh_times_out_into_backoff(fault_plane) -> None:
     cp.wait_for(agent_started(3), timeout=45, what="the hung device started once it answers")
     took = time.monotonic() - cleared_at
     report = assert_invariants(cp, machines=3)
-    print_recovery("device hanging SSH exec", took, report)
+    record_recovery("device hanging SSH exec", took, report)
 
 
 def test_beat_started_twice(fault_plane) -> None:
@@ -232,8 +280,8 @@ def test_beat_started_twice(fault_plane) -> None:
     created twice."""
     cp: FaultPlane = fault_plane(reservations=8, SHEPHERD_CREATION_RATE="4",
                                  SHEPHERD_CHUNK_SIZE="3")
-    cp.start_worker("w1")
-    cp.start_worker("w2")
+    cp.start_worker("w1", record_holds=True)
+    cp.start_worker("w2", record_holds=True)
     cp.start_beat()
     cp.start_second_beat()
     started_at = time.monotonic()
@@ -247,9 +295,24 @@ def test_beat_started_twice(fault_plane) -> None:
     workers = cp.log("w1") + cp.log("w2")
     assert "reconcile already running" in workers or "sourcing already running" in workers
     report = assert_invariants(cp, machines=8)
+    # Directly: no two holders of one fleet-wide hold (reconcile, update, sourcing) at
+    # once, as the workers recorded them; a duplicate either ran after the other or met
+    # the hold and was refused, and some did meet it.
+    holds = cp.holds()
+    assert overlapping_holds(holds) == []
+    acquired = Counter(name for _, _, event, name in holds if event == "acquired")
+    refused = Counter(name for _, _, event, name in holds if event == "refused")
+    assert acquired["reconcile"] and refused["reconcile"], (acquired, refused)
+    assert acquired["source:ShepherdAgentStart"], acquired
     starts = Counter(h["machine_id"] for h in cp.events(AGENT_START, bmdb.Event.STARTED))
     assert set(starts.values()) == {1}, starts
-    print_recovery("beat started twice (time to 8 AgentStarted)", took, report)
+    # Nothing created twice: one create request per reservation reached the provider.
+    creates = creates_per_reservation(cp)
+    assert len(creates) == 8 and set(creates.values()) == {1}, creates
+    record_recovery("beat started twice (time to 8 AgentStarted)", took, report,
+                    f"holds acquired {sum(acquired.values())}, refused "
+                    f"{sum(refused.values())} (reconcile {acquired['reconcile']}/"
+                    f"{refused['reconcile']}), overlapping 0; one create per reservation")
 
 
 def test_a_dead_broker_channel_fails_as_a_connection_error() -> None:
@@ -286,10 +349,67 @@ def test_a_dead_broker_channel_fails_as_a_connection_error() -> None:
         server.destroy()
 
 
-def test_the_invariant_checks_see_what_they_look_for() -> None:
-    """``assert_invariants``'s parts do flag an unclosed claim, a Celery retry and a
-    redelivered message that did work again (so the scenarios can fail)."""
-    from tests.fault_fixtures import celery_retries, unclosed_work
+def test_the_invariant_checks_see_what_they_look_for(pg_url: str) -> None:
+    """``assert_invariants``'s parts do flag work of a session dead for longer than a
+    sweep period, an unclosed claim, a Celery retry and a redelivered message that did
+    work again; the beat scenario's check flags two holders of one hold at once; the
+    outage scenario's request bound is below what a client without backoff would send
+    (so the scenarios can fail)."""
+    from tests.fault_fixtures import (
+        DeadSessionWatch,
+        celery_retries,
+        dead_session_work,
+        unclosed_work,
+    )
+
+    db = bmdb.connect(pg_url)
+    try:
+        def craft(tx: bmdb.Tx) -> dict[str, uuid.UUID]:
+            """One AgentStart work row per session: dead 10 s ago, dead 1 s ago, alive."""
+            ages = {"long dead": 10, "just died": 1, "alive": -5}
+            work = {}
+            for name, age in ages.items():
+                machine, session, work[name] = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+                tx.execute(sa.insert(bmdb.schema.machines).values(id=machine,
+                                                                  created_at=tx.now))
+                tx.execute(sa.insert(bmdb.schema.sessions).values(
+                    id=session, component="crafted", holder=f"crafted:{name}:1",
+                    started_at=tx.now - dt.timedelta(seconds=60), interval_s=2,
+                    deadline=tx.now - dt.timedelta(seconds=age)))
+                tx.execute(sa.insert(bmdb.schema.work).values(
+                    id=work[name], machine_id=machine, process=AGENT_START.value,
+                    exclusion_group=bmdb.exclusion_group(AGENT_START), session_id=session,
+                    started_at=tx.now))
+            return work
+
+        work = db.read(craft)
+        # The scenarios' limit: one sweep period (1 s) plus the 3 s slack.
+        assert [r["id"] for r in dead_session_work(db, older_than=4)] == [work["long dead"]]
+        assert {r["id"] for r in dead_session_work(db)} == {work["long dead"],
+                                                            work["just died"]}
+        watch = DeadSessionWatch(pg_url, limit=4)
+        try:
+            watch.look()
+            assert watch.seen == {work["long dead"], work["just died"]}
+            assert len(watch.violations) == 1 and str(work["long dead"]) in watch.violations[0]
+            assert 10 <= watch.longest < 20
+        finally:
+            watch.stop()
+    finally:
+        db.close()
+
+    held = [(1.0, 10, "acquired", "reconcile"), (1.1, 11, "refused", "reconcile"),
+            (1.5, 10, "releasing", "reconcile"), (1.6, 11, "acquired", "reconcile"),
+            (1.2, 12, "acquired", "update"), (1.7, 11, "releasing", "reconcile")]
+    assert overlapping_holds(held) == []
+    assert overlapping_holds([*held, (1.65, 12, "acquired", "reconcile")])  # never released
+    assert overlapping_holds([*held, (0.9, 13, "acquired", "reconcile"),
+                              (1.05, 13, "releasing", "reconcile")])
+    # 2 processes, 20 s of 500s: a client retrying without waiting (only its rate
+    # limiter, 0.2 s between calls) could send 202 requests; 5 retries with waits of
+    # 0.5+1+2+4+8 = 15.5 s allow 6 requests per call, one call inside 20 s plus one cut
+    # at each end: 2 * 6 * 3 = 36.
+    assert api_request_bound(20, processes=2) == 2 * 6 * 3 < 2 * (20 / 0.2 + 1)
 
     work = uuid.uuid4()
     assert unclosed_work([{"event": "Started", "work_id": work}]) == [

@@ -129,6 +129,52 @@ def test_lost_response_applies_the_action(simulator: Simulator) -> None:
     assert simulator.requests("POST")[-1][2] == "lost"
 
 
+def test_error_after_apply_applies_the_action_then_answers_500(simulator: Simulator) -> None:
+    """``fail_after_apply_next``: the create happens, the client sees a 500; a client
+    that simply POSTs again is refused (the reservation is taken), so a duplicate shows.
+    A plain injected 500 (``fail_next``) creates nothing."""
+    reservation = simulator.state.project_reservations()[0]
+    body = {"metro": reservation.metro, "plan": "c3.small.x86",
+            "operating_system": "ubuntu_22_04", "hardware_reservation_id": reservation.id,
+            "hostname": "shepherd-sim"}
+    path = f"/projects/{simulator.project_id}/devices"
+    simulator.faults.fail_next(1, method="POST")
+    assert _api(simulator, "POST", path, json=body).status_code == 500
+    assert simulator.devices == {}
+    simulator.faults.fail_after_apply_next(1, method="POST")
+    started = time.monotonic()
+    answer = _api(simulator, "POST", path, json=body)
+    assert answer.status_code == 500 and answer.json()["errors"]
+    assert [d.reservation_id for d in simulator.devices.values()] == [reservation.id]
+    again = _api(simulator, "POST", path, json=body)
+    assert again.status_code == 422
+    requests_ = simulator.requests("POST", path)
+    assert requests_ == [("POST", path, 500), ("POST", path, 500), ("POST", path, 422)]
+    assert [r.applied for r in requests_] == [False, True, False]
+    assert {r.reservation_id for r in requests_} == {reservation.id}
+    assert requests_[0].at <= started <= requests_[1].at <= requests_[2].at <= time.monotonic()
+    assert simulator.faults.snapshot()["pending_budgets"] == []  # one-shot
+
+
+def test_error_after_apply_rate_globally_and_per_device(simulator: Simulator) -> None:
+    one, two = _create(simulator, 0), _create(simulator, 1)
+    simulator.wait_for_state(one["id"], "active", timeout=5)
+    simulator.wait_for_state(two["id"], "active", timeout=5)
+    simulator.faults.set(device_id=one["id"], api_error_after_apply_rate=1.0)
+    reboot = _api(simulator, "POST", f"/devices/{one['id']}/actions", json={"type": "reboot"})
+    assert reboot.status_code == 500
+    assert simulator.devices[one["id"]].reboots == 1  # rebooted all the same
+    assert _api(simulator, "GET", f"/devices/{two['id']}").status_code == 200
+    simulator.faults.set(api_error_after_apply_rate=1.0)
+    assert _api(simulator, "GET", f"/devices/{two['id']}").status_code == 500
+    created = _api(simulator, "POST", f"/projects/{simulator.project_id}/devices",
+                           json={"metro": "any", "plan": "p", "operating_system": "o",
+                                 "hardware_reservation_id":
+                                     simulator.state.project_reservations()[2].id})
+    assert created.status_code == 500 and len(simulator.devices) == 3
+    assert simulator.requests("POST")[-1].applied
+
+
 def test_per_device_faults_only_hit_that_device(simulator: Simulator) -> None:
     one, two = _create(simulator, 0), _create(simulator, 1)
     simulator.faults.set(device_id=one["id"], api_error_rate=1.0)
@@ -154,6 +200,11 @@ def test_admin_endpoints(simulator: Simulator) -> None:
                   json={"device_id": foreign.json()["id"], "ssh_hang": True,
                         "fail_next": {"count": 2, "status": 503}})
     assert faults.status_code == 200
+    budgets = _api(simulator, "POST", "/_admin/faults",
+                   json={"fail_after_apply_next": {"count": 1, "method": "POST"}})
+    assert budgets.json()["pending_budgets"][-1] == {
+        "count": 1, "status": 500, "retry_after": None, "method": "POST", "device_id": None,
+        "lose": False, "after_apply": True}
     assert faults.json()["per_device"][foreign.json()["id"]] == {"ssh_hang": True}
     state = _api(simulator, "GET", "/_admin/state").json()
     assert [d["created_by"] for d in state["devices"]] == ["someone-else"]

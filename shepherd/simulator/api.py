@@ -3,6 +3,11 @@
 Standard library ``ThreadingHTTPServer``: no extra dependency, real sockets, and
 full control over the connection, which the "lost response" fault needs (the
 action is applied, then the socket is closed without a reply).
+
+Every request is recorded (``Simulator.requests``) as an ``ApiRequest``: the
+``(method, path, status)`` tuple it always was, plus when it arrived, whether its
+action was applied and which hardware reservation it named, so tests can count what
+reached the API in a time window and how many creates each reservation received.
 """
 
 from __future__ import annotations
@@ -28,6 +33,41 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Reply = tuple[int, Any]
 Route = tuple[str, re.Pattern[str], Callable[..., Reply]]
+
+
+class ApiRequest(tuple):
+    """One request as served: ``(method, path, status)`` (status: the code answered, or
+    ``"lost"``), so it compares and unpacks as a plain 3-tuple, with attributes:
+
+    ``at``: ``time.monotonic()`` when the request arrived (before any injected latency);
+    ``applied``: whether its action ran (the handler answered below 400), whatever was
+    answered: True for a lost reply or an error injected after apply, False for an
+    error injected instead of the action;
+    ``reservation_id``: the ``hardware_reservation_id`` its JSON body named, if any
+    (device creates).
+    """
+
+    at: float
+    applied: bool
+    reservation_id: str | None
+
+    def __new__(cls, method: str, path: str, status: int | str, *, at: float,
+                applied: bool, reservation_id: str | None = None) -> ApiRequest:
+        request = super().__new__(cls, (method, path, status))
+        request.at, request.applied, request.reservation_id = at, applied, reservation_id
+        return request
+
+    @property
+    def method(self) -> str:
+        return self[0]
+
+    @property
+    def path(self) -> str:
+        return self[1]
+
+    @property
+    def status(self) -> int | str:
+        return self[2]
 
 
 class ApiServer(ThreadingHTTPServer):
@@ -89,6 +129,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _handle(self, method: str) -> None:
         sim = self.server.sim
+        self._arrived = time.monotonic()
+        self._reservation_id: str | None = None
         url = urlsplit(self.path)
         path = url.path.removeprefix(API_PREFIX).rstrip("/") or "/"
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -97,6 +139,8 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as error:
             self._reply(error.status, {"errors": [str(error)]})
             return
+        if isinstance(body, dict) and body.get("hardware_reservation_id") is not None:
+            self._reservation_id = str(body["hardware_reservation_id"])
         if self.headers.get("X-Auth-Token") != sim.config.token:
             self._record(method, path, 401)
             self._reply(401, {"error": "Invalid authentication token"})
@@ -107,17 +151,21 @@ class Handler(BaseHTTPRequestHandler):
         decision = sim.faults.decide(method, _device_in(path))
         if decision.latency:
             time.sleep(decision.latency)
-        if decision.status is not None:
+        if decision.status is not None and not decision.after_apply:
             self._record(method, path, decision.status)
             headers = {}
             if decision.status == 429 and decision.retry_after is not None:
                 headers["Retry-After"] = _format_seconds(decision.retry_after)
             self._reply(decision.status, {"errors": ["injected fault"]}, headers)
             return
-        self._dispatch(method, path, query, body, API_ROUTES, lost=decision.lost)
+        self._dispatch(method, path, query, body, API_ROUTES, lost=decision.lost,
+                       error_after=decision.status if decision.after_apply else None)
 
     def _dispatch(self, method: str, path: str, query: dict[str, str], body: Any,
-                  routes: list[Route], lost: bool = False) -> None:
+                  routes: list[Route], lost: bool = False,
+                  error_after: int | None = None) -> None:
+        """Run the handler; then reply, drop the reply (``lost``), or answer the
+        ``error_after`` status in its place (the action was applied all the same)."""
         sim = self.server.sim
         try:
             status, payload = _route(routes, method, path)(sim, query, body)
@@ -126,11 +174,16 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as error:  # a simulator bug must still answer something
             log.exception("simulator API handler failed")
             status, payload = 500, {"errors": [f"simulator error: {error}"]}
+        applied = status < 400
         if lost:
-            self._record(method, path, "lost")
+            self._record(method, path, "lost", applied=applied)
             self.close_connection = True
             return
-        self._record(method, path, status)
+        if error_after is not None:
+            self._record(method, path, error_after, applied=applied)
+            self._reply(error_after, {"errors": ["injected fault (after the action)"]})
+            return
+        self._record(method, path, status, applied=applied)
         self._reply(status, payload)
 
     def _read_body(self) -> Any:
@@ -143,9 +196,12 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as error:
             raise ApiError(422, "request body is not JSON") from error
 
-    def _record(self, method: str, path: str, status: int | str) -> None:
+    def _record(self, method: str, path: str, status: int | str,
+                applied: bool = False) -> None:
+        request = ApiRequest(method, path, status, at=self._arrived, applied=applied,
+                             reservation_id=self._reservation_id)
         with self.server.sim.state.lock:
-            self.server.sim.state.requests.append((method, path, status))
+            self.server.sim.state.requests.append(request)
 
     def _reply(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         data = b"" if payload is None else json.dumps(payload).encode()
@@ -296,7 +352,8 @@ def admin_state(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
 
 
 def admin_faults(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
-    """Body: {"clear", "device_id", "fail_next": {...}, "lose_next": {...}, **settings}."""
+    """Body: {"clear", "device_id", "fail_next": {...}, "lose_next": {...},
+    "fail_after_apply_next": {...}, **settings}."""
     body = dict(body or {})
     if body.pop("clear", False):
         sim.faults.clear()
@@ -305,6 +362,8 @@ def admin_faults(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
         sim.faults.fail_next(device_id=device_id, **body.pop("fail_next"))
     if "lose_next" in body:
         sim.faults.lose_next(device_id=device_id, **body.pop("lose_next"))
+    if "fail_after_apply_next" in body:
+        sim.faults.fail_after_apply_next(device_id=device_id, **body.pop("fail_after_apply_next"))
     try:
         sim.faults.set(device_id, **body)
     except (TypeError, ValueError) as error:

@@ -1,7 +1,15 @@
 """Fault injection for the simulator, globally and per device.
 
-Settings are sticky (until changed or cleared); ``fail_next`` / ``lose_next`` are
-one-shot budgets, which make retry counts deterministic in tests.
+Settings are sticky (until changed or cleared); ``fail_next`` / ``lose_next`` /
+``fail_after_apply_next`` are one-shot budgets, which make retry counts deterministic
+in tests.
+
+Two kinds of injected error differ in what the server did: a plain injected status
+(``api_error_rate``, ``fail_next``) is answered *instead of* the action, so nothing
+happened; an error after apply (``api_error_after_apply_rate``,
+``fail_after_apply_next``) is answered *after* the action was performed, as when a
+gateway times out on a backend that did the work. Only the second can expose a
+client that repeats a non-idempotent call (a device created twice).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ class FaultSettings:
     api_429_rate: float = 0.0         # share of API calls answered 429
     retry_after: float | None = 1.0   # Retry-After sent with injected 429s (None: no header)
     lost_response_rate: float = 0.0   # share of API calls applied but never answered
+    api_error_after_apply_rate: float = 0.0  # share of API calls applied, then answered 500
     ssh_refused: bool = False         # the device's SSH port refuses connections
     ssh_hang: bool = False            # TCP accepted, SSH banner never sent
     ssh_latency: float = 0.0          # seconds each SSH connection waits before its banner
@@ -39,6 +48,7 @@ class Decision:
     status: int | None = None         # an injected error status, or None
     retry_after: float | None = None
     lost: bool = False
+    after_apply: bool = False         # ``status`` is answered after the action was applied
 
 
 @dataclass
@@ -49,6 +59,7 @@ class _Budget:
     method: str | None = None
     device_id: str | None = None
     lose: bool = False
+    after_apply: bool = False
 
     def matches(self, method: str, device_id: str | None) -> bool:
         if self.method and self.method != method:
@@ -95,6 +106,14 @@ class Faults:
         with self._lock:
             self._budgets.append(_Budget(count, method=method, device_id=device_id, lose=True))
 
+    def fail_after_apply_next(self, count: int, status: int = 500, *,
+                              method: str | None = None,
+                              device_id: str | None = None) -> None:
+        """Apply the next ``count`` matching API calls, then answer them with ``status``."""
+        with self._lock:
+            self._budgets.append(_Budget(count, status, method=method, device_id=device_id,
+                                         after_apply=True))
+
     def effective(self, device_id: str | None) -> FaultSettings:
         with self._lock:
             overrides = self.per_device.get(device_id or "", {})
@@ -111,15 +130,21 @@ class Faults:
                     decision.lost = budget.lose
                     decision.status = budget.status
                     decision.retry_after = budget.retry_after
+                    decision.after_apply = budget.after_apply
                     self._budgets = [b for b in self._budgets if b.count > 0]
                     return decision
             roll = self._rng.random()
-        if roll < settings.api_error_rate:
+        error = settings.api_error_rate
+        limited = error + settings.api_429_rate
+        lost = limited + settings.lost_response_rate
+        if roll < error:
             decision.status = 500
-        elif roll < settings.api_error_rate + settings.api_429_rate:
+        elif roll < limited:
             decision.status, decision.retry_after = 429, settings.retry_after
-        elif roll < settings.api_error_rate + settings.api_429_rate + settings.lost_response_rate:
+        elif roll < lost:
             decision.lost = True
+        elif roll < lost + settings.api_error_after_apply_rate:
+            decision.status, decision.after_apply = 500, True
         return decision
 
     def snapshot(self) -> dict[str, Any]:
