@@ -446,26 +446,12 @@ def test_a_provider_that_cannot_be_built_fails_the_claim(state) -> None:
 def healthy_callback_server(state):
     """A /healthz that answers 200, so only the share and the budget can pause Recovery."""
     import dataclasses
-    import http.server
-    import threading
 
-    class Healthy(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200 if self.path == "/healthz" else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+    from tests.operator_fixtures import healthy_callback_server as serving
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    state._settings = dataclasses.replace(state.settings, bmaas_endpoint=url)
-    yield url
-    server.shutdown()
-    server.server_close()
+    with serving() as url:
+        state._settings = dataclasses.replace(state.settings, bmaas_endpoint=url)
+        yield url
 
 
 def test_sourcing_recovery_stays_within_the_hourly_budget(state, healthy_callback_server,
