@@ -51,8 +51,8 @@ def banner_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
 def known_machine(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff
                   ) -> ProviderMachine:
     """The machine from its Provided tag, without asking the provider."""
-    tags = work.session.transact(lambda tx: bmdb.queries.machine_tags(tx, work.machine_id))
-    provided = tags["Provided"]
+    provided = work.session.transact(
+        lambda tx: bmdb.queries.machine_tag(tx, "Provided", work.machine_id))
     return ProviderMachine(provided["provider_id"], provided["address"], 22,
                            provided["location"], provided["reservation_id"],
                            bmdb.ProviderStatus.RUNNING, False)

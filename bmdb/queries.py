@@ -32,11 +32,26 @@ def machine_exists(tx: Tx, machine_id: uuid.UUID) -> bool:
 def machine_tags(tx: Tx, machine_id: uuid.UUID) -> dict[str, dict[str, Any]]:
     """Every tag the machine has, by tag name, as column -> value."""
     tags = {}
-    for name, table in TAG_TABLES.items():
-        row = tx.execute(sa.select(table).where(table.c.machine_id == machine_id)).one_or_none()
-        if row is not None:
-            tags[name] = {k: v for k, v in row._mapping.items() if k != "machine_id"}
+    for name in TAG_TABLES:
+        tag = machine_tag(tx, name, machine_id)
+        if tag is not None:
+            tags[name] = tag
     return tags
+
+
+def machine_tag(tx: Tx, name: str, machine_id: uuid.UUID) -> dict[str, Any] | None:
+    """One tag of the machine (``TAG_TABLES`` names them) as column -> value, or None.
+
+    For the per-machine workflows, which need one tag per step: a whole
+    ``machine_tags`` is a query per tag table.
+    """
+    row = tx.execute(_TAG_QUERIES[name], {"machine": machine_id}).one_or_none()
+    return None if row is None else {k: v for k, v in row._mapping.items() if k != "machine_id"}
+
+
+#: Built once (see ``backlog.Backlog`` for why).
+_TAG_QUERIES = {name: sa.select(table).where(table.c.machine_id == sa.bindparam("machine"))
+                for name, table in TAG_TABLES.items()}
 
 
 def history(tx: Tx, machine_id: uuid.UUID, limit: int = 100) -> list[dict[str, Any]]:

@@ -60,8 +60,8 @@ class WorkflowResult:
 
 def provider_id_of(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff) -> str:
     """The machine's provider id from its Provided tag (which must be this provider's)."""
-    tags = work.session.transact(lambda tx: bmdb.queries.machine_tags(tx, work.machine_id))
-    provided = tags.get("Provided")
+    provided = work.session.transact(
+        lambda tx: bmdb.queries.machine_tag(tx, "Provided", work.machine_id))
     if provided is None:
         raise WorkflowFailure("bmdb: machine has no Provided tag", permanent)
     if provided["provider"] != provider.name:
