@@ -230,6 +230,20 @@ capacity_cooldown = Table(
     Column("cause", Text, nullable=False),
 )
 
+creation_intents = Table(
+    "creation_intents",
+    metadata,
+    # A machine creation about to be asked of a provider, committed *before* the
+    # request: if the creator dies between the provider's answer and registering
+    # the machine, the next reconcile recognises the device by its witness (the
+    # provider keeps it, on Equinix as a tag) and registers it, instead of stopping
+    # on a machine the BMDB does not know. Deleted with the registration.
+    Column("provider", String(64), primary_key=True),
+    Column("witness", String(128), primary_key=True),
+    Column("capacity_id", String(128), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
 singletons = Table(
     "singletons",
     metadata,

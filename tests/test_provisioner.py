@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import time
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 import bmdb
 from shepherd.providers.base import (
@@ -131,6 +133,74 @@ def test_provider_only_machine_stops_the_run(session, provider, simulator, caplo
     assert (raised.value.provider_only, raised.value.bmdb_only) == ([stray], [])
     assert any(stray in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
     assert len(simulator.devices) == 1 and known(session, provider) == {}
+
+
+def _interrupted_creation(session, provider, simulator, record: bool = True) -> str:
+    """What a creator killed between the provider's answer and its commit leaves: the
+    intent (committed first) and the device carrying its witness, nothing registered."""
+    capacity = provider.list_capacity()[0]
+    if record:
+        session.transact(lambda tx: bmdb.capacity.record_intent(
+            tx, provider.name, capacity.reservation_id, capacity.request_id))
+    device = provider.client.create_device(
+        capacity.reservation_id,
+        {"metro": capacity.details["metro"], "plan": capacity.plan,
+         "operating_system": "ubuntu_22_04",
+         "hostname": f"shepherd-test-{capacity.reservation_id[:8]}"},
+        "shepherd-witness:" + capacity.request_id)
+    return device["id"]
+
+
+def test_an_interrupted_creation_is_registered_not_a_mismatch(session, provider, simulator,
+                                                               caplog):
+    orphan = _interrupted_creation(session, provider, simulator)
+    with caplog.at_level(logging.WARNING):
+        result = reconcile(session, provider, settings())
+    assert result.recovered == 1 and orphan in known(session, provider)
+    assert any("interrupted" in r.getMessage() and orphan in r.getMessage()
+               for r in caplog.records)
+    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+    assert len(result.created) == 3 and len(ours(simulator)) == 4  # and it went on
+
+
+def test_a_witness_without_an_intent_is_still_a_stranger(session, provider, simulator):
+    stray = _interrupted_creation(session, provider, simulator, record=False)
+    with pytest.raises(FleetMismatch) as raised:
+        reconcile(session, provider, settings())
+    assert raised.value.provider_only == [stray] and known(session, provider) == {}
+
+
+def test_intents_are_recorded_first_and_forgotten_with_the_outcome(session, provider,
+                                                                    simulator):
+    seen: list[dict[str, str]] = []
+
+    class Watching:
+        """The provider, noting the pending intents at the moment it is asked."""
+
+        name = provider.name
+
+        def __getattr__(self, item: str) -> Any:
+            return getattr(provider, item)
+
+        def create_machine(self, tx, capacity):
+            seen.append(bmdb.capacity.pending_intents(tx, provider.name))
+            return provider.create_machine(tx, capacity)
+
+    simulator.faults.fail_next(1, 422, method="POST")  # one definite failure
+    result = reconcile(session, Watching(), settings())  # type: ignore[arg-type]
+    assert len(result.created) == 2 and len(result.failed) == 1
+    assert [len(pending) for pending in seen] == [1, 1, 1]  # each one's own, committed
+    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+
+
+def test_an_intent_whose_device_never_came_is_dropped_after_a_day(session, provider):
+    session.transact(lambda tx: bmdb.capacity.record_intent(tx, "equinix", "r-1", "w-1"))
+    i = bmdb.schema.creation_intents
+    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, "equinix")) == {
+        "w-1": "r-1"}
+    session.transact(lambda tx: tx.execute(sa.update(i).values(
+        created_at=tx.now - bmdb.capacity.INTENT_LIFETIME - dt.timedelta(seconds=1))))
+    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, "equinix")) == {}
 
 
 def test_bmdb_only_machine_stops_the_run(session, provider, simulator):

@@ -198,6 +198,45 @@ def test_two_workers_share_the_work_and_survive_a_lost_one(control_plane) -> Non
 
 
 @slow
+def test_a_worker_killed_mid_create_leaves_no_stranger(control_plane) -> None:
+    """SIGKILL between the provider creating a device and the BMDB recording it: the
+    next reconcile recognises the device by its creation intent and registers it,
+    instead of stopping every later run on a machine the BMDB does not know."""
+    from pathlib import Path
+
+    from shepherd.providers import ssh_keys
+    from tests.simulator_fixtures import fast_client
+
+    cp = control_plane(reservations=3, SHEPHERD_CHUNK_SIZE="1")
+    sim = cp.simulator
+    creates = f"/projects/{sim.project_id}/devices"
+    key = ssh_keys.load_or_create(Path(cp.env["SHEPHERD_SSH_KEY_PATH"]))
+    fast_client(sim).create_ssh_key(cp.env["SHEPHERD_SSH_KEY_LABEL"],
+                                    ssh_keys.public_key_openssh(key))  # so POSTs are creates
+    sim.faults.fail_after_apply_next(1, 500, method="POST")  # created, answered 500
+    cp.start_worker("w1")
+    cp.start_beat()
+
+    def created_unanswered() -> bool:
+        return any(r.status == 500 and r.applied for r in sim.requests("POST", creates))
+
+    wait_until(created_unanswered, 30, "a create applied and answered 500", cp)
+    sim.faults.set(api_latency=10.0)  # the client's re-read of the reservation hangs
+    cp.kill("w1")  # ... and the creator dies there, its transaction uncommitted
+    orphan = next(d.id for d in sim.devices.values() if d.created_by == "api")
+    assert orphan not in {cp.provider_id(m) for m in cp.machine_ids()}
+
+    sim.faults.clear()
+    cp.start_worker("w2")
+    cp.wait_for(all_heartbeating(3), timeout=90, what="3 heartbeating after the kill")
+    assert orphan in {cp.provider_id(m) for m in cp.machine_ids()}
+    assert "FLEET MISMATCH" not in cp.log("w2")
+    assert "creation was interrupted" in cp.log("w2")
+    applied = Counter(r.reservation_id for r in sim.requests("POST", creates) if r.applied)
+    assert len(applied) == 3 and set(applied.values()) == {1}  # none created twice
+
+
+@slow
 def test_per_machine_task_by_hand(control_plane) -> None:
     """Manual use: ``celery -A tasks call`` and ``from tasks import ...``; a busy machine
     or one in backoff is left untouched and the task says why."""

@@ -61,6 +61,9 @@ class ProviderMachine:
     reservation_id: str | None
     status: bmdb.ProviderStatus
     failed: bool
+    #: The ``Capacity.request_id`` it was created under, where the provider keeps it
+    #: (so an interrupted creation is recognised; see ``bmdb.capacity``).
+    witness: str | None = None
 
 
 @dataclass(frozen=True)

@@ -423,6 +423,13 @@ def _segment(value: str) -> str:
     return value
 
 
+def _witness(device: dict[str, Any]) -> str | None:
+    """The request id of the creation that made ``device`` (its witness tag), if ours."""
+    tags = [str(t) for t in device.get("tags") or []]
+    return next((t.removeprefix(WITNESS_PREFIX) for t in tags
+                 if t.startswith(WITNESS_PREFIX)), None)
+
+
 def _id_from_href(href: str) -> str:
     """The id at the end of an ``href`` such as ``/metal/v1/devices/<id>``."""
     return href.rstrip("/").rsplit("/", 1)[-1]
@@ -512,6 +519,7 @@ class EquinixProvider:
             reservation_id=_reservation_id(device),
             status=provider_status(state),
             failed=state == "failed",
+            witness=_witness(device),
         )
 
     def list_machines(self) -> list[ProviderMachine]:

@@ -12,6 +12,11 @@ The safety rails (DESIGN.md section 4) and why they exist:
   the ids) and touches nothing. The opt-in ``assimilate`` setting registers the
   provider-only machines instead; BMDB-only machines always stop the run, because
   only an operator can tell "deleted on purpose" from "lost".
+* **Our own interrupted creations are not strangers.** Each creation's intent is
+  committed before the provider is asked (``bmdb.capacity.record_intent``) and
+  deleted with the registration. A provider-only machine whose witness matches a
+  pending intent was made by a creator that died (or lost its answer) before it
+  could register it: it is registered, with a warning, instead of stopping the run.
 * **Every run is bounded**: at most ``chunk_size`` creation attempts, never more than
   ``max_machines`` machines of this provider in total, creations spaced by
   ``1 / creation_rate`` seconds.
@@ -114,6 +119,8 @@ class ReconcileResult:
     created: tuple[str, ...] = ()
     failed: dict[str, str] = field(default_factory=dict)
     assimilated: int = 0
+    #: Machines of interrupted creations, recognised by their intent and registered.
+    recovered: int = 0
     skipped_cooling: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -121,7 +128,8 @@ class ReconcileResult:
                 "machines_before": self.machines_before,
                 "machines_after": self.machines_after, "max_machines": self.max_machines,
                 "created": list(self.created), "failed": dict(self.failed),
-                "assimilated": self.assimilated, "skipped_cooling": self.skipped_cooling}
+                "assimilated": self.assimilated, "recovered": self.recovered,
+                "skipped_cooling": self.skipped_cooling}
 
 
 def reconcile(session: bmdb.Session, provider: Provider,
@@ -146,6 +154,8 @@ def _reconcile_held(session: bmdb.Session, provider: Provider,
     room = max(0, settings.max_machines - len(machines))
     capacity = provider.list_capacity() if room else []
     known = session.transact(lambda tx: bmdb.queries.provided_by_provider_id(tx, provider.name))
+    recovered = register_interrupted(session, provider, machines, known)
+    known = {**known, **recovered}
     assimilated = check_fleets(session, provider, machines, known, settings.assimilate)
     cooling = session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name))
     candidates = [c for c in capacity if c.reservation_id not in cooling]
@@ -162,8 +172,32 @@ def _reconcile_held(session: bmdb.Session, provider: Provider,
         created=tuple(created),
         failed=failed,
         assimilated=assimilated,
+        recovered=len(recovered),
         skipped_cooling=len(capacity) - len(candidates),
     )
+
+
+def register_interrupted(session: bmdb.Session, provider: Provider,
+                         machines: list[ProviderMachine], known: dict[str, Any]
+                         ) -> dict[str, Any]:
+    """Register the provider-only machines of our own pending creation intents;
+    provider id -> machine id of each."""
+
+    def body(tx: bmdb.Tx) -> dict[str, Any]:
+        pending = bmdb.capacity.pending_intents(tx, provider.name)
+        ours = [m for m in machines if m.provider_id not in known and m.witness in pending]
+        registered = {}
+        for machine in ours:
+            registered[machine.provider_id] = register_provided(tx, provider.name, machine)
+            bmdb.capacity.forget_intent(tx, provider.name, str(machine.witness))
+        return registered
+
+    registered = session.transact(body)
+    if registered:
+        log.warning("%s: registered %d machines whose creation was interrupted before it "
+                    "was recorded: %s", provider.name, len(registered),
+                    _shown(sorted(registered)))
+    return registered
 
 
 def check_fleets(session: bmdb.Session, provider: Provider, machines: list[ProviderMachine],
@@ -207,14 +241,18 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
     pace = _Pacer(settings.spacing)
     for item in capacity:
         pace.wait()
+        session.transact(lambda tx, i=item: bmdb.capacity.record_intent(
+            tx, provider.name, i.reservation_id, i.request_id))
         try:
             machine = session.transact(_creator(provider, item))
         except ProviderError as error:
             cause = _cause(error)
             failed[item.reservation_id] = cause
-            if isinstance(error, TransientExhausted):
+            if isinstance(error, TransientExhausted):  # it may have landed: keep the intent
                 log.warning("%s: stopping this run's creations after %s", provider.name, cause)
                 break
+            session.transact(lambda tx, i=item: bmdb.capacity.forget_intent(
+                tx, provider.name, i.request_id))
             cool_down(session, provider.name, item.reservation_id, settings.cooldown, cause)
             continue
         log.info("%s: created %s from reservation %s", provider.name, machine.provider_id,
@@ -225,7 +263,12 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
 
 def _creator(provider: Provider, item: Capacity) -> Callable[[bmdb.Tx], ProviderMachine]:
     # The same Capacity (same witness) on a re-run: the provider finds its own device.
-    return lambda tx: provider.create_machine(tx, item)
+    def create(tx: bmdb.Tx) -> ProviderMachine:
+        machine = provider.create_machine(tx, item)
+        bmdb.capacity.forget_intent(tx, provider.name, item.request_id)
+        return machine
+
+    return create
 
 
 def cool_down(session: bmdb.Session, provider: str, capacity_id: str, seconds: float,
