@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 import bmdb
+from shepherd.workflows.guard import CALLBACK_SERVER, REBOOT_BUDGET, SILENT_SHARE
 
 if TYPE_CHECKING:
     from shepherd.workflows.guard import GuardLimits
@@ -216,8 +217,8 @@ def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
 
 # -- the blast-radius guard ------------------------------------------------------
 
-#: Why Recovery may be paused, as bounded label values (the reason text has numbers).
-PAUSE_REASONS = ("silent_share", "callback_server", "reboot_budget")
+#: Why Recovery may be paused, as bounded label values (the guard's own labels).
+PAUSE_REASONS = (SILENT_SHARE, CALLBACK_SERVER, REBOOT_BUDGET)
 
 RECOVERY_PAUSES = Counter(
     "shepherd_recovery_pauses", "Times this process's sourcing or Recovery task found the "
