@@ -1,9 +1,14 @@
-"""Celery settings, from ``shepherd.config.Settings.from_env()`` (``SHEPHERD_*`` variables).
+"""Celery settings from ``shepherd.config.Settings``: ``celery_settings(settings)``.
+
+Nothing is read at import: the tasks app (``tasks/app.py``) builds one
+``Settings.from_env()`` when Celery first loads its configuration and applies
+``celery_settings(settings)``, so a worker, beat and a client all configure Celery
+from the same settings as the rest of the process (beat's schedule included).
 
 Embedded default: a SQLite-backed broker under ./var, so one host needs no Redis;
 production points SHEPHERD_BROKER_URL at Redis.
 
-Reliability, and why it is safe (DESIGN.md section 3):
+Reliability, and why it is safe (docs/ARCHITECTURE.md):
 
 * Messages are acknowledged after the task ran (``task_acks_late``) and given back
   when a worker process dies under them (``task_reject_on_worker_lost``), so a lost
@@ -20,21 +25,71 @@ Reliability, and why it is safe (DESIGN.md section 3):
 
 from __future__ import annotations
 
+from typing import Any
+
 from kombu import Exchange, Queue
 
 from shepherd.config import Settings
 
-_settings = Settings.from_env()
-
 CONTROL_QUEUE = "shepherd.control"
 MACHINES_QUEUE = "shepherd.machines"
 
-broker_url = _settings.broker_url
-result_backend = _settings.result_backend
-broker_connection_retry_on_startup = True
+#: Control work (reconcile, update, sourcing, sweep) never waits behind slow SSH work.
+ROUTING: dict[str, Any] = {
+    "task_queues": tuple(Queue(name, Exchange(name, type="direct"), routing_key=name)
+                         for name in (CONTROL_QUEUE, MACHINES_QUEUE)),
+    "task_default_queue": CONTROL_QUEUE,
+    "task_default_exchange": CONTROL_QUEUE,
+    "task_default_routing_key": CONTROL_QUEUE,
+    "task_routes": {
+        "shepherd.agent_start": {"queue": MACHINES_QUEUE},
+        "shepherd.recovery": {"queue": MACHINES_QUEUE},
+        "shepherd.*": {"queue": CONTROL_QUEUE},
+    },
+}
+
+#: The shortest life of a beat message. Why not just the interval: a message waits for
+#: a free pool process, and with sub-second intervals (tests, demos) it would expire
+#: before it ran whenever SSH work keeps the pool busy, starving sourcing.
+MIN_EXPIRES = 10.0
 
 
-def _transport_options(url: str) -> dict[str, object]:
+def celery_settings(settings: Settings) -> dict[str, Any]:
+    """Celery's configuration keys for ``settings``."""
+    machine_task_limits = {"time_limit": settings.machine_task_time_limit,
+                           "soft_time_limit": settings.machine_task_soft_time_limit}
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": settings.result_backend,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": transport_options(settings.broker_url, settings),
+        "result_backend_transport_options": transport_options(settings.result_backend,
+                                                              settings),
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "timezone": "UTC",
+        "enable_utc": True,
+        **ROUTING,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # A lost broker connection must not cancel running SSH work: the redelivered
+        # message fails to adopt its claim and ends as "gone" (see above).
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "task_annotations": {"shepherd.agent_start": machine_task_limits,
+                             "shepherd.recovery": machine_task_limits},
+        # Flower shows every task with its name, arguments and result (which never
+        # carry secrets).
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_track_started": True,
+        "result_extended": True,
+        "beat_schedule": beat_schedule(settings),
+    }
+
+
+def transport_options(url: str, settings: Settings) -> dict[str, object]:
     """Redis redelivers an unacknowledged message after its visibility timeout, which
     must outlast the longest task. kombu's SQLAlchemy transport (the embedded SQLite
     broker) hands every option to ``create_engine`` instead: it gets a busy timeout
@@ -42,53 +97,8 @@ def _transport_options(url: str) -> dict[str, object]:
     if url.startswith("sqla+"):
         return {"connect_args": {"timeout": 30}}
     if url.startswith(("redis://", "rediss://")):
-        return {"visibility_timeout": _settings.visibility_timeout}
+        return {"visibility_timeout": settings.visibility_timeout}
     return {}
-
-
-broker_transport_options = _transport_options(broker_url)
-result_backend_transport_options = _transport_options(result_backend)
-
-task_serializer = "json"
-result_serializer = "json"
-accept_content = ["json"]
-timezone = "UTC"
-enable_utc = True
-
-# Control work (reconcile, update, sourcing, sweep) never waits behind slow SSH work.
-task_queues = tuple(Queue(name, Exchange(name, type="direct"), routing_key=name)
-                    for name in (CONTROL_QUEUE, MACHINES_QUEUE))
-task_default_queue = CONTROL_QUEUE
-task_default_exchange = CONTROL_QUEUE
-task_default_routing_key = CONTROL_QUEUE
-task_routes = {
-    "shepherd.agent_start": {"queue": MACHINES_QUEUE},
-    "shepherd.recovery": {"queue": MACHINES_QUEUE},
-    "shepherd.*": {"queue": CONTROL_QUEUE},
-}
-
-task_acks_late = True
-task_reject_on_worker_lost = True
-worker_prefetch_multiplier = 1
-# A lost broker connection must not cancel running SSH work: the redelivered message
-# fails to adopt its claim and ends as "gone" (see above).
-worker_cancel_long_running_tasks_on_connection_loss = False
-_machine_task_limits = {"time_limit": _settings.machine_task_time_limit,
-                        "soft_time_limit": _settings.machine_task_soft_time_limit}
-task_annotations = {"shepherd.agent_start": _machine_task_limits,
-                    "shepherd.recovery": _machine_task_limits}
-
-# Flower shows every task with its name, arguments and result (which never carry secrets).
-worker_send_task_events = True
-task_send_sent_event = True
-task_track_started = True
-result_extended = True
-
-
-#: The shortest life of a beat message. Why not just the interval: a message waits for
-#: a free pool process, and with sub-second intervals (tests, demos) it would expire
-#: before it ran whenever SSH work keeps the pool busy, starving sourcing.
-MIN_EXPIRES = 10.0
 
 
 def _every(seconds: float, task: str, *args: str) -> dict[str, object]:
@@ -98,12 +108,14 @@ def _every(seconds: float, task: str, *args: str) -> dict[str, object]:
     return {"task": task, "schedule": seconds, "args": args, "options": {"expires": expires}}
 
 
-_schedule = {
-    "reconcile": (_settings.reconcile_interval, "shepherd.reconcile"),
-    "update": (_settings.update_interval, "shepherd.update"),
-    "source-agent-start": (_settings.source_interval, "shepherd.source", "ShepherdAgentStart"),
-    "source-recovery": (_settings.source_interval, "shepherd.source", "ShepherdRecovery"),
-    "sweep": (_settings.sweep_interval, "shepherd.sweep"),
-}
-#: An interval of 0 leaves that entry out (e.g. a deployment without reconcile).
-beat_schedule = {name: _every(*entry) for name, entry in _schedule.items() if entry[0] > 0}
+def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
+    """What beat sends; an interval of 0 leaves that entry out (e.g. no reconcile)."""
+    schedule = {
+        "reconcile": (settings.reconcile_interval, "shepherd.reconcile"),
+        "update": (settings.update_interval, "shepherd.update"),
+        "source-agent-start": (settings.source_interval, "shepherd.source",
+                               "ShepherdAgentStart"),
+        "source-recovery": (settings.source_interval, "shepherd.source", "ShepherdRecovery"),
+        "sweep": (settings.sweep_interval, "shepherd.sweep"),
+    }
+    return {name: _every(*entry) for name, entry in schedule.items() if entry[0] > 0}

@@ -23,10 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import sqlalchemy as sa
 from celery import Celery
 
 import bmdb
@@ -79,7 +79,7 @@ class Bench:
 
     # -- machines -------------------------------------------------------------
 
-    def seed(self, count: int, *, with_ssh: bool) -> list[str]:
+    def seed(self, count: int, *, with_ssh: bool) -> list[uuid.UUID]:
         """``count`` devices registered as Provided but not Running yet (not in a backlog)."""
         reservations = [r for r in self.sim.state.project_reservations() if not r.device_id]
         machines = []
@@ -95,28 +95,22 @@ class Bench:
             if with_ssh:
                 self.ssh_devices.append(device.id)
 
-        def register(tx: bmdb.Tx) -> list[str]:
-            ids = [str(register_provided(tx, "equinix", m)) for m in machines]
-            p = bmdb.schema.provided
-            tx.execute(sa.update(p).where(p.c.machine_id.in_(ids))
-                       .values(provider_status=bmdb.ProviderStatus.PROVISIONING.value))
+        def register(tx: bmdb.Tx) -> list[uuid.UUID]:
+            ids = [register_provided(tx, "equinix", m) for m in machines]
+            bmdb.tags.set_provider_status(tx, ids, bmdb.ProviderStatus.PROVISIONING)
             return ids
 
         with self.db.start_session("bench-seed") as session:
             return session.transact(register)
 
-    def release(self, ids: list[str]) -> float:
+    def release(self, ids: list[uuid.UUID]) -> float:
         """Make ``ids`` Running in one commit: they enter the AgentStart backlog together."""
-        p = bmdb.schema.provided
-        self.db.read(lambda tx: tx.execute(
-            sa.update(p).where(p.c.machine_id.in_(ids))
-            .values(provider_status=bmdb.ProviderStatus.RUNNING.value)))
+        self.db.read(lambda tx: bmdb.tags.set_provider_status(
+            tx, ids, bmdb.ProviderStatus.RUNNING))
         return time.perf_counter()
 
-    def started(self, ids: list[str]) -> int:
-        s = bmdb.schema.agent_started
-        return self.db.read(lambda tx: tx.execute(
-            sa.select(sa.func.count()).where(s.c.machine_id.in_(ids))).scalar_one())
+    def started(self, ids: list[uuid.UUID]) -> int:
+        return self.db.read(lambda tx: bmdb.fleet.agents_started(tx, among=ids))
 
     def run_machines(self, count: int, *, with_ssh: bool, timeout: float = 300) -> float:
         ids = self.seed(count, with_ssh=with_ssh)

@@ -19,12 +19,17 @@ are released by the sweep if nobody adopts them in time.
 
 Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer),
 ``backlog`` (what needs doing), ``work`` (claim/adopt/finish/fail/cancel),
-``sessions`` (leases), ``sweep``, ``backoff``, ``queries`` (reads), ``errors``,
-``singletons`` (at most one holder fleet-wide, e.g. reconcile), ``capacity``
-(cooldowns for capacity that failed to provision).
+``sessions`` (leases), ``sweep``, ``backoff``, ``queries`` (reads), ``fleet``
+(fleet-wide counts: dashboards, metrics, the guard's figures), ``inspection``
+(what operators list and inspect), ``errors``, ``singletons`` (at most one holder
+fleet-wide, e.g. reconcile), ``capacity`` (cooldowns for capacity that failed to
+provision).
+
+Every SQL statement of Shepherd lives in this package, behind named functions:
+callers outside it never import ``schema`` or SQLAlchemy.
 """
 
-from bmdb import backlog, capacity, queries, schema, singletons, tags
+from bmdb import backlog, capacity, fleet, inspection, queries, schema, singletons, tags, work
 from bmdb.api import BMDB, connect
 from bmdb.backlog import Thresholds
 from bmdb.backoff import Backoff, default_backoff, next_interval
@@ -69,9 +74,12 @@ __all__ = [
     "connect",
     "default_backoff",
     "exclusion_group",
+    "fleet",
+    "inspection",
     "next_interval",
     "queries",
     "schema",
     "singletons",
     "tags",
+    "work",
 ]

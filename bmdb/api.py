@@ -9,7 +9,7 @@ from typing import TypeVar
 from sqlalchemy.engine import Engine
 
 from bmdb.backlog import Thresholds
-from bmdb.database import Tx, create_engine, run_transaction
+from bmdb.database import Tx, create_engine, ping, run_transaction
 from bmdb.sessions import Session
 from bmdb.sweep import SweepResult, sweep
 
@@ -20,9 +20,10 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 class BMDB:
     """One database, shared by every session of this process (the engine pools connections)."""
 
-    def __init__(self, url: str, thresholds: Thresholds | None = None) -> None:
+    def __init__(self, url: str, thresholds: Thresholds | None = None,
+                 pool_size: int = 5) -> None:
         self.url = url
-        self.engine: Engine = create_engine(url)
+        self.engine: Engine = create_engine(url, pool_size)
         self.thresholds = thresholds or Thresholds()
 
     def migrate(self, revision: str = "head") -> None:
@@ -43,6 +44,10 @@ class BMDB:
         """Run ``body`` in a transaction outside any session: for reads, and for the sweep."""
         return run_transaction(self.engine, body)
 
+    def ping(self) -> None:
+        """Raise unless the database answers one round trip now (for health checks)."""
+        ping(self.engine)
+
     def sweep(self) -> SweepResult:
         return sweep(self.engine)
 
@@ -50,8 +55,10 @@ class BMDB:
         self.engine.dispose()
 
 
-def connect(url: str, *, migrate: bool = False, thresholds: Thresholds | None = None) -> BMDB:
-    db = BMDB(url, thresholds)
+def connect(url: str, *, migrate: bool = False, thresholds: Thresholds | None = None,
+            pool_size: int = 5) -> BMDB:
+    """A handle on the BMDB at ``url`` (migrated to the newest schema with ``migrate``)."""
+    db = BMDB(url, thresholds, pool_size)
     if migrate:
         db.migrate()
     return db

@@ -1,8 +1,8 @@
 """Backoff: how long a machine sits out a process after failing it.
 
 The BMDB stores only the last interval (whole seconds); the next one follows
-from the descriptor and that previous interval, by the rules below (the table
-in DESIGN.md section 2 is a test: ``tests/test_backoff.py``).
+from the descriptor and that previous interval, by the rules below (the table in
+docs/ARCHITECTURE.md section 4 is a test: ``tests/test_backoff.py``).
 """
 
 from __future__ import annotations

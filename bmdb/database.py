@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +81,12 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
-def create_engine(url: str) -> Engine:
-    """An engine configured for the BMDB's transaction discipline on either backend."""
+def create_engine(url: str, pool_size: int = 5) -> Engine:
+    """An engine configured for the BMDB's transaction discipline on either backend.
+
+    ``pool_size``: PostgreSQL connections kept open (10 more may be opened at peaks);
+    the caller's settings decide it, this package reads no environment.
+    """
     parsed = sa.make_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(url)
@@ -92,7 +95,7 @@ def create_engine(url: str) -> Engine:
         isolation_level="READ COMMITTED",  # the claim's re-check relies on it: see work.py
         # No pre-ping: it costs a round trip per transaction, and a dead pooled
         # connection already surfaces as a transient error that run_transaction retries.
-        pool_size=int(os.environ.get("SHEPHERD_BMDB_POOL_SIZE", "5")),
+        pool_size=pool_size,
         max_overflow=10,
         connect_args={"connect_timeout": 5, "application_name": "shepherd"},
     )
@@ -169,6 +172,12 @@ def _attempt(engine: Engine, body: Callable[[Tx], T], opener: Callable[[Connecti
 
 def _plain_start(conn: Connection) -> Tx:
     return Tx(conn=conn, now=read_clock(conn))
+
+
+def ping(engine: Engine) -> None:
+    """One round trip to the database (its clock); raises when it does not answer."""
+    with engine.connect() as conn:
+        read_clock(conn)
 
 
 def read_clock(conn: Connection) -> dt.datetime:

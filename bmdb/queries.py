@@ -1,18 +1,41 @@
-"""Read-only queries: a machine's tags and history, agent credentials, fleet counts."""
+"""Read-only queries: a machine's tags and history, agent credentials, who holds a work.
+
+Fleet-wide counts live in ``fleet``; what operators list and inspect lives in
+``inspection``.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
-from bmdb import backlog, schema
+from bmdb import schema
 from bmdb.database import Tx
 from bmdb.processes import Process
-from bmdb.work import eligible
+
+__all__ = [
+    "TAG_NAMES",
+    "TAG_TABLES",
+    "AgentCredentials",
+    "ProvidedState",
+    "active_work",
+    "agent_credentials",
+    "history",
+    "lock_agent_credentials",
+    "machine_exists",
+    "machine_tag",
+    "machine_tags",
+    "pending_os_installation",
+    "provided_by_provider_id",
+    "provided_machine_id",
+    "provided_states",
+    "work_holder",
+]
 
 TAG_TABLES: dict[str, sa.Table] = {
     "Provided": schema.provided,
@@ -22,6 +45,9 @@ TAG_TABLES: dict[str, sa.Table] = {
     "OSInstallationRequest": schema.os_installation_request,
     "OSInstallationReport": schema.os_installation_report,
 }
+#: The tag names, in the order of a machine's life (Provided first): what callers
+#: outside the BMDB name tags by, without the tables behind them.
+TAG_NAMES: tuple[str, ...] = tuple(TAG_TABLES)
 
 
 def machine_exists(tx: Tx, machine_id: uuid.UUID) -> bool:
@@ -71,20 +97,95 @@ def provided_by_provider_id(tx: Tx, provider: str) -> dict[str, uuid.UUID]:
 
 
 @dataclass(frozen=True)
+class ProvidedState:
+    """What a Provided tag says of the machine at its provider."""
+
+    provider_id: str
+    reservation_id: str | None
+    address: str | None
+    location: str | None
+    provider_status: str
+
+
+def provided_states(tx: Tx, provider: str, machine_ids: Iterable[uuid.UUID] | None = None
+                    ) -> dict[uuid.UUID, ProvidedState]:
+    """machine id -> its Provided tag, for ``provider``'s machines (or those of them in
+    ``machine_ids``)."""
+    p = schema.provided
+    query = sa.select(p.c.machine_id, p.c.provider_id, p.c.reservation_id, p.c.address,
+                      p.c.location, p.c.provider_status).where(p.c.provider == provider)
+    if machine_ids is not None:
+        query = query.where(p.c.machine_id.in_(list(machine_ids)))
+    return {
+        row.machine_id: ProvidedState(row.provider_id, row.reservation_id, row.address,
+                                      row.location, row.provider_status)
+        for row in tx.execute(query)
+    }
+
+
+def provided_machine_id(tx: Tx, provider: str, provider_id: str) -> uuid.UUID | None:
+    """The BMDB machine of ``provider``'s ``provider_id``, None if it is not registered
+    (the pair is unique: ``uq_provided_provider_id``)."""
+    p = schema.provided
+    query = sa.select(p.c.machine_id).where(p.c.provider == provider,
+                                            p.c.provider_id == provider_id)
+    return tx.execute(query).scalar_one_or_none()
+
+
+@dataclass(frozen=True)
 class AgentCredentials:
     public_key: bytes
     last_signed_at: dt.datetime | None
 
 
+def _credentials_statements() -> tuple[sa.Select, sa.Select]:
+    s, h = schema.agent_started, schema.agent_heartbeat
+    lock = (sa.select(s.c.machine_id)
+            .where(s.c.machine_id == sa.bindparam("machine"))
+            .with_for_update(key_share=True))  # FOR NO KEY UPDATE on PostgreSQL
+    read = (sa.select(s.c.public_key, h.c.last_signed_at)
+            .select_from(s.outerjoin(h, h.c.machine_id == s.c.machine_id))
+            .where(s.c.machine_id == sa.bindparam("machine")))
+    return lock, read
+
+
+#: Built once: every heartbeat runs both (see ``backlog.Backlog`` for why).
+_LOCK_AGENT, _CREDENTIALS = _credentials_statements()
+
+
 def agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
     """The key a heartbeat must be signed with, and the newest timestamp already accepted."""
-    s, h = schema.agent_started, schema.agent_heartbeat
-    row = tx.execute(
-        sa.select(s.c.public_key, h.c.last_signed_at)
-        .select_from(s.outerjoin(h, h.c.machine_id == s.c.machine_id))
-        .where(s.c.machine_id == machine_id)
-    ).one_or_none()
+    row = tx.execute(_CREDENTIALS, {"machine": machine_id}).one_or_none()
     return None if row is None else AgentCredentials(row.public_key, row.last_signed_at)
+
+
+def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
+    """The machine's key and last accepted timestamp, with its heartbeats serialised.
+
+    On PostgreSQL the machine's ``agent_started`` row is locked first (FOR NO KEY
+    UPDATE) until ``tx`` ends. Two requests for one machine, say a replay racing the
+    original, therefore run one after the other: the second reads the first's
+    committed ``last_signed_at`` and is refused. SQLite transactions begin
+    IMMEDIATE, so writers are serialised there already.
+
+    Invariant: every request runs the same two statements, in the same order,
+    whether or not the machine exists or has an AgentStarted tag: a locking
+    primary-key probe of ``agent_started``, then the credentials join, each of
+    which simply finds no row for a stranger. No statement is skipped on the
+    unknown path, so the BMDB work (and so the time) does not tell a caller
+    whether the machine exists; ``shepherd.server.auth.verify`` does the same for
+    the signature.
+
+    They cannot be merged into one joined ``SELECT ... FOR NO KEY UPDATE OF
+    agent_started``: on PostgreSQL (READ COMMITTED) a statement that waited for
+    the lock re-checks only the locked row, and would return the
+    ``agent_heartbeat`` row from its snapshot of before the wait, so a replay
+    racing the original would read the old ``last_signed_at`` and be accepted
+    too (``test_concurrent_replays_are_accepted_once`` fails so). The second
+    statement takes a fresh snapshot after the lock is granted.
+    """
+    tx.execute(_LOCK_AGENT, {"machine": machine_id}).scalar_one_or_none()
+    return agent_credentials(tx, machine_id)
 
 
 def pending_os_installation(tx: Tx, machine_id: uuid.UUID) -> dict[str, Any] | None:
@@ -100,48 +201,22 @@ def pending_os_installation(tx: Tx, machine_id: uuid.UUID) -> dict[str, Any] | N
     return {"generation": row.generation, "request": row.request}
 
 
-@dataclass(frozen=True)
-class FleetCounts:
-    machines: int
-    provided: int
-    agent_started: int
-    heartbeating: int
-    backlog: dict[str, int]
-    active_work: dict[str, int]
-    active_backoffs: dict[str, int]
+# -- work ---------------------------------------------------------------------------
+
+_ACTIVE_WORK = (sa.select(sa.func.count()).select_from(schema.work)
+                .where(schema.work.c.process == sa.bindparam("process")))
 
 
-def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
-    """What an operator wants on one screen; the backlog counts what is claimable now.
+def active_work(tx: Tx, process: Process) -> int:
+    """Work rows of ``process`` fleet-wide, claims not adopted yet included: what the
+    sourcing's in-flight cap counts."""
+    return int(tx.execute(_ACTIVE_WORK, {"process": Process(process).value}).scalar_one())
 
-    Counts whole tables: for dashboards and metrics, not for hot paths.
-    """
 
-    def count(query: sa.Select) -> int:
-        return tx.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
+_WORK_HOLDER = sa.select(schema.work.c.session_id).where(schema.work.c.id == sa.bindparam("work"))
 
-    def per_process(table: sa.Table, *where: sa.ColumnElement[bool]) -> dict[str, int]:
-        rows = tx.execute(
-            sa.select(table.c.process, sa.func.count()).where(*where).group_by(table.c.process)
-        )
-        found = {row[0]: row[1] for row in rows}
-        return {p.value: found.get(p.value, 0) for p in Process}
 
-    hb = schema.agent_heartbeat
-    fresh = tx.execute(
-        sa.select(sa.func.count()).where(
-            hb.c.last_heartbeat_at >= tx.now - dt.timedelta(seconds=thresholds.heartbeat)
-        )
-    ).scalar_one()
-    return FleetCounts(
-        machines=count(sa.select(schema.machines.c.id)),
-        provided=count(sa.select(schema.provided.c.machine_id)),
-        agent_started=count(sa.select(schema.agent_started.c.machine_id)),
-        heartbeating=fresh,
-        backlog={
-            process.value: count(eligible(tx, process, backlog.retriever(process, thresholds)))
-            for process in (Process.AGENT_START, Process.RECOVERY)
-        },
-        active_work=per_process(schema.work),
-        active_backoffs=per_process(schema.backoff, schema.backoff.c.until > tx.now),
-    )
+def work_holder(tx: Tx, work_id: uuid.UUID) -> uuid.UUID | None:
+    """The session holding work ``work_id``, or None once it ended (finished, failed,
+    cancelled or swept). A handoff is done when this is no longer the claimer's."""
+    return tx.execute(_WORK_HOLDER, {"work": work_id}).scalar_one_or_none()

@@ -156,9 +156,11 @@ class Session:
         return self.claim(process, backlog.retriever(process, self.db.thresholds), limit,
                           dispatch_ttl=dispatch_ttl)
 
-    def claim_machine(self, process: Process, machine_id: uuid.UUID) -> Work:
-        """Claim one named machine, or raise why not (busy, in backoff, not in the backlog)."""
-        return work.claim_machine(self, process, machine_id)
+    def claim_machine(self, process: Process, machine_id: uuid.UUID, *,
+                      dispatch_ttl: float | None = None) -> Work:
+        """Claim one named machine, or raise why not (busy, in backoff, not in the backlog);
+        with ``dispatch_ttl``, for a handoff another session must adopt in time."""
+        return work.claim_machine(self, process, machine_id, dispatch_ttl=dispatch_ttl)
 
     def adopt(self, work_id: uuid.UUID, machine_id: uuid.UUID | None = None,
               process: Process | None = None) -> Work:

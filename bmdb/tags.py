@@ -11,7 +11,7 @@ import datetime as dt
 import enum
 import functools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -104,6 +104,18 @@ def upsert_provided(
         },
         markers=("agent_started",),
     )
+
+
+def set_provider_status(tx: Tx, machine_ids: Iterable[uuid.UUID],
+                        status: ProviderStatus | str) -> int:
+    """Set the provider status of the machines' Provided tags in one statement (for
+    tools and benchmarks that move many machines at once); returns how many changed.
+    No marker depends on the status, so none moves."""
+    p = schema.provided
+    return tx.execute(
+        sa.update(p).where(p.c.machine_id.in_(list(machine_ids)))
+        .values(provider_status=ProviderStatus(status).value, updated_at=tx.now)
+    ).rowcount
 
 
 def delete_provided(tx: Tx, machine_id: uuid.UUID) -> None:

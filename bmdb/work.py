@@ -1,6 +1,6 @@
 """Work: the lock that lets one component act on one machine for a long time.
 
-Rules (DESIGN.md section 2) and where each is enforced:
+Rules (docs/ARCHITECTURE.md section 4) and where each is enforced:
 
 * Exclusion: the unique constraint ``uq_work_machine_group`` (``schema.py``),
   under any isolation level. Claimers never meet it (they lock and re-check,
@@ -78,8 +78,7 @@ class Work:
 
         def body(tx: Tx) -> None:
             self._release(tx)
-            tx.execute(_CLEAR_BACKOFF, {"machine_id": self.machine_id,
-                                        "process": self.process.value})
+            clear_backoff(tx, self.machine_id, self.process)
             if apply is not None:
                 apply(tx)
             _record(tx, [self], Event.FINISHED)
@@ -241,8 +240,14 @@ def _insert_work(
     return claimed
 
 
-def claim_machine(session: Session, process: Process, machine_id: uuid.UUID) -> Work:
-    """Claim one named machine from its process's backlog, or say why it cannot be."""
+def claim_machine(session: Session, process: Process, machine_id: uuid.UUID, *,
+                  dispatch_ttl: float | None = None) -> Work:
+    """Claim one named machine from its process's backlog, or say why it cannot be
+    (``MachineBusy``, ``MachineInBackoff``, ``NotInBacklog``).
+
+    With ``dispatch_ttl`` the claim is meant to be handed off, as in ``claim``: another
+    session must adopt it within that many seconds, or the sweep releases it.
+    """
     process = Process(process)
     in_backlog = backlog.retriever(process, session.db.thresholds)
 
@@ -250,7 +255,7 @@ def claim_machine(session: Session, process: Process, machine_id: uuid.UUID) -> 
         candidates = in_backlog(tx).subquery()
         return sa.select(candidates.c[0]).where(candidates.c[0] == machine_id)
 
-    claimed = claim(session, process, only_this, wait=True)
+    claimed = claim(session, process, only_this, dispatch_ttl=dispatch_ttl, wait=True)
     if claimed:
         return claimed[0]
     raise _why_not(session, process, machine_id)
@@ -333,6 +338,15 @@ def _record(tx: Tx, items: list[Work], event: str, cause: str | None = None) -> 
         for item in items
     ]
     tx.execute(_ADD_HISTORY, rows[0] if len(rows) == 1 else rows)
+
+
+def clear_backoff(tx: Tx, machine_id: uuid.UUID, process: Process) -> bool:
+    """Delete the machine's backoff for ``process`` (an operator's override, or a
+    finish); True if there was one. Records no history: the next claim's ``Started``
+    is the trace that matters."""
+    deleted = tx.execute(_CLEAR_BACKOFF, {"machine_id": machine_id,
+                                          "process": Process(process).value})
+    return deleted.rowcount > 0
 
 
 def _upsert_backoff(

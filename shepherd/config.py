@@ -1,9 +1,18 @@
 """Settings: every knob from ``SHEPHERD_*`` environment variables, with embedded defaults.
 
-One frozen object built once per process (``Settings.from_env()``); command-line
-flags override by building a new one with ``dataclasses.replace``. Secrets (the
-provider API token) come only from the environment or files, never from flags,
-and never appear in ``repr``.
+One frozen object built once per process (``Settings.from_env()``) by the entry point
+(``shepherd serve``, the CLI, a Celery worker or beat, ``shepherd up``), which passes
+what is needed down; command-line flags override by building a new one with
+``with_overrides``. This module is the only reader of the environment (apart from
+the agent and the simulator, which are programs of their own), and nothing reads it
+at import. Secrets (the provider API token) come only from the environment or
+files, never from flags, and never appear in ``repr``.
+
+Why a hand-written parser rather than pydantic-settings: secrets read from files,
+shell-split argument lists, ``initial,maximum,exponent`` backoff triples, percent
+shares and ``host:port`` listeners would all be custom validators there anyway, and
+it would add a compiled dependency (pydantic-core) to every worker for what is one
+table of ``_float``/``_int``/``_bool`` calls whose errors already name the variable.
 """
 
 from __future__ import annotations
@@ -52,6 +61,34 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0,
         upper = f" and at most {maximum}" if maximum is not None else ""
         raise SettingsError(f"SHEPHERD_{name}={raw!r} must be at least {minimum}{upper}")
     return value
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> int:
+    """A TCP port, 0 meaning "off" (or "any free one", where a listener takes it)."""
+    return _int(env, name, default, minimum=0, maximum=65535)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``host:port`` (``[::1]:8470``; an empty host is every address) -> (host, port).
+
+    Raises ``ValueError`` with what was wrong; ``Settings`` checks ``SHEPHERD_*_LISTEN``
+    with it and ``shepherd serve`` parses its flags with it, so both agree.
+    """
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _listen(env: Mapping[str, str], name: str, default: str) -> str:
+    """A ``host:port`` listener; empty only where the default is (meaning "none")."""
+    raw = _get(env, name, default).strip()
+    if raw or default:
+        try:
+            parse_listen(raw)
+        except ValueError as error:
+            raise SettingsError(f"SHEPHERD_{name}={raw!r}: {error}") from error
+    return raw
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -103,6 +140,8 @@ def _backoff(env: Mapping[str, str], name: str, default: bmdb.Backoff) -> bmdb.B
 class Settings:
     # Where things are.
     bmdb_url: str = "sqlite:///var/bmdb.sqlite"
+    # Connections each process keeps to the BMDB (SQLAlchemy pool size).
+    bmdb_pool_size: int = 5
     broker_url: str = "sqla+sqlite:///var/broker.sqlite"
     result_backend: str = "db+sqlite:///var/results.sqlite"
     state_dir: Path = Path("var")
@@ -162,6 +201,24 @@ class Settings:
     # Backoffs.
     agent_start_backoff: bmdb.Backoff = bmdb.backoff.AGENT_START_BACKOFF
     recovery_backoff: bmdb.Backoff = bmdb.backoff.RECOVERY_BACKOFF
+    # The callback server (``shepherd serve``; its flags override these).
+    serve_listen: str = "127.0.0.1:8470"
+    # The web view's own listener ("" = on the agents' listener while that is loopback).
+    serve_operator_listen: str = ""
+    serve_tls_cert: str = ""
+    serve_tls_key: str = ""
+    serve_max_body: int = 256 * 1024
+    serve_clock_window: float = 60.0
+    serve_operator_views: bool = True
+    serve_threads: int = 16
+    # How long ``shepherd reconcile`` waits for the worker's result.
+    reconcile_wait: float = 300.0
+    # The worker host's metrics endpoint (0 = none); needs prometheus_multiproc_dir.
+    worker_metrics_port: int = 0
+    worker_metrics_addr: str = "127.0.0.1"
+    # PROMETHEUS_MULTIPROC_DIR (prometheus_client's own name, read by it too): where
+    # worker children share their counters; "" = each process counts alone.
+    prometheus_multiproc_dir: str = ""
 
     @property
     def machine_task_time_limit(self) -> float:
@@ -199,6 +256,7 @@ class Settings:
         d = cls()
         return cls(
             bmdb_url=_get(env, "BMDB_URL", d.bmdb_url),
+            bmdb_pool_size=_int(env, "BMDB_POOL_SIZE", d.bmdb_pool_size, minimum=1),
             broker_url=_get(env, "BROKER_URL", d.broker_url),
             result_backend=_get(env, "RESULT_BACKEND", d.result_backend),
             state_dir=Path(_get(env, "STATE_DIR", str(d.state_dir))),
@@ -247,7 +305,27 @@ class Settings:
             healthz_timeout=_float(env, "HEALTHZ_TIMEOUT", d.healthz_timeout),
             agent_start_backoff=_backoff(env, "AGENT_START", d.agent_start_backoff),
             recovery_backoff=_backoff(env, "RECOVERY", d.recovery_backoff),
+            serve_listen=_listen(env, "SERVE_LISTEN", d.serve_listen),
+            serve_operator_listen=_listen(env, "SERVE_OPERATOR_LISTEN",
+                                          d.serve_operator_listen),
+            serve_tls_cert=_get(env, "SERVE_TLS_CERT", d.serve_tls_cert),
+            serve_tls_key=_get(env, "SERVE_TLS_KEY", d.serve_tls_key),
+            serve_max_body=_int(env, "SERVE_MAX_BODY", d.serve_max_body, minimum=1),
+            serve_clock_window=_float(env, "SERVE_CLOCK_WINDOW", d.serve_clock_window),
+            serve_operator_views=_bool(env, "SERVE_OPERATOR_VIEWS", d.serve_operator_views),
+            serve_threads=_int(env, "SERVE_THREADS", d.serve_threads, minimum=1),
+            reconcile_wait=_float(env, "RECONCILE_WAIT", d.reconcile_wait),
+            worker_metrics_port=_port(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
+            worker_metrics_addr=_get(env, "WORKER_METRICS_ADDR", d.worker_metrics_addr),
+            prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR",
+                                             d.prometheus_multiproc_dir),
         )
+
+
+def environ() -> dict[str, str]:
+    """A copy of this process's environment, for ``shepherd up`` to hand its children
+    (the one other way the environment is read: passed on whole, not interpreted)."""
+    return dict(os.environ)
 
 
 def _read_secret(env: Mapping[str, str], name: str) -> str:

@@ -3,19 +3,22 @@
 Two kinds of source, and why each lives where it does:
 
 * **From the BMDB, at scrape time** (``BMDBCollector``): fleet counts
-  (``bmdb.queries.fleet_counts``) and per-machine task outcomes by process, counted
-  from the history table. History is written by every worker on every host in the
-  same transaction as the outcome, so these numbers are fleet-wide and survive
-  worker restarts, which in-process counters in Celery children are not. Any
-  process with a BMDB handle can serve them; the callback server does at ``/metrics``.
+  (``bmdb.fleet.fleet_counts``) and per-machine task outcomes by process, counted
+  from the history table (``bmdb.fleet.task_outcomes``). History is written by every
+  worker on every host in the same transaction as the outcome, so these numbers are
+  fleet-wide and survive worker restarts, which in-process counters in Celery
+  children are not. Any process with a BMDB handle can serve them; the callback
+  server does at ``/metrics``.
 * **In the process that calls the provider** (``PROVIDER_CALLS``,
   ``PROVIDER_LATENCY``): counted where the call happens (Celery worker children, or
   whoever uses ``EquinixClient``), labelled by endpoint template and outcome. A
   process's ``/metrics`` shows its own calls. Celery's prefork children are separate
   processes: set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory, before the worker
   starts) and prometheus_client keeps these in shared files that
-  ``worker_registry()`` / ``serve_worker_metrics()`` aggregate across children; call
-  ``child_exited(pid)`` from the worker's process-shutdown signal.
+  ``worker_registry(dir)`` / ``serve_worker_metrics(...)`` aggregate across children;
+  call ``child_exited(pid, dir)`` from the worker's process-shutdown signal. The
+  directory is passed in (``Settings.prometheus_multiproc_dir``): nothing here reads
+  the environment, and the guard limits of ``server_registry`` are the caller's.
 
 Scrape cost: the BMDB collector counts whole tables (history included) once per
 scrape; at a 15-60 s scrape interval that is cheap up to millions of rows, and a
@@ -29,13 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: History events that end a work item, exposed as ``outcome`` labels.
-OUTCOMES = (bmdb.Event.FINISHED, bmdb.Event.FAILED, bmdb.Event.CANCELED, bmdb.Event.ABANDONED)
+OUTCOMES = bmdb.fleet.ENDINGS
 
 PROVIDER_CALLS = Counter(
     "shepherd_provider_api_calls", "Provider API calls made by this process (each HTTP "
@@ -122,17 +123,6 @@ def provider_call(method: str, path: str, provider: str = "equinix") -> Iterator
 # -- from the BMDB -----------------------------------------------------------------
 
 
-def task_outcomes(tx: bmdb.Tx) -> dict[tuple[str, str], int]:
-    """(process, event) -> count over the whole history, every known pair present."""
-    h = bmdb.schema.history
-    rows = tx.execute(sa.select(h.c.process, h.c.event, sa.func.count())
-                      .group_by(h.c.process, h.c.event))
-    counts = {(p.value, e): 0 for p in bmdb.Process for e in (bmdb.Event.STARTED, *OUTCOMES)}
-    for process, event, count in rows:
-        counts[(process, event)] = int(count)
-    return counts
-
-
 class BMDBCollector(Collector):
     """Fleet counts and task outcomes, read from the BMDB on every scrape; with
     ``guard`` limits also the blast-radius guard's view (``guard_metrics``)."""
@@ -151,7 +141,8 @@ class BMDBCollector(Collector):
         started = time.perf_counter()
         try:
             counts, outcomes = self.db.read(
-                lambda tx: (bmdb.queries.fleet_counts(tx, self.thresholds), task_outcomes(tx)))
+                lambda tx: (bmdb.fleet.fleet_counts(tx, self.thresholds),
+                            bmdb.fleet.task_outcomes(tx)))
         except Exception as error:  # a scrape must answer even when the BMDB does not
             log.warning("metrics: BMDB read failed: %s", error)
             up.add_metric([], 0)
@@ -182,7 +173,7 @@ def _per_process(name: str, text: str, values: dict[str, int]) -> GaugeMetricFam
     return family
 
 
-def _fleet(c: bmdb.queries.FleetCounts) -> Iterator[Metric]:
+def _fleet(c: bmdb.fleet.FleetCounts) -> Iterator[Metric]:
     yield _gauge("shepherd_fleet_machines", "Machines in the BMDB.", c.machines)
     yield _gauge("shepherd_fleet_provided", "Machines with a Provided tag.", c.provided)
     yield _gauge("shepherd_fleet_agent_started", "Machines with AgentStarted.", c.agent_started)
@@ -276,19 +267,6 @@ def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
                      "through the agents' endpoint).", int(decision.callback_healthy))
 
 
-def default_guard_limits() -> GuardLimits | None:
-    """The guard limits of this process's ``SHEPHERD_*`` settings (the health check's
-    wait bounded so a scrape stays quick), or None when the settings are unusable."""
-    from shepherd import runtime
-    from shepherd.config import Settings, SettingsError
-
-    try:
-        return runtime.guard_limits(Settings.from_env(), interactive=True)
-    except SettingsError as error:
-        log.warning("metrics: no guard gauges: %s", error)
-        return None
-
-
 # -- registries and exposition -------------------------------------------------------
 
 
@@ -300,37 +278,35 @@ class _ProcessMetrics(Collector):
         return REGISTRY.collect()
 
 
-def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
-
-
-def process_collector(registry: CollectorRegistry) -> None:
+def process_collector(registry: CollectorRegistry, multiproc_dir: str | None) -> None:
     """Add this process's metrics to ``registry``: aggregated over every process sharing
-    ``PROMETHEUS_MULTIPROC_DIR`` when it is set, else this process's default registry."""
-    if multiprocess_dir():
+    ``multiproc_dir`` (``Settings.prometheus_multiproc_dir``) when given, else this
+    process's default registry."""
+    if multiproc_dir:
         from prometheus_client import multiprocess
 
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry, path=multiproc_dir)
     else:
         registry.register(_ProcessMetrics())
 
 
-def server_registry(db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None,
-                    guard: GuardLimits | bool | None = True) -> CollectorRegistry:
-    """What the callback server's ``/metrics`` shows: BMDB metrics (guard gauges
-    included: ``guard`` True takes the limits from the environment, False leaves them
-    out) plus its process's."""
-    limits = default_guard_limits() if guard is True else (guard or None)
+def server_registry(db: bmdb.BMDB, limits: GuardLimits | None, *,
+                    thresholds: bmdb.Thresholds | None = None,
+                    multiproc_dir: str | None = None) -> CollectorRegistry:
+    """What the callback server's ``/metrics`` shows: BMDB metrics, the guard gauges
+    when ``limits`` are given (the server's own, so they match its web view), plus its
+    process's."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BMDBCollector(db, thresholds, limits))
-    process_collector(registry)
+    process_collector(registry, multiproc_dir)
     return registry
 
 
-def worker_registry() -> CollectorRegistry:
-    """What a worker host's endpoint shows: provider calls of all its processes."""
+def worker_registry(multiproc_dir: str | None) -> CollectorRegistry:
+    """What a worker host's endpoint shows: provider calls of all its processes (with
+    ``multiproc_dir``; without it, only this process's)."""
     registry = CollectorRegistry(auto_describe=False)
-    process_collector(registry)
+    process_collector(registry, multiproc_dir)
     return registry
 
 
@@ -339,17 +315,17 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def serve_worker_metrics(port: int, addr: str = "127.0.0.1") -> Any:
-    """Serve ``worker_registry()`` on ``addr:port`` from a daemon thread (call it in the
-    worker's main process; returns prometheus_client's server and thread)."""
+def serve_worker_metrics(port: int, addr: str, multiproc_dir: str) -> Any:
+    """Serve ``worker_registry(multiproc_dir)`` on ``addr:port`` from a daemon thread (call
+    it in the worker's main process; returns prometheus_client's server and thread)."""
     from prometheus_client import start_http_server
 
-    return start_http_server(port, addr=addr, registry=worker_registry())
+    return start_http_server(port, addr=addr, registry=worker_registry(multiproc_dir))
 
 
-def child_exited(pid: int) -> None:
+def child_exited(pid: int, multiproc_dir: str | None) -> None:
     """Tell multiprocess mode a worker child is gone (its gauges stop counting)."""
-    if multiprocess_dir():
+    if multiproc_dir:
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid)
+        multiprocess.mark_process_dead(pid, path=multiproc_dir)

@@ -1,20 +1,28 @@
-"""Everything a worker builds from ``Settings``: the BMDB handle, the provider, and the
-settings objects of each workflow. No Celery here, so a shell or a test can use it too::
+"""The composition root: everything a process builds from one ``Settings``.
 
-    settings = Settings.from_env()
-    db = runtime.connect_bmdb(settings)
-    provider = runtime.build_provider(settings)          # registers our SSH key once
-    initialize(work, provider, runtime.initializer_settings(settings))
+Each entry point (a Celery worker or beat, ``shepherd serve``, the CLI) builds one
+``Runtime(settings, component)`` and passes what its code needs down as arguments:
+the BMDB with the configured thresholds and pool size, the provider, one live BMDB
+session, the guard's limits and the settings objects of each workflow. No Celery
+here, so a shell or a test can use it too::
+
+    rt = Runtime(Settings.from_env(), "shell")
+    initialize(work, rt.provider, initializer_settings(rt.settings))
+    rt.close()
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import bmdb
+from shepherd import metrics
 from shepherd.config import Settings, SettingsError
 from shepherd.providers import Provider, ssh_keys
 from shepherd.providers.base import refuse_placeholder
@@ -23,16 +31,121 @@ from shepherd.workflows.guard import GuardLimits
 
 if TYPE_CHECKING:
     from shepherd.workflows.provisioner import ProvisionerSettings
+    from shepherd.workflows.sourcing import SourcingSettings
     from shepherd.workflows.updater import UpdaterSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 HTTP_PROVIDERS = ("simulator", "equinix")
 
 
+class Runtime:
+    """One process's BMDB, provider and live BMDB session, built lazily from ``settings``.
+
+    Why one object: the worker and the callback server each used to hold their own
+    session holder and read their own settings, and disagreed (the server ignored
+    the heartbeat thresholds). Everything here is built on first use, so a process
+    that never touches the provider never calls it, and is thread-safe (cheroot's
+    and Celery's thread pools share one). ``db`` and ``provider`` may be given (tests,
+    embedded use); a given BMDB is not closed by ``close()``.
+    """
+
+    def __init__(self, settings: Settings, component: str, *, db: bmdb.BMDB | None = None,
+                 provider: Provider | None = None) -> None:
+        self.settings = settings
+        #: The session holder name (``worker:<pid>``, ``callback-server``...).
+        self.component = component
+        self._lock = threading.RLock()
+        self._db = db
+        self._owns_db = db is None
+        self._provider = provider
+        self._session: bmdb.Session | None = None
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.component!r})"
+
+    @property
+    def db(self) -> bmdb.BMDB:
+        with self._lock:
+            if self._db is None:
+                self._db = connect_bmdb(self.settings)
+                self._owns_db = True
+            return self._db
+
+    @property
+    def provider(self) -> Provider:
+        with self._lock:
+            if self._provider is None:
+                self._provider = build_provider(self.settings)
+            return self._provider
+
+    @property
+    def session(self) -> bmdb.Session:
+        """The live BMDB session, started on first use and replaced once it expired
+        (``alive`` False); the sweep releases whatever the old one held."""
+        with self._lock:
+            if self._session is None or not self._session.alive:
+                if self._session is not None:
+                    log.warning("BMDB session %s is no longer alive; starting a new one",
+                                self._session.id)
+                    self._session.close()
+                self._session = self.db.start_session(
+                    self.component, interval=self.settings.session_interval)
+                log.info("BMDB session %s started for %s", self._session.id, self.component)
+            return self._session
+
+    def transact(self, body: Callable[[bmdb.Tx], T]) -> T:
+        """Run ``body`` in the session; once more in a new session if this one expired
+        meanwhile (``body`` must be safe to run again: it is one transaction)."""
+        try:
+            return self.session.transact(body)
+        except bmdb.SessionExpired:
+            return self.session.transact(body)
+
+    def guard_limits(self, *, interactive: bool = False) -> GuardLimits:
+        return guard_limits(self.settings, interactive=interactive)
+
+    def forget_inherited(self, component: str | None = None) -> None:
+        """After a fork: drop the parent's objects without touching what they share with it.
+
+        A session's keep-alive thread does not survive a fork and a forked SQLAlchemy
+        pool would share sockets with the parent; ``dispose(close=False)`` leaves the
+        parent's pooled connections open for the parent while this child forgets them.
+        Everything is built again on first use, under ``component`` when given (a
+        worker child's ``worker:<pid>``).
+        """
+        with self._lock:
+            if self._db is not None:
+                self._db.engine.dispose(close=False)
+            self._db = None
+            self._owns_db = True
+            self._session = None
+            self._provider = None
+            if component is not None:
+                self.component = component
+
+    def close(self) -> None:
+        """End the session (its work is released by the sweep) and close our BMDB."""
+        with self._lock:
+            if self._session is not None:
+                session, self._session = self._session, None
+                session.close()
+            if self._db is not None and self._owns_db:
+                db, self._db = self._db, None
+                db.close()
+
+
+def worker_component() -> str:
+    """The session holder name of this worker process (the pid tells hosts' children apart)."""
+    return f"worker:{os.getpid()}"
+
+
 def connect_bmdb(settings: Settings) -> bmdb.BMDB:
-    """The BMDB with the configured silence thresholds (the schema is migrated elsewhere:
-    ``shepherd migrate``, so that many workers starting at once do not race on it)."""
-    return bmdb.connect(settings.bmdb_url, thresholds=settings.thresholds)
+    """The BMDB with the configured silence thresholds and pool size (the schema is
+    migrated elsewhere: ``shepherd migrate``, so that many workers starting at once do
+    not race on it)."""
+    return bmdb.connect(settings.bmdb_url, thresholds=settings.thresholds,
+                        pool_size=settings.bmdb_pool_size)
 
 
 def check_settings(settings: Settings) -> None:
@@ -74,7 +187,7 @@ def build_provider(settings: Settings) -> Provider:
             base_url=settings.provider_url or DEFAULT_BASE_URL,
             min_interval=settings.provider_min_interval,
             max_in_flight=settings.provider_max_in_flight,
-        ))
+        ), observer=metrics.provider_call)
         provider = EquinixProvider(client, ProviderConfig(
             device_prefix=settings.device_prefix, ssh_key_label=settings.ssh_key_label,
             ssh_port=settings.provider_ssh_port,
@@ -128,6 +241,14 @@ def provisioner_settings(settings: Settings) -> ProvisionerSettings:
         creation_rate=settings.creation_rate, cooldown=settings.capacity_cooldown,
         assimilate=settings.assimilate,
     )
+
+
+def sourcing_settings(settings: Settings) -> SourcingSettings:
+    from shepherd.workflows.sourcing import SourcingSettings
+
+    return SourcingSettings(batch_size=settings.batch_size,
+                            in_flight_cap=settings.in_flight_cap,
+                            dispatch_ttl=settings.dispatch_ttl)
 
 
 def updater_settings(settings: Settings) -> UpdaterSettings:

@@ -1,6 +1,7 @@
 """Celery glue over the shepherd workflows: ``celery -A tasks worker``.
 
-Tasks stay thin: each adopts or claims BMDB work and calls a workflow in ``shepherd``.
+Tasks stay thin: each adopts or claims BMDB work and calls a workflow in ``shepherd``,
+with what ``app.runtime`` (``tasks/celery_app.py``) built from the settings.
 
 =====================  ===============================  ===================
 task                   arguments                        queue
@@ -24,17 +25,11 @@ or from Python: ``from tasks import agent_start; agent_start.delay(str(machine_i
 
 from __future__ import annotations
 
-from celery import Celery
-
-from tasks import broker_fixes
-
-broker_fixes.install()  # before any broker connection: see tasks/broker_fixes.py
-app = Celery("shepherd")
-app.config_from_object("celeryconfig")
+from tasks.celery_app import app
 
 # Registered on import, so ``-A tasks`` and ``from tasks import ...`` both see them.
-from tasks.control import reconcile, recovery_guard_status, source, sweep, update  # noqa: E402
-from tasks.machines import agent_start, recovery  # noqa: E402
+from tasks.control import reconcile, recovery_guard_status, source, sweep, update
+from tasks.machines import agent_start, recovery
 
 __all__ = [
     "agent_start",

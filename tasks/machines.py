@@ -14,17 +14,15 @@ its backoff) is then raised as ``MachineWorkFailed`` so the task is FAILURE in F
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import bmdb
 from shepherd import metrics, runtime
-from shepherd.workflows import WorkflowResult, initialize, recover
-from shepherd.workflows import guard as recovery_guard
+from shepherd.workflows import WorkflowResult, guard, initialize, recover, recovery_claims
 from shepherd.workflows.common import NOT_OURS, fail
-from tasks import app
+from tasks.celery_app import app
 from tasks.errors import (
     MachineNotClaimable,
     MachineWorkFailed,
@@ -32,12 +30,8 @@ from tasks.errors import (
     RecoveryPaused,
     ShepherdTaskError,
 )
-from tasks.worker_state import STATE
 
 log = logging.getLogger(__name__)
-#: The fleet-wide hold under which Recovery is claimed, so the hourly reboot budget
-#: is checked and spent by one claimer at a time (sourcing and manual calls alike).
-RECOVERY_CLAIMS = "source:ShepherdRecovery"
 Workflow = Callable[[bmdb.Work], WorkflowResult]
 
 
@@ -51,7 +45,7 @@ def gone(process: bmdb.Process, machine_id: str, work_id: str, why: str) -> dict
 def adopt(process: bmdb.Process, machine_id: str, work_id: str) -> bmdb.Work | None:
     """The dispatched claim, now ours; None when it is gone."""
     try:
-        return STATE.session.adopt(uuid.UUID(work_id), machine_id=uuid.UUID(machine_id),
+        return app.runtime.session.adopt(uuid.UUID(work_id), machine_id=uuid.UUID(machine_id),
                                    process=process)
     except bmdb.WorkGone:
         return None
@@ -60,7 +54,7 @@ def adopt(process: bmdb.Process, machine_id: str, work_id: str) -> bmdb.Work | N
 def claim(process: bmdb.Process, machine_id: str) -> bmdb.Work:
     """Claim one named machine (a call by hand), or say why not, touching nothing."""
     try:
-        return STATE.session.claim_machine(process, uuid.UUID(machine_id))
+        return app.runtime.session.claim_machine(process, uuid.UUID(machine_id))
     except bmdb.NotClaimable as error:
         raise MachineNotClaimable(str(error)) from None
 
@@ -72,7 +66,7 @@ def run(process: bmdb.Process, work: bmdb.Work, workflow: Workflow) -> dict[str,
     (the provider, built on first use, and its settings) can fail before that, and
     the claim must not stay held by this live session: it is failed here.
     """
-    configured = runtime.configured(work, STATE.settings)
+    configured = runtime.configured(work, app.runtime.settings)
     try:
         result = workflow(configured)
     except NOT_OURS as error:
@@ -97,20 +91,18 @@ def lost(process: bmdb.Process, work: bmdb.Work, error: Exception) -> MachineWor
 
 
 def _initialize(work: bmdb.Work) -> WorkflowResult:
-    return initialize(work, STATE.provider, runtime.initializer_settings(STATE.settings))
+    rt = app.runtime
+    return initialize(work, rt.provider, runtime.initializer_settings(rt.settings))
 
 
 def _recover(work: bmdb.Work) -> WorkflowResult:
-    return recover(work, STATE.provider, runtime.recoverer_settings(STATE.settings))
+    rt = app.runtime
+    return recover(work, rt.provider, runtime.recoverer_settings(rt.settings))
 
 
-def guard_pause(budget: bool) -> recovery_guard.GuardDecision | None:
-    """The guard's decision when it pauses Recovery now, else None (counted in metrics)."""
-    settings = STATE.settings
-    decision = recovery_guard.evaluate(STATE.db, settings.thresholds,
-                                       runtime.guard_limits(settings), budget=budget)
+def count_pauses(decision: guard.GuardDecision) -> None:
+    """Each guard decision's pause reasons, counted where it is taken (worker metrics)."""
     metrics.count_recovery_pause(decision.causes)
-    return decision if decision.paused else None
 
 
 def paused_at_execution(work: bmdb.Work) -> str | None:
@@ -120,12 +112,16 @@ def paused_at_execution(work: bmdb.Work) -> str | None:
     claim was sourced. A guard that cannot decide (its BMDB read failed) pauses too:
     a reboot is the one action here that cannot be taken back.
     """
+    rt = app.runtime
     try:
-        paused = guard_pause(budget=False)
+        decision = guard.evaluate(rt.db, rt.settings.thresholds, rt.guard_limits(),
+                                  budget=False)
     except Exception as error:
         log.exception("recovery guard failed before rebooting %s", work.machine_id)
-        return f"recovery paused: the guard could not decide: {type(error).__name__}: {error}"
-    return paused.paused if paused is not None else None
+        return (f"{guard.PAUSED_PREFIX}the guard could not decide: "
+                f"{type(error).__name__}: {error}")
+    count_pauses(decision)
+    return decision.paused
 
 
 @app.task(name="shepherd.agent_start", throws=(ShepherdTaskError,))
@@ -166,23 +162,20 @@ def recovery(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
 
 def claim_by_hand_under_guard(machine_id: str, wait: float = 10.0) -> bmdb.Work:
     """Claim for a manual Recovery call: guard (budget included) first, then the claim,
-    under the same fleet-wide hold as sourcing so the hourly budget stays exact."""
-    session = STATE.session
-    deadline = time.monotonic() + wait
-    while True:
-        with bmdb.singletons.hold(session, RECOVERY_CLAIMS) as held:
-            if held:
-                paused = guard_pause(budget=True)
-                if paused is not None:
-                    log.error("RECOVERY PAUSED, refusing the manual call on %s: %s",
-                              machine_id, paused.paused)
-                    raise RecoveryPaused(f"machine {machine_id} not rebooted: "
-                                         f"{paused.paused}")
-                return claim(bmdb.Process.RECOVERY, machine_id)
-        if time.monotonic() > deadline:
-            raise MachineNotClaimable(f"machine {machine_id}: Recovery claims are held by "
-                                      f"another claimer for over {wait:.0f}s; try again")
-        time.sleep(0.2)
+    under the same fleet-wide hold as sourcing (``recovery_claims``), so the hourly
+    budget stays exact."""
+    rt = app.runtime
+    try:
+        [work] = recovery_claims.claim_recovery(
+            rt.session, rt.settings.thresholds, rt.guard_limits(),
+            lambda allowed: [claim(bmdb.Process.RECOVERY, machine_id)],
+            wait=wait, on_decision=count_pauses)
+    except recovery_claims.RecoveryPaused as paused:
+        log.error("RECOVERY PAUSED, refusing the manual call on %s: %s", machine_id, paused)
+        raise RecoveryPaused(f"machine {machine_id} not rebooted: {paused}") from None
+    except recovery_claims.ClaimsBusy as busy:
+        raise MachineNotClaimable(f"machine {machine_id}: {busy}") from None
+    return work
 
 
 #: The per-machine task of each process that sourcing dispatches.

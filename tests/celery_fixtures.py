@@ -35,6 +35,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 import bmdb
+from shepherd.config import Settings
+from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, ServerConfig, start_server
 from shepherd.simulator import Simulator
 from tests.servers import free_port, wait_for_port
@@ -71,7 +73,6 @@ class ControlPlane:
         self.db = bmdb.connect(pg_url, thresholds=self.thresholds)
         self.server_port = free_port()
         self.server: RunningServer | None = None
-        self.start_callback_server()
         redis_db = next(_REDIS_DBS)
         self.redis_url = redis_db_url(redis_url, redis_db)
         redis.Redis.from_url(self.redis_url).flushdb()
@@ -111,6 +112,7 @@ class ControlPlane:
             **env,
         }
         self._client: Celery | None = None
+        self.start_callback_server()
 
     # -- processes --------------------------------------------------------
 
@@ -183,11 +185,16 @@ class ControlPlane:
     # -- the callback server ----------------------------------------------
 
     def start_callback_server(self) -> None:
-        config = ServerConfig(bmdb_url=self.db.url, session_interval=2)
+        """The server as ``shepherd serve`` builds it: from the control plane's settings
+        (so with the workers' thresholds and session interval)."""
+        settings = Settings.from_env(self.env)
+        config = ServerConfig.from_settings(settings)
         deadline = time.monotonic() + 10
         while True:
             try:
-                self.server = start_server(config, port=self.server_port, threads=16)
+                runtime = Runtime(settings, config.component)
+                self.server = start_server(config, port=self.server_port, threads=16,
+                                           runtime=runtime)
                 return
             except OSError:  # the old socket lingering after a stop
                 if time.monotonic() > deadline:
@@ -201,10 +208,10 @@ class ControlPlane:
 
     # -- reading the BMDB and the broker ----------------------------------
 
-    def counts(self) -> bmdb.queries.FleetCounts:
-        return self.db.read(lambda tx: bmdb.queries.fleet_counts(tx, self.thresholds))
+    def counts(self) -> bmdb.fleet.FleetCounts:
+        return self.db.read(lambda tx: bmdb.fleet.fleet_counts(tx, self.thresholds))
 
-    def wait_for(self, check: Callable[[bmdb.queries.FleetCounts], T], timeout: float,
+    def wait_for(self, check: Callable[[bmdb.fleet.FleetCounts], T], timeout: float,
                  what: str) -> T:
         deadline = time.monotonic() + timeout
         counts = None
@@ -244,12 +251,8 @@ class ControlPlane:
 
             app = Celery("e2e-client", broker=self.redis_url, backend=self.redis_url)
             app.conf.update(
-                task_queues=celeryconfig.task_queues, task_routes=celeryconfig.task_routes,
-                task_default_queue=celeryconfig.task_default_queue,
-                task_default_exchange=celeryconfig.task_default_exchange,
-                task_default_routing_key=celeryconfig.task_default_routing_key,
-                task_serializer="json", result_serializer="json", accept_content=["json"],
-                result_extended=True,
+                **celeryconfig.ROUTING, task_serializer="json", result_serializer="json",
+                accept_content=["json"], result_extended=True,
             )
             self._client = app
         return self._client

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.providers import ssh_keys
+from shepherd.providers import CallObserver, no_observer, ssh_keys
 from shepherd.providers.equinix import ClientConfig, EquinixClient, EquinixProvider, ProviderConfig
 from shepherd.simulator import Simulator
 
@@ -24,15 +24,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def fast_client(sim: Simulator, **overrides: object) -> EquinixClient:
-    """A client with tiny backoffs and timeouts, so retry tests take milliseconds."""
+def fast_client(sim: Simulator, *, observer: CallObserver = no_observer,
+                **overrides: object) -> EquinixClient:
+    """A client with tiny backoffs and timeouts, so retry tests take milliseconds.
+
+    ``overrides`` are ``ClientConfig`` fields; ``observer`` is handed to the client
+    (``shepherd.metrics.provider_call`` to have its calls counted)."""
     settings: dict[str, object] = {
         "token": sim.config.token, "project_id": sim.project_id, "base_url": sim.base_url,
         "min_interval": 0.0, "max_in_flight": 8, "retries": 3, "backoff_initial": 0.01,
         "backoff_max": 0.05, "connect_timeout": 2.0, "read_timeout": 5.0,
     }
     settings.update(overrides)
-    return EquinixClient(ClientConfig(**settings))  # type: ignore[arg-type]
+    return EquinixClient(ClientConfig(**settings), observer=observer)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The backoff rule, checked against the table in DESIGN.md section 2."""
+"""The backoff rule, checked against the table of expected sequences in
+docs/ARCHITECTURE.md (section 4, Backoff)."""
 
 import pytest
 

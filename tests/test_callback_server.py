@@ -268,7 +268,7 @@ def test_an_unknown_machine_runs_the_same_statements_as_a_known_one(
     db: bmdb.BMDB, fleet: dict[str, Any], post: Post
 ) -> None:
     """No timing assertion: the BMDB work of a refusal must not depend on whether the
-    machine exists or has a key (see ``heartbeat.lock_credentials``)."""
+    machine exists or has a key (see ``bmdb.queries.lock_agent_credentials``)."""
 
     def refused(machine: uuid.UUID, key: Any) -> list[str]:
         body = heartbeat_body(machine)
@@ -382,7 +382,7 @@ def test_a_body_at_the_limit_is_accepted(fleet: dict[str, Any], post: Post) -> N
 def test_the_server_recovers_from_an_expired_session(
     db: bmdb.BMDB, fleet: dict[str, Any], post: Post, callback_server: RunningServer
 ) -> None:
-    callback_server.holder.session().close()  # as if the lease had lapsed
+    callback_server.runtime.session.close()  # as if the lease had lapsed
     body = heartbeat_body(fleet["machine"])
     assert post(body, signed_headers(fleet["key"], fleet["machine"], body)).status_code == 200
 

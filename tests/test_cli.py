@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -49,12 +50,14 @@ def test_unknown_flag_is_a_usage_error(tmp_path):
 
 import socket  # noqa: E402
 import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from typing import Any, NoReturn  # noqa: E402
 
 import pytest  # noqa: E402
 
 import bmdb  # noqa: E402
 from shepherd import cli  # noqa: E402
+from shepherd.config import Settings  # noqa: E402
 from tests.operator_fixtures import (  # noqa: E402
     THRESHOLD_ENV,
     Fleet,
@@ -73,16 +76,44 @@ def fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str,
     for name, value in THRESHOLD_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("SHEPHERD_BMDB_URL", db_url)
-    monkeypatch.setenv("SHEPHERD_CLI_HOOKS", "")
-    monkeypatch.setattr(cli, "start_hooks", {})
-    monkeypatch.setattr(cli, "reconcile_hook", None)
     with healthy_callback_server() as endpoint:
         monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", endpoint)
         yield seed_fleet(db, session)
 
 
-def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    status = cli.main(list(argv))
+class BrokerDown(ConnectionError):
+    """What a worker layer whose broker cannot be reached raises."""
+
+
+def refuse() -> NoReturn:
+    raise BrokerDown("broker refused the connection")
+
+
+@dataclasses.dataclass
+class FakeWorkers:
+    """The worker layer, in process: ``dispatch`` and ``reconcile`` do what the test says
+    (by default, what an unreachable broker does). Callable, so it is its own factory."""
+
+    dispatch_with: Callable[[bmdb.Work], str] = lambda work: refuse()
+    reconcile_with: Callable[[], Any] = refuse
+
+    def __call__(self, settings: Settings) -> FakeWorkers:
+        return self
+
+    def dispatch(self, work: bmdb.Work) -> str:
+        return self.dispatch_with(work)
+
+    def reconcile(self) -> Any:
+        return self.reconcile_with()
+
+
+def must_not_dispatch(work: bmdb.Work) -> str:
+    pytest.fail("must not dispatch")
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str,
+        workers: FakeWorkers | None = None) -> tuple[int, str, str]:
+    status = cli.main(list(argv), workers=workers or FakeWorkers())
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -191,28 +222,30 @@ def test_clear_backoff(fleet: Fleet, db: bmdb.BMDB, capsys) -> None:
     assert "unknown process 'reboot'" in one_line_error(err, status)
 
 
-def test_start_without_worker_layer_cancels_its_claim(fleet: Fleet, db: bmdb.BMDB,
-                                                       capsys) -> None:
+def test_start_with_the_broker_down_cancels_its_claim(fleet: Fleet, db: bmdb.BMDB,
+                                                      capsys) -> None:
     status, _, err = run(capsys, "start", "agent-start", str(fleet.new))
-    assert "worker layer is not available" in one_line_error(err, status, expected=1)
+    line = one_line_error(err, status, expected=1)
+    assert "could not dispatch ShepherdAgentStart: broker refused" in line
+    assert "claim cancelled" in line
     history = db.read(lambda tx: bmdb.queries.history(tx, fleet.new))
     assert [h["event"] for h in history] == ["Canceled", "Started"]
 
 
 def test_start_says_why_not(fleet: Fleet, capsys, monkeypatch) -> None:
-    monkeypatch.setitem(cli.start_hooks, bmdb.Process.AGENT_START,
-                        lambda work: pytest.fail("must not dispatch"))
-    status, _, err = run(capsys, "start", "agent-start", str(fleet.busy))
+    workers = FakeWorkers(dispatch_with=must_not_dispatch)
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.busy), workers=workers)
     assert "held by ShepherdAgentStart work" in one_line_error(err, status, expected=1)
-    status, _, err = run(capsys, "start", "agent-start", str(fleet.backing_off))
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.backing_off),
+                         workers=workers)
     assert "in backoff until" in one_line_error(err, status, expected=1)
-    status, _, err = run(capsys, "start", "agent-start", str(fleet.healthy))
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.healthy), workers=workers)
     assert "not in backlog: has AgentStarted" in one_line_error(err, status, expected=1)
-    status, _, err = run(capsys, "start", "recovery", str(fleet.silent))
+    status, _, err = run(capsys, "start", "recovery", str(fleet.silent), workers=workers)
     assert "recovery paused" in one_line_error(err, status, expected=1)
-    status, _, err = run(capsys, "start", "agent-start", UNKNOWN)
+    status, _, err = run(capsys, "start", "agent-start", UNKNOWN, workers=workers)
     assert "no machine" in one_line_error(err, status)
-    status, _, err = run(capsys, "start", "os-install", str(fleet.new))
+    status, _, err = run(capsys, "start", "os-install", str(fleet.new), workers=workers)
     assert "unknown process 'os-install'" in one_line_error(err, status)
 
 
@@ -227,8 +260,8 @@ def test_start_hands_the_claim_to_a_worker_that_adopts_it(fleet: Fleet, db: bmdb
                                         process=work.process))
             return "task-1"
 
-        monkeypatch.setitem(cli.start_hooks, bmdb.Process.RECOVERY, dispatch)
-        status, out, _ = run(capsys, "start", "ShepherdRecovery", str(fleet.silent))
+        status, out, _ = run(capsys, "start", "ShepherdRecovery", str(fleet.silent),
+                             workers=FakeWorkers(dispatch_with=dispatch))
         assert status == 0, out
         assert "ShepherdRecovery started on machine" in out and "task task-1" in out
         assert adopted[0].session is worker
@@ -239,18 +272,22 @@ def test_start_hands_the_claim_to_a_worker_that_adopts_it(fleet: Fleet, db: bmdb
 
 def test_start_cancels_when_no_worker_adopts_in_time(fleet: Fleet, db: bmdb.BMDB, capsys,
                                                      monkeypatch) -> None:
-    monkeypatch.setitem(cli.start_hooks, bmdb.Process.AGENT_START, lambda work: None)
-    status, _, err = run(capsys, "start", "agent-start", str(fleet.new), "--wait", "0.5")
-    assert "no worker took ShepherdAgentStart" in one_line_error(err, status, expected=1)
+    nobody = FakeWorkers(dispatch_with=lambda work: "task-lost")
+    status, _, err = run(capsys, "start", "agent-start", str(fleet.new), "--wait", "0.5",
+                         workers=nobody)
+    line = one_line_error(err, status, expected=1)
+    assert "no worker took ShepherdAgentStart within 0.5s (task task-lost)" in line
     history = db.read(lambda tx: bmdb.queries.history(tx, fleet.new))
     assert [h["event"] for h in history] == ["Canceled", "Started"]
 
 
-def test_reconcile_needs_the_worker_layer(fleet: Fleet, capsys, monkeypatch) -> None:
+def test_reconcile_goes_through_the_worker_layer(fleet: Fleet, capsys) -> None:
     status, _, err = run(capsys, "reconcile")
-    assert "worker layer is not available" in one_line_error(err, status, expected=1)
-    monkeypatch.setattr(cli, "reconcile_hook", lambda: "dispatched task 7")
-    status, out, _ = run(capsys, "reconcile")
+    line = one_line_error(err, status, expected=1)
+    assert line == "shepherd reconcile: reconcile failed: BrokerDown: broker refused the " \
+                   "connection"
+    status, out, _ = run(capsys, "reconcile",
+                         workers=FakeWorkers(reconcile_with=lambda: "dispatched task 7"))
     assert status == 0 and "dispatched task 7" in out
 
 
@@ -287,17 +324,6 @@ def test_invalid_uuid_in_a_real_process(tmp_path) -> None:
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert "is not a machine id" in result.stderr
-
-
-def test_hooks_come_from_the_hooks_module(fleet: Fleet, capsys, monkeypatch, tmp_path) -> None:
-    name = f"hooks_{uuid.uuid4().hex}"
-    (tmp_path / f"{name}.py").write_text(
-        "from shepherd import cli\n"
-        "cli.reconcile_hook = lambda: 'from the hooks module'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("SHEPHERD_CLI_HOOKS", name)
-    status, out, _ = run(capsys, "reconcile")
-    assert status == 0 and "from the hooks module" in out
 
 
 # -- migrate: bad revisions, --json --------------------------------------------------
@@ -341,8 +367,8 @@ def test_bad_reconcile_argument_is_one_line_and_status_2(fleet: Fleet, capsys, a
 
 
 def test_reconcile_json(fleet: Fleet, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(cli, "reconcile_hook", lambda: {"created": 2, "gone": []})
-    status, out, _ = run(capsys, "reconcile", "--json")
+    workers = FakeWorkers(reconcile_with=lambda: {"created": 2, "gone": []})
+    status, out, _ = run(capsys, "reconcile", "--json", workers=workers)
     assert status == 0 and json.loads(out) == {"result": {"created": 2, "gone": []}}
 
 
@@ -388,9 +414,8 @@ def test_explain_and_start_ask_the_callback_server(fleet: Fleet, capsys, monkeyp
         assert recovery["guard"]["callback_healthy"] is False
         status, out, _ = run(capsys, "explain", str(fleet.silent))
         assert f"guard:   PAUSED — recovery paused: callback server {endpoint}" in out
-        monkeypatch.setitem(cli.start_hooks, bmdb.Process.RECOVERY,
-                            lambda work: pytest.fail("must not dispatch"))
-        status, _, err = run(capsys, "start", "recovery", str(fleet.silent))
+        status, _, err = run(capsys, "start", "recovery", str(fleet.silent),
+                             workers=FakeWorkers(dispatch_with=must_not_dispatch))
         assert "callback server" in one_line_error(err, status, expected=1)
 
 
@@ -400,7 +425,7 @@ def test_the_guard_waits_for_the_callback_server_at_most_2s(monkeypatch) -> None
 
     monkeypatch.setenv("SHEPHERD_HEALTHZ_TIMEOUT", "30")
     monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", "https://callbacks.example:8443/")
-    limits = cli.guard_limits(Settings.from_env())
+    limits = runtime.Runtime(Settings.from_env(), "test").guard_limits(interactive=True)
     assert limits.healthz_url == "https://callbacks.example:8443/healthz"
     assert limits.healthz_timeout == runtime.INTERACTIVE_HEALTHZ_TIMEOUT == 2.0
 
@@ -439,6 +464,14 @@ def test_every_command_takes_the_shared_options_after_its_name() -> None:
             "sqlite:///b"), name
         if name != "up":  # runs in the foreground: nothing to print as JSON
             assert top.parse_args([name, *argv, "--json"]).json is True, name
+            assert top.parse_args(["--json", name, *argv]).json is True, name
+            assert top.parse_args([name, *argv]).json is False, name
+
+
+def test_json_before_the_command_name(fleet: Fleet, capsys) -> None:
+    status, out, _ = run(capsys, "--json", "fleet")
+    assert status == 0
+    assert json.loads(out)["machines"] == 9
 
 
 def test_bmdb_url_after_the_command(fleet: Fleet, db_url: str, tmp_path, capsys,
@@ -502,8 +535,8 @@ def test_start_json(fleet: Fleet, db: bmdb.BMDB, capsys, monkeypatch) -> None:
                                         process=work.process))
             return "task-2"
 
-        monkeypatch.setitem(cli.start_hooks, bmdb.Process.AGENT_START, dispatch)
-        status, out, _ = run(capsys, "start", "agent-start", str(fleet.new), "--json")
+        status, out, _ = run(capsys, "start", "agent-start", str(fleet.new), "--json",
+                             workers=FakeWorkers(dispatch_with=dispatch))
         assert status == 0, out
         assert json.loads(out) == {"machine": str(fleet.new), "process": "ShepherdAgentStart",
                                    "work": str(adopted[0].id), "task": "task-2"}

@@ -3,6 +3,7 @@
 import pytest
 
 import bmdb
+from shepherd import config
 from shepherd.config import Settings, SettingsError
 
 
@@ -44,7 +45,54 @@ def test_secret_from_file_stays_out_of_repr(tmp_path):
     ("SHEPHERD_DISPATCH_TTL", "0", "must be at least 1"),
     ("SHEPHERD_HEARTBEAT_TIMEOUT", "nan", "must be a finite number"),
     ("SHEPHERD_SOURCE_INTERVAL", "inf", "must be a finite number"),
+    ("SHEPHERD_BMDB_POOL_SIZE", "0", "SHEPHERD_BMDB_POOL_SIZE='0' must be at least 1"),
+    ("SHEPHERD_SERVE_LISTEN", "8470", "SHEPHERD_SERVE_LISTEN='8470': expected host:port"),
+    ("SHEPHERD_SERVE_LISTEN", "", "SHEPHERD_SERVE_LISTEN='': expected host:port"),
+    ("SHEPHERD_SERVE_LISTEN", "127.0.0.1:99999", "SHEPHERD_SERVE_LISTEN='127.0.0.1:99999'"),
+    ("SHEPHERD_SERVE_OPERATOR_LISTEN", "localhost", "SHEPHERD_SERVE_OPERATOR_LISTEN="),
+    ("SHEPHERD_SERVE_MAX_BODY", "big", "SHEPHERD_SERVE_MAX_BODY='big' is not a whole number"),
+    ("SHEPHERD_SERVE_CLOCK_WINDOW", "nan", "SHEPHERD_SERVE_CLOCK_WINDOW='nan' must be a fin"),
+    ("SHEPHERD_SERVE_OPERATOR_VIEWS", "maybe", "SHEPHERD_SERVE_OPERATOR_VIEWS='maybe' is not"),
+    ("SHEPHERD_SERVE_THREADS", "0", "SHEPHERD_SERVE_THREADS='0' must be at least 1"),
+    ("SHEPHERD_RECONCILE_WAIT", "-1", "SHEPHERD_RECONCILE_WAIT='-1' must not be negative"),
+    ("SHEPHERD_WORKER_METRICS_PORT", "70000", "SHEPHERD_WORKER_METRICS_PORT='70000' must be"),
+    ("SHEPHERD_WORKER_METRICS_PORT", "http", "SHEPHERD_WORKER_METRICS_PORT='http' is not"),
 ])
 def test_bad_values_name_the_variable(name, value, message):
     with pytest.raises(SettingsError, match=message):
         Settings.from_env({name: value})
+
+
+def test_server_worker_and_pool_settings():
+    defaults = Settings.from_env({})
+    assert (defaults.bmdb_pool_size, defaults.serve_listen, defaults.serve_operator_listen,
+            defaults.serve_max_body, defaults.serve_clock_window, defaults.serve_threads,
+            defaults.serve_operator_views, defaults.reconcile_wait,
+            defaults.worker_metrics_port, defaults.prometheus_multiproc_dir) == (
+        5, "127.0.0.1:8470", "", 256 * 1024, 60.0, 16, True, 300.0, 0, "")
+    settings = Settings.from_env({
+        "SHEPHERD_BMDB_POOL_SIZE": "12", "SHEPHERD_SERVE_LISTEN": "[::1]:9000",
+        "SHEPHERD_SERVE_OPERATOR_LISTEN": ":9001", "SHEPHERD_SERVE_TLS_CERT": "c.pem",
+        "SHEPHERD_SERVE_TLS_KEY": "k.pem", "SHEPHERD_SERVE_MAX_BODY": "1000",
+        "SHEPHERD_SERVE_CLOCK_WINDOW": "5", "SHEPHERD_SERVE_OPERATOR_VIEWS": "off",
+        "SHEPHERD_SERVE_THREADS": "4", "SHEPHERD_RECONCILE_WAIT": "12.5",
+        "SHEPHERD_WORKER_METRICS_PORT": "9101", "SHEPHERD_WORKER_METRICS_ADDR": "0.0.0.0",
+        "PROMETHEUS_MULTIPROC_DIR": "/run/prom",
+    })
+    assert settings.bmdb_pool_size == 12
+    assert config.parse_listen(settings.serve_listen) == ("::1", 9000)
+    assert config.parse_listen(settings.serve_operator_listen) == ("0.0.0.0", 9001)
+    assert (settings.serve_tls_cert, settings.serve_tls_key) == ("c.pem", "k.pem")
+    assert (settings.serve_max_body, settings.serve_clock_window, settings.serve_threads,
+            settings.serve_operator_views) == (1000, 5.0, 4, False)
+    assert settings.reconcile_wait == 12.5
+    assert (settings.worker_metrics_port, settings.worker_metrics_addr,
+            settings.prometheus_multiproc_dir) == (9101, "0.0.0.0", "/run/prom")
+
+
+def test_environ_is_a_copy(monkeypatch):
+    monkeypatch.setenv("SHEPHERD_BATCH_SIZE", "3")
+    copied = config.environ()
+    assert copied["SHEPHERD_BATCH_SIZE"] == "3"
+    copied["SHEPHERD_BATCH_SIZE"] = "4"
+    assert Settings.from_env().batch_size == 3

@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import requests
@@ -23,6 +25,7 @@ from shepherd.providers import (
     ProviderError,
     RaceLost,
     TransientExhausted,
+    register_provided,
 )
 from shepherd.providers.equinix import (
     MANAGED_TAG,
@@ -286,6 +289,31 @@ def test_connection_errors_are_retried(simulator: Simulator) -> None:
         dead.list_ssh_keys()
 
 
+def test_every_exchange_is_reported_to_the_observer(simulator: Simulator) -> None:
+    """The observer sees each HTTP exchange with its status, None when no answer came
+    (this is how ``shepherd.metrics.provider_call`` counts them)."""
+    seen: list[tuple[str, str, int | None]] = []
+
+    @contextlib.contextmanager
+    def observer(method: str, path: str) -> Iterator[Any]:
+        call = SimpleNamespace(status=None)
+        try:
+            yield call
+        finally:
+            seen.append((method, path, call.status))
+
+    client = fast_client(simulator, observer=observer)
+    client.list_ssh_keys()
+    with pytest.raises(NotFound):
+        client.get_device("no-such-device")
+    dead = fast_client(simulator, observer=observer, retries=0,
+                       base_url=f"http://127.0.0.1:{free_port()}/metal/v1")
+    with pytest.raises(TransientExhausted):
+        dead.get_device("abc")
+    assert seen == [("GET", f"/projects/{simulator.project_id}/ssh-keys", 200),
+                    ("GET", "/devices/no-such-device", 404), ("GET", "/devices/abc", None)]
+
+
 def test_no_retry_on_401(simulator: Simulator) -> None:
     wrong = fast_client(simulator, token="not-the-token")
     with pytest.raises(PermanentError) as error:
@@ -404,15 +432,19 @@ def _provided(db: bmdb.BMDB, name: str) -> dict:
     return db.read(lambda tx: bmdb.queries.provided_by_provider_id(tx, name))
 
 
-def test_create_machine_registers_provided(provider: EquinixProvider, simulator: Simulator,
-                                           session: bmdb.Session, db: bmdb.BMDB) -> None:
+def test_create_machine_only_creates_and_the_caller_registers(
+        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
+        db: bmdb.BMDB) -> None:
     capacity = provider.list_capacity()[0]
-    machine = session.transact(lambda tx: provider.create_machine(tx, capacity))
+    machine = provider.create_machine(capacity)
     device = simulator.devices[machine.provider_id]
     assert device.reservation_id == capacity.reservation_id
     assert device.hostname.startswith("shepherd-test-")
     assert WITNESS_PREFIX + capacity.request_id in device.tags
+    assert machine.witness == capacity.request_id  # how an interrupted one is recognised
     assert device.ssh_key_ids == provider.ssh_key_ids
+    assert _provided(db, "equinix") == {}  # the provider call touches no BMDB
+    session.transact(lambda tx: register_provided(tx, provider.name, machine))
     machine_id = _provided(db, "equinix")[machine.provider_id]
     tags = db.read(lambda tx: bmdb.queries.machine_tags(tx, machine_id))["Provided"]
     assert tags["address"] == device.address
@@ -422,48 +454,35 @@ def test_create_machine_registers_provided(provider: EquinixProvider, simulator:
 
 
 def test_lost_create_response_leaves_exactly_one_device(
-        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
-        db: bmdb.BMDB) -> None:
+        provider: EquinixProvider, simulator: Simulator) -> None:
     capacity = provider.list_capacity()[0]
     simulator.faults.lose_next(1, method="POST")
-    machine = session.transact(lambda tx: provider.create_machine(tx, capacity))
+    machine = provider.create_machine(capacity)
     on_reservation = [d for d in simulator.devices.values()
                       if d.reservation_id == capacity.reservation_id]
     assert [d.id for d in on_reservation] == [machine.provider_id]
     assert _creates(simulator) == ["lost"]
-    assert list(_provided(db, "equinix")) == [machine.provider_id]
 
 
-def test_rerun_transaction_body_finds_the_same_device(
-        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
-        db: bmdb.BMDB) -> None:
+def test_a_repeated_create_finds_the_same_device(provider: EquinixProvider,
+                                                 simulator: Simulator) -> None:
+    """A caller that lost the answer (or died before registering) asks again with the
+    same capacity: the witness makes it the same device, not a second one."""
     capacity = provider.list_capacity()[0]
-
-    class Rollback(Exception):
-        pass
-
-    def first_run(tx: bmdb.Tx) -> None:
-        provider.create_machine(tx, capacity)
-        raise Rollback  # as if the commit failed and the body must run again
-
-    with pytest.raises(Rollback):
-        session.transact(first_run)
-    assert _provided(db, "equinix") == {}
-    machine = session.transact(lambda tx: provider.create_machine(tx, capacity))
-    assert len(simulator.devices) == 1
-    assert list(_provided(db, "equinix")) == [machine.provider_id]
+    first = provider.create_machine(capacity)
+    again = provider.create_machine(capacity)
+    assert again.provider_id == first.provider_id
+    assert len(simulator.devices) == 1 and _creates(simulator) == [201]
 
 
 def test_reservation_taken_by_someone_else_is_a_lost_race(
-        provider: EquinixProvider, simulator: Simulator, session: bmdb.Session,
-        db: bmdb.BMDB) -> None:
+        provider: EquinixProvider, simulator: Simulator) -> None:
     capacity = provider.list_capacity()[0]
     simulator.create_foreign_device(capacity.reservation_id)
     with pytest.raises(RaceLost):
-        session.transact(lambda tx: provider.create_machine(tx, capacity))
+        provider.create_machine(capacity)
     assert len(simulator.devices) == 1
     assert _creates(simulator) == []  # never even tried to create
-    assert _provided(db, "equinix") == {}
 
 
 def test_race_lost_between_check_and_post(provider: EquinixProvider,

@@ -79,12 +79,13 @@ def test_provider_calls_of_this_process_show_on_the_endpoint(simulator: Simulato
                                                              sqlite_url: str) -> None:
     with start_server(ServerConfig(bmdb_url=sqlite_url)) as server:
         before = scrape(server.url)
-        client = fast_client(simulator)
+        client = fast_client(simulator, observer=metrics.provider_call)
         client.list_devices()
         client.list_devices()
         with pytest.raises(NotFound):
             client.get_device("no-such-device")
-        dead = fast_client(simulator, base_url=f"http://127.0.0.1:{free_port()}", retries=0)
+        dead = fast_client(simulator, base_url=f"http://127.0.0.1:{free_port()}", retries=0,
+                           observer=metrics.provider_call)
         with pytest.raises(TransientExhausted):
             dead.get_device("abc")
         after = scrape(server.url)
@@ -146,10 +147,10 @@ def test_multiprocess_mode_aggregates_worker_children(tmp_path: Path) -> None:
     """)
     for _ in range(2):
         subprocess.run([sys.executable, "-c", child], env=env, check=True, timeout=60)
-    reader = textwrap.dedent("""
+    reader = textwrap.dedent(f"""
         from prometheus_client import generate_latest
         from shepherd import metrics
-        print(generate_latest(metrics.worker_registry()).decode())
+        print(generate_latest(metrics.worker_registry({str(directory)!r})).decode())
     """)
     result = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True,
                             text=True, timeout=60, check=True)

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
-from shepherd import metrics
+from shepherd import metrics, runtime
+from shepherd.config import Settings
 from shepherd.server import ServerConfig, start_server
 from shepherd.workflows.guard import GuardLimits
 from tests.operator_fixtures import seed_fleet
@@ -53,7 +54,8 @@ def test_guard_gauges_over_http(db: bmdb.BMDB, session: bmdb.Session, db_url: st
     monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "0.10")
     monkeypatch.setenv("SHEPHERD_REBOOTS_PER_HOUR", "50")
-    with start_server(ServerConfig(bmdb_url=db_url), port=port, db=db) as server:
+    limits = runtime.guard_limits(Settings.from_env(), interactive=True)  # as serve builds
+    with start_server(ServerConfig(bmdb_url=db_url), port=port, db=db, limits=limits) as server:
         client = requests.Session()
         client.trust_env = False
         answer = client.get(f"{server.url}/metrics", timeout=10)
@@ -103,7 +105,7 @@ def test_unreadable_bmdb_leaves_guard_gauges_out(tmp_path: Path) -> None:
 
 
 def test_server_registry_without_guard(db: bmdb.BMDB) -> None:
-    registry = metrics.server_registry(db, guard=False)
+    registry = metrics.server_registry(db, None)
     samples = parse(generate_latest(registry).decode())
     assert samples[("shepherd_bmdb_up", frozenset())] == 1
     assert guard_names(samples) == set()

@@ -5,10 +5,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
+import sqlite3
+import threading
 import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,13 +34,14 @@ from shepherd.providers.equinix import (
     ProviderConfig,
 )
 from shepherd.simulator import Simulator
+from shepherd.workflows import provisioner
 from shepherd.workflows.provisioner import (
     FleetMismatch,
     ProvisionerSettings,
     ReconcileResult,
     reconcile,
 )
-from tests.simulator_fixtures import client, provider, simulator, ssh_key
+from tests.simulator_fixtures import client, fast_client, provider, simulator, ssh_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,15 +188,114 @@ def test_intents_are_recorded_first_and_forgotten_with_the_outcome(session, prov
         def __getattr__(self, item: str) -> Any:
             return getattr(provider, item)
 
-        def create_machine(self, tx, capacity):
-            seen.append(bmdb.capacity.pending_intents(tx, provider.name))
-            return provider.create_machine(tx, capacity)
+        def create_machine(self, capacity):
+            seen.append(session.transact(
+                lambda tx: bmdb.capacity.pending_intents(tx, provider.name)))
+            return provider.create_machine(capacity)
 
     simulator.faults.fail_next(1, 422, method="POST")  # one definite failure
     result = reconcile(session, Watching(), settings())  # type: ignore[arg-type]
     assert len(result.created) == 2 and len(result.failed) == 1
     assert [len(pending) for pending in seen] == [1, 1, 1]  # each one's own, committed
     assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+
+
+class Killed(BaseException):
+    """The process dying: not an error the provisioner could handle."""
+
+
+def test_a_crash_between_create_and_register_is_registered_next_run(
+        session, provider, simulator, monkeypatch):
+    """The device was made, the process died before its registration transaction: the
+    committed intent makes the next run register it instead of stopping on a mismatch."""
+
+    def dies(*args: Any) -> None:
+        raise Killed
+
+    monkeypatch.setattr(provisioner, "register_created", dies)
+    with pytest.raises(Killed):
+        reconcile(session, provider, settings())
+    (orphan,) = [d.id for d in ours(simulator)]
+    assert known(session, provider) == {}
+    pending = session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name))
+    assert list(pending.values()) == [simulator.devices[orphan].reservation_id]
+
+    monkeypatch.undo()
+    result = reconcile(session, provider, settings())
+    assert result.recovered == 1 and orphan in known(session, provider)
+    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+    assert len(result.created) == 3 and len(ours(simulator)) == 4
+    assert len({d.reservation_id for d in ours(simulator)}) == 4  # nothing made twice
+
+
+class TransactionWatch:
+    """Which threads have a BMDB transaction open, from the engine's own events."""
+
+    EVENTS = {"begin": True, "commit": False, "rollback": False}
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.open: set[int] = set()
+        self._listeners = {name: self._listener(opens) for name, opens in self.EVENTS.items()}
+
+    def _listener(self, opens: bool) -> Callable[[Any], None]:
+        def note(conn: Any) -> None:
+            (self.open.add if opens else self.open.discard)(threading.get_ident())
+
+        return note
+
+    def __enter__(self) -> TransactionWatch:
+        for name, listener in self._listeners.items():
+            sa.event.listen(self.engine, name, listener)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, listener in self._listeners.items():
+            sa.event.remove(self.engine, name, listener)
+
+    def in_this_thread(self) -> bool:
+        return threading.get_ident() in self.open
+
+
+def sqlite_writable(db: bmdb.BMDB) -> bool | None:
+    """Whether another connection can take SQLite's write lock now (None on PostgreSQL):
+    what an HTTP call inside a transaction body used to block for its whole length."""
+    if db.engine.dialect.name != "sqlite":
+        return None
+    probe = sqlite3.connect(db.engine.url.database, timeout=2.0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        probe.close()
+
+
+def test_no_bmdb_transaction_is_open_during_any_provider_call(db, session, provider,
+                                                               simulator):
+    """Listings, the interrupted creation's registration, creates: at every HTTP
+    exchange the provider makes, this thread has no transaction open and (on SQLite)
+    another connection can write."""
+    calls: list[tuple[str, str, bool, bool | None]] = []
+
+    @contextlib.contextmanager
+    def probe(method: str, path: str) -> Iterator[Any]:
+        calls.append((method, path, watch.in_this_thread(), sqlite_writable(db)))
+        yield SimpleNamespace(status=None)
+
+    watched = EquinixProvider(fast_client(simulator, observer=probe), provider.config)
+    watched.ssh_key_ids = provider.ssh_key_ids
+    _interrupted_creation(session, provider, simulator)
+    with TransactionWatch(db.engine) as watch:
+        assert session.transact(lambda tx: watch.in_this_thread())  # the watch works
+        result = reconcile(session, watched, settings())
+    assert result.recovered == 1 and len(result.created) == 3
+    creates = [c for c in calls if c[0] == "POST"]
+    assert len(creates) == 3 and len(calls) > 3
+    held = [c for c in calls if c[2] or c[3] is False]
+    assert held == [], held
 
 
 def test_an_intent_whose_device_never_came_is_dropped_after_a_day(session, provider):

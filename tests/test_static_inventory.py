@@ -63,7 +63,7 @@ def test_no_capacity_no_create_and_reboot_needs_a_hook(tmp_path: Path) -> None:
     provider = StaticProvider(path)
     assert provider.list_capacity() == []
     with pytest.raises(NotSupported, match=str(path)):
-        provider.create_machine(None, Capacity("r", None))  # type: ignore[arg-type]
+        provider.create_machine(Capacity("r", None))
     with pytest.raises(NotSupported, match="reboot"):
         provider.reboot("v6-box")
     rebooted: list[ProviderMachine] = []

@@ -351,21 +351,38 @@ class UntouchableProvider:
 
 @pytest.fixture
 def state(pg_url: str):
-    """The tasks' per-process state, pointed at a fresh BMDB; restored afterwards."""
+    """The tasks' runtime (``app.runtime``), pointed at a fresh BMDB; restored afterwards.
+    ``reconfigure(state, ...)`` swaps in one with other settings on the same BMDB."""
     from shepherd.config import Settings
-    from tasks.worker_state import STATE
+    from shepherd.runtime import Runtime
+    from tasks import app
 
-    STATE.close()
-    STATE._settings = Settings(
+    settings = Settings(
         bmdb_url=pg_url, batch_size=10, in_flight_cap=3, dispatch_ttl=30,
         session_interval=2, first_heartbeat_timeout=1, heartbeat_timeout=1,
         bmaas_endpoint=f"http://127.0.0.1:{free_port()}", healthz_timeout=0.5,
         reboots_per_hour=2, recovery_max_share=1.0)
-    STATE._provider = UntouchableProvider()
-    yield STATE
-    STATE.close()
-    STATE._settings = None
-    STATE._provider = None
+    db = bmdb.connect(pg_url, thresholds=settings.thresholds)
+    previous = app.runtime
+    app.runtime = Runtime(settings, "test-worker", db=db, provider=UntouchableProvider())
+    try:
+        yield app.runtime
+    finally:
+        app.runtime.close()
+        app.runtime = previous
+        db.close()
+
+
+def reconfigure(state, built_provider=None, **changes):
+    """Swap the tasks' runtime for one with ``changes`` to its settings (same BMDB,
+    ``built_provider`` or one built from the settings on first use)."""
+    from shepherd.runtime import Runtime
+    from tasks import app
+
+    state.close()  # its session; the BMDB is the fixture's
+    app.runtime = Runtime(dataclasses.replace(state.settings, **changes), state.component,
+                          db=state.db, provider=built_provider)
+    return app.runtime
 
 
 def add_running(db: bmdb.BMDB, count: int, *, agent_started_ago: float | None = None
@@ -463,13 +480,10 @@ def test_recovery_pauses_at_execution_when_the_callback_server_is_down(state) ->
 def test_a_provider_that_cannot_be_built_fails_the_claim(state) -> None:
     """What the workflow needs can fail before it runs (here: the provider): the
     adopted claim is failed with a backoff, not left held by this live session."""
-    import dataclasses
-
     from tasks import machines
     from tasks.errors import MachineWorkFailed
 
-    state._settings = dataclasses.replace(state.settings, provider="static")  # no inventory
-    state._provider = None
+    state = reconfigure(state, provider="static")  # no inventory
     [machine_id] = add_running(state.db, 1)
     [work] = state.session.claim_backlog(bmdb.Process.AGENT_START, 1, dispatch_ttl=30)
     with pytest.raises(MachineWorkFailed, match="SHEPHERD_STATIC_INVENTORY"):
@@ -489,7 +503,7 @@ def healthy_callback_server(state):
     from tests.operator_fixtures import healthy_callback_server as serving
 
     with serving() as url:
-        state._settings = dataclasses.replace(state.settings, bmaas_endpoint=url)
+        reconfigure(state, UntouchableProvider(), bmaas_endpoint=url)
         yield url
 
 
@@ -544,9 +558,7 @@ def test_the_hourly_reboot_budget_counts_history_fleet_wide(state) -> None:
     assert unbudgeted.paused is None
 
 
-def test_settings_and_celery_config_from_the_environment(monkeypatch) -> None:
-    import importlib
-
+def test_settings_and_celery_config_from_the_environment() -> None:
     import celeryconfig
     from shepherd.config import Settings
 
@@ -559,25 +571,53 @@ def test_settings_and_celery_config_from_the_environment(monkeypatch) -> None:
     assert (settings.max_machines, settings.agent_args, settings.recovery_max_share,
             settings.assimilate, settings.reboots_per_hour) == (7, ("--interval", "0.5"),
                                                                 0.25, True, 3)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    try:
-        config = importlib.reload(celeryconfig)
-        assert config.broker_url == "redis://127.0.0.1:1/3"
-        assert "reconcile" not in config.beat_schedule   # interval 0: off
-        assert config.beat_schedule["source-recovery"] == {
-            "task": "shepherd.source", "schedule": 2.0, "args": ("ShepherdRecovery",),
-            "options": {"expires": 10.0}}
-        assert config.broker_transport_options["visibility_timeout"] == 7200
-        limit = settings.machine_task_time_limit
-        assert config.broker_transport_options["visibility_timeout"] > limit
-        assert config.task_annotations["shepherd.agent_start"] == {
-            "time_limit": limit, "soft_time_limit": limit - 30}
-        assert config.task_acks_late and config.task_reject_on_worker_lost
-        assert config.worker_prefetch_multiplier == 1
-    finally:
-        monkeypatch.undo()
-        importlib.reload(celeryconfig)
+    config = celeryconfig.celery_settings(settings)
+    assert config["broker_url"] == "redis://127.0.0.1:1/3"
+    assert "reconcile" not in config["beat_schedule"]   # interval 0: off
+    assert config["beat_schedule"]["source-recovery"] == {
+        "task": "shepherd.source", "schedule": 2.0, "args": ("ShepherdRecovery",),
+        "options": {"expires": 10.0}}
+    assert config["broker_transport_options"]["visibility_timeout"] == 7200
+    limit = settings.machine_task_time_limit
+    assert config["broker_transport_options"]["visibility_timeout"] > limit
+    assert config["task_annotations"]["shepherd.agent_start"] == {
+        "time_limit": limit, "soft_time_limit": limit - 30}
+    assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
+    assert config["worker_prefetch_multiplier"] == 1
+
+
+def test_the_tasks_app_configures_itself_from_one_settings(tmp_path) -> None:
+    """Importing ``tasks`` reads nothing; the first configuration read builds the Celery
+    config, beat's schedule and the runtime from the same ``Settings.from_env()``."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.celery_fixtures import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    env.update(SHEPHERD_BROKER_URL="redis://127.0.0.1:1/3", SHEPHERD_SOURCE_INTERVAL="2",
+               SHEPHERD_RECONCILE_INTERVAL="0", SHEPHERD_BMDB_POOL_SIZE="3",
+               SHEPHERD_BMDB_URL=f"sqlite:///{tmp_path / 'bmdb.sqlite'}")
+    code = (
+        "import json, os, tasks\n"
+        "from tasks import app\n"
+        "assert not app.configured\n"
+        "schedule = app.conf.beat_schedule\n"
+        "rt = app.runtime\n"
+        "print(json.dumps({'broker': app.conf.broker_url, 'beat': sorted(schedule),\n"
+        "    'every': schedule['source-recovery']['schedule'],\n"
+        "    'interval': rt.settings.source_interval, 'pool': rt.settings.bmdb_pool_size,\n"
+        "    'component': rt.component, 'pid': os.getpid()}))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["broker"] == "redis://127.0.0.1:1/3"
+    assert seen["beat"] == ["source-agent-start", "source-recovery", "sweep", "update"]
+    assert seen["every"] == seen["interval"] == 2.0
+    assert seen["pool"] == 3
+    assert seen["component"] == f"worker:{seen['pid']}"
 
 
 def test_the_overlap_check_sees_two_holders() -> None:

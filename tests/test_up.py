@@ -19,7 +19,7 @@ import requests
 
 import bmdb
 from shepherd.processes import kill_marked, marked_processes
-from shepherd.up import RUN_MARKER, SIM_SANDBOX, progress_line
+from shepherd.up import RUN_MARKER, SIM_SANDBOX, UpError, UpOptions, plan, progress_line
 
 MACHINES = 5
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
@@ -41,7 +41,7 @@ def leftovers(run_id: str, workdir: Path) -> list[str]:
 
 
 def test_progress_line_counts_backoffs() -> None:
-    counts = bmdb.queries.FleetCounts(
+    counts = bmdb.fleet.FleetCounts(
         machines=3, provided=3, agent_started=2, heartbeating=1, backlog={},
         active_work={}, active_backoffs={"ShepherdAgentStart": 1, "ShepherdRecovery": 1})
     assert progress_line(counts) == ("machines 3  provided 3  agent started 2  "
@@ -49,21 +49,17 @@ def test_progress_line_counts_backoffs() -> None:
 
 
 def test_a_real_provider_needs_an_endpoint_machines_can_reach(tmp_path: Path) -> None:
-    from shepherd.up import Up, UpError, UpOptions
-
     real = {"SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1"}
     with pytest.raises(UpError, match="SHEPHERD_BMAAS_ENDPOINT"):
-        Up(UpOptions(workdir=tmp_path), env=real).build_env()
+        plan(UpOptions(workdir=tmp_path), real)
 
 
 def test_agents_listen_where_asked_and_the_view_stays_on_loopback(tmp_path: Path) -> None:
-    from shepherd.up import Up, UpOptions
-
-    up = Up(UpOptions(workdir=tmp_path, serve_port=8470), env={
+    up = plan(UpOptions(workdir=tmp_path, serve_port=8470), {
         "SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1",
         "SHEPHERD_SERVE_LISTEN": "0.0.0.0:8470",
         "SHEPHERD_BMAAS_ENDPOINT": "https://shepherd.example.net:8470"})
-    env = up.build_env()
+    env = up.env
     assert env["SHEPHERD_SERVE_LISTEN"] == "0.0.0.0:8470"
     view = env["SHEPHERD_SERVE_OPERATOR_LISTEN"]
     assert view.startswith("127.0.0.1:") and view != "127.0.0.1:8470"  # 8470 is the agents'
@@ -72,10 +68,8 @@ def test_agents_listen_where_asked_and_the_view_stays_on_loopback(tmp_path: Path
 
 
 def test_on_the_simulator_everything_is_on_loopback(tmp_path: Path) -> None:
-    from shepherd.up import Up, UpOptions
-
-    up = Up(UpOptions(workdir=tmp_path, serve_port=8470), env={})
-    env = up.env = up.build_env()
+    up = plan(UpOptions(workdir=tmp_path, serve_port=8470), {})
+    env = up.env
     assert env["SHEPHERD_SERVE_LISTEN"] == "127.0.0.1:8470"
     assert "SHEPHERD_SERVE_OPERATOR_LISTEN" not in env
     assert env["SHEPHERD_BMAAS_ENDPOINT"] == up.urls["web"] == "http://127.0.0.1:8470"
@@ -121,7 +115,7 @@ def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broke
                                   thresholds=THRESHOLDS)
             if db is not None:
                 with contextlib.suppress(Exception):  # busy or not yet migrated
-                    counts = db.read(lambda tx: bmdb.queries.fleet_counts(tx, THRESHOLDS))
+                    counts = db.read(lambda tx: bmdb.fleet.fleet_counts(tx, THRESHOLDS))
                 if counts is not None and counts.heartbeating == MACHINES:
                     break
             time.sleep(1)

@@ -16,7 +16,10 @@ import pytest
 import requests
 
 import bmdb
+from shepherd import runtime
+from shepherd.config import Settings
 from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.workflows.guard import GuardLimits
 from tests.operator_fixtures import Fleet, seed_fleet
 from tests.servers import free_port
 
@@ -208,6 +211,12 @@ def test_a_paused_recovery_is_not_shown_as_claimable(web, browse) -> None:
     assert "claimable" in new.classes_of("data-explain", "ShepherdAgentStart")
 
 
+def limits_from_env() -> GuardLimits:
+    """The guard limits ``shepherd serve`` builds from its settings (``Settings`` is the
+    only reader of the environment; ``start_server`` is given what it builds)."""
+    return runtime.guard_limits(Settings.from_env(), interactive=True)
+
+
 def test_the_machine_page_asks_the_callback_server_like_the_guard(
         sqlite_url: str, browse, monkeypatch) -> None:
     """The whole guard, as a worker asks it: with the share allowed, an unreachable
@@ -217,14 +226,16 @@ def test_the_machine_page_asks_the_callback_server_like_the_guard(
     with db.start_session("test", interval=2) as session:
         fleet = seed_fleet(db, session)
         monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{free_port()}")
-        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db) as server:
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db,
+                          limits=limits_from_env()) as server:
             page = browse(f"{server.url}/machines/{fleet.silent}")
         explain = {a["data-explain"]: t for a, t in page.rows_with("data-explain")}
         assert "PAUSED" in explain["ShepherdRecovery"]
         assert "callback server" in explain["ShepherdRecovery"]
         port = free_port()
         monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{port}")
-        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, port=port) as server:
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, port=port,
+                          limits=limits_from_env()) as server:
             page = browse(f"{server.url}/machines/{fleet.silent}")  # its own /healthz: 200
         assert "claimable" in page.classes_of("data-explain", "ShepherdRecovery")
     db.close()

@@ -266,6 +266,38 @@ def test_adopt_refuses_a_claim_for_another_machine(db, session):
         worker.adopt(claim.id, machine_id=other)
 
 
+def test_named_claim_with_dispatch_ttl_can_be_adopted(db, session):
+    """``claim_machine(..., dispatch_ttl=)``: the named claim a handoff needs (an
+    operator's ``start``), adoptable like a sourced one, and released by the sweep when
+    nobody adopts it in time; the same reasons as without a deadline otherwise."""
+    machine, late = seed_provided(session, 2)
+    claim = session.claim_machine(Process.AGENT_START, machine, dispatch_ttl=30)
+    with pytest.raises(bmdb.MachineBusy, match="ShepherdAgentStart work held by session"):
+        session.claim_machine(Process.AGENT_START, machine, dispatch_ttl=30)
+    with db.start_session("worker", interval=2) as worker:
+        assert db.read(lambda tx: bmdb.queries.work_holder(tx, claim.id)) == session.id
+        work = worker.adopt(claim.id, machine_id=machine, process=Process.AGENT_START)
+        assert db.read(lambda tx: bmdb.queries.work_holder(tx, claim.id)) == worker.id
+        work.finish()
+    assert db.read(lambda tx: bmdb.queries.work_holder(tx, claim.id)) is None
+    assert [e for _, e in events(db, machine)] == ["Started", "Finished"]
+
+    unadopted = session.claim_machine(Process.AGENT_START, late, dispatch_ttl=1)
+    assert db.read(lambda tx: bmdb.queries.active_work(tx, Process.AGENT_START)) == 1
+    time.sleep(1.1)
+    assert db.sweep().unadopted == 1
+    with db.start_session("late-worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
+        worker.adopt(unadopted.id)
+    assert db.read(lambda tx: bmdb.queries.active_work(tx, Process.AGENT_START)) == 0
+
+
+def test_a_named_claim_without_dispatch_ttl_cannot_be_adopted(db, session):
+    (machine,) = seed_provided(session, 1)
+    claim = session.claim_machine(Process.AGENT_START, machine)
+    with db.start_session("worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
+        worker.adopt(claim.id)
+
+
 def test_unadopted_claim_is_released_after_its_ttl(db, session):
     (machine,) = seed_provided(session, 1)
     (claim,) = session.claim_backlog(Process.AGENT_START, limit=1, dispatch_ttl=1)

@@ -4,6 +4,7 @@ Workflows depend only on ``Provider`` and the dataclasses and errors in ``base``
 """
 
 from shepherd.providers.base import (
+    CallObserver,
     Capacity,
     ConfigError,
     NotFound,
@@ -14,10 +15,12 @@ from shepherd.providers.base import (
     ProviderMachine,
     RaceLost,
     TransientExhausted,
+    no_observer,
     register_provided,
 )
 
 __all__ = [
+    "CallObserver",
     "Capacity",
     "ConfigError",
     "NotFound",
@@ -28,5 +31,6 @@ __all__ = [
     "ProviderMachine",
     "RaceLost",
     "TransientExhausted",
+    "no_observer",
     "register_provided",
 ]

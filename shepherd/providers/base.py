@@ -8,8 +8,11 @@ bare-metal APIs (Hetzner, OVH, Scaleway, ...) have no such thing.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,8 +74,9 @@ class Capacity:
     """Free capacity a machine can be created from.
 
     ``request_id`` identifies one creation *intent*: it is generated once when the
-    capacity is listed and becomes the create request's witness, so a transaction
-    body re-run with the same ``Capacity`` recognises the device its first run made.
+    capacity is listed and becomes the create request's witness, so a create retried
+    with the same ``Capacity`` recognises the device its first attempt made, and a
+    reconcile after a crash recognises a device created but never registered.
     """
 
     reservation_id: str
@@ -103,8 +107,15 @@ class Provider(Protocol):
         """Free capacity a machine could be created from now."""
         ...
 
-    def create_machine(self, tx: bmdb.Tx, capacity: Capacity) -> ProviderMachine:
-        """Create a machine idempotently and register it as Provided in ``tx``."""
+    def create_machine(self, capacity: Capacity) -> ProviderMachine:
+        """Create a machine from ``capacity``, at most once per ``capacity.request_id``.
+
+        Only the provider call: the caller registers the machine afterwards, in its own
+        transaction. Why not inside one: a transaction body may run more than once and
+        must not wait on the network (on SQLite it would hold the write lock
+        throughout). Calling again with the same ``Capacity`` returns the machine the
+        first call made, so a caller that lost the answer can simply ask again.
+        """
         ...
 
     def reboot(self, provider_id: str) -> None:
@@ -133,12 +144,7 @@ def register_provided(tx: bmdb.Tx, provider: str, machine: ProviderMachine) -> A
     registered twice (a re-run after an unknown commit outcome), the second run must
     update the first machine instead of failing on the constraint.
     """
-    p = bmdb.schema.provided
-    existing = tx.execute(
-        p.select()
-        .with_only_columns(p.c.machine_id)
-        .where(p.c.provider == provider, p.c.provider_id == machine.provider_id)
-    ).scalar_one_or_none()
+    existing = bmdb.queries.provided_machine_id(tx, provider, machine.provider_id)
     machine_id = existing or bmdb.tags.create_machine(tx)
     bmdb.tags.upsert_provided(
         tx,
@@ -151,3 +157,30 @@ def register_provided(tx: bmdb.Tx, provider: str, machine: ProviderMachine) -> A
         location=machine.location,
     )
     return machine_id
+
+
+# -- observing API calls -------------------------------------------------------------
+
+
+class ObservedCall(Protocol):
+    """What an observer hands the provider for one call: the provider sets ``status``
+    to the HTTP status once it has an answer, and leaves it None when none came."""
+
+    status: int | None
+
+
+#: ``observer(method, path)`` wraps one API exchange (``with observer(...) as call:``).
+#: Why an argument instead of importing metrics: providers stay a leaf of the import
+#: graph, and whoever composes the program decides what is counted
+#: (``shepherd.metrics.provider_call`` is one such observer).
+CallObserver = Callable[[str, str], AbstractContextManager[ObservedCall]]
+
+
+class _Unobserved:
+    status: int | None = None
+
+
+@contextlib.contextmanager
+def no_observer(method: str, path: str) -> Iterator[ObservedCall]:
+    """The default observer: notes nothing."""
+    yield _Unobserved()

@@ -1,6 +1,6 @@
 """Equinix Metal: an API client (``requests`` + ``tenacity``) and the provider on top of it.
 
-Why the client looks the way it does (see /work/shared/reference/equinix-metal-api.md):
+Why the client looks the way it does (the Equinix Metal API as it was documented):
 
 * Every call goes through one process-wide limiter per base URL (a minimum interval
   between calls and a cap on calls in flight), because the API's limits are per
@@ -34,8 +34,8 @@ import requests
 import tenacity
 
 import bmdb
-from shepherd import metrics
 from shepherd.providers.base import (
+    CallObserver,
     Capacity,
     ConfigError,
     NotFound,
@@ -44,8 +44,8 @@ from shepherd.providers.base import (
     ProviderMachine,
     RaceLost,
     TransientExhausted,
+    no_observer,
     refuse_placeholder,
-    register_provided,
 )
 from shepherd.providers.ssh_keys import ensure_registered, same_key
 
@@ -166,13 +166,19 @@ class ClientConfig:
 
 
 class EquinixClient:
-    """The Equinix Metal API subset Shepherd needs; thread-safe."""
+    """The Equinix Metal API subset Shepherd needs; thread-safe.
 
-    def __init__(self, config: ClientConfig) -> None:
+    ``observer`` wraps every HTTP exchange (see ``CallObserver``), e.g.
+    ``shepherd.metrics.provider_call`` to count and time them; by default nothing is
+    noted.
+    """
+
+    def __init__(self, config: ClientConfig, *, observer: CallObserver = no_observer) -> None:
         if not config.token:
             raise ConfigError("Equinix API token is empty")
         refuse_placeholder("Equinix project id", config.project_id)
         self.config = config
+        self.observer = observer
         self.base_url = config.base_url.rstrip("/")
         self.limiter = RateLimiter.shared(self.base_url, config.min_interval,
                                           config.max_in_flight)
@@ -228,7 +234,7 @@ class EquinixClient:
         """
         failure: ProviderError
         try:
-            with self.limiter.slot(), metrics.provider_call(method, path) as call:
+            with self.limiter.slot(), self.observer(method, path) as call:
                 response = self._session.request(
                     method, self.base_url + path, params=params, json=body,
                     timeout=(self.config.connect_timeout, self.config.read_timeout),
@@ -546,8 +552,11 @@ class EquinixProvider:
             ))
         return out
 
-    def create_machine(self, tx: bmdb.Tx, capacity: Capacity) -> ProviderMachine:
-        """Create the device (idempotently) and register it as Provided in ``tx``."""
+    def create_machine(self, capacity: Capacity) -> ProviderMachine:
+        """Create the device, at most once per ``capacity.request_id`` (its witness tag).
+
+        Only API calls: the caller registers the machine in its own transaction.
+        """
         metro = capacity.details.get("metro")
         plan = capacity.plan
         if not metro or not plan:
@@ -566,9 +575,7 @@ class EquinixProvider:
             body["project_ssh_keys"] = list(self.ssh_key_ids)
         device = self.client.create_device(capacity.reservation_id, body,
                                            WITNESS_PREFIX + capacity.request_id)
-        machine = self.machine(device)
-        register_provided(tx, self.name, machine)
-        return machine
+        return self.machine(device)
 
     def reboot(self, provider_id: str) -> None:
         self.client.reboot_device(provider_id)

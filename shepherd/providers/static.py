@@ -159,7 +159,7 @@ class StaticProvider:
     def list_capacity(self) -> list[Capacity]:
         return []
 
-    def create_machine(self, tx: bmdb.Tx, capacity: Capacity) -> ProviderMachine:
+    def create_machine(self, capacity: Capacity) -> ProviderMachine:
         raise NotSupported("static inventory has no capacity to create machines from; "
                            f"add them to {self.path}")
 

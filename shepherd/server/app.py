@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import sqlalchemy as sa
 from flask import Flask, Response, jsonify, request
@@ -33,84 +30,72 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 import bmdb
 from shepherd import metrics
 from shepherd.agent.protocol import HEARTBEAT_PATH
+from shepherd.config import Settings
+from shepherd.runtime import Runtime
 from shepherd.server import auth
 from shepherd.server.heartbeat import BadRequest, accept
+from shepherd.workflows.guard import GuardLimits
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 UNAUTHORIZED = {"error": "unauthorized"}
+COMPONENT = "callback-server"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """What the callback server needs to know; ``serve.main`` fills it from flags/env."""
+    """What the callback server's HTTP side needs; ``serve.main`` builds it from
+    ``Settings`` (``from_settings``), tests write it by hand.
+
+    ``bmdb_url`` and ``session_interval`` are used only where ``start_server`` is given
+    neither a runtime nor a BMDB and builds the runtime itself (``runtime_settings``).
+    """
 
     bmdb_url: str
-    max_body: int = 256 * 1024
-    clock_window: float = 60.0
-    session_interval: float = 5.0
-    component: str = "callback-server"
+    max_body: int = Settings.serve_max_body
+    clock_window: float = Settings.serve_clock_window
+    session_interval: float = Settings.session_interval
+    component: str = COMPONENT
     #: Serve the operator's pages (fleet inventory: keep them off untrusted networks).
-    operator_views: bool = True
+    operator_views: bool = Settings.serve_operator_views
+
+    @classmethod
+    def from_settings(cls, settings: Settings, component: str = COMPONENT) -> ServerConfig:
+        return cls(bmdb_url=settings.bmdb_url, max_body=settings.serve_max_body,
+                   clock_window=settings.serve_clock_window,
+                   session_interval=settings.session_interval, component=component,
+                   operator_views=settings.serve_operator_views)
+
+    def runtime_settings(self) -> Settings:
+        """The embedded defaults with this config's BMDB and session interval."""
+        return Settings(bmdb_url=self.bmdb_url, session_interval=self.session_interval)
 
 
-class SessionHolder:
-    """The server's one BMDB session, started on first use and replaced when it expires."""
+def create_app(config: ServerConfig, runtime: Runtime, *, limits: GuardLimits | None = None,
+               agent_api: bool = True, views: bool | None = None) -> Flask:
+    """The WSGI app over ``runtime`` (its BMDB, with its thresholds, and its live
+    session; ``app.extensions["shepherd"]`` holds it: the caller closes it).
 
-    def __init__(self, db: bmdb.BMDB, config: ServerConfig) -> None:
-        self.db = db
-        self.config = config
-        self._session: bmdb.Session | None = None
-        self._lock = threading.Lock()
-
-    def session(self) -> bmdb.Session:
-        with self._lock:
-            if self._session is None or not self._session.alive:
-                if self._session is not None:
-                    log.warning("BMDB session %s ended; starting a new one", self._session.id)
-                    self._session.close()
-                self._session = self.db.start_session(self.config.component,
-                                                      self.config.session_interval)
-            return self._session
-
-    def transact(self, body: Callable[[bmdb.Tx], T]) -> T:
-        """Run ``body`` in the session; once more in a new session if this one expired."""
-        try:
-            return self.session().transact(body)
-        except bmdb.SessionExpired:
-            return self.session().transact(body)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._session is not None:
-                self._session.close()
-                self._session = None
-
-
-def create_app(config: ServerConfig, db: bmdb.BMDB | None = None, *,
-               holder: SessionHolder | None = None, agent_api: bool = True,
-               views: bool | None = None) -> Flask:
-    """The WSGI app. ``app.extensions["shepherd"]`` holds the BMDB session (close it at exit).
-
+    ``limits`` are the guard's, for the web view and ``/metrics`` alike (default: the
+    runtime's, with the health check's wait bounded for a person or a scraper).
     ``agent_api`` serves the heartbeat endpoint; ``views`` (default:
-    ``config.operator_views``) the web view. Two apps sharing one ``holder`` let the
+    ``config.operator_views``) the web view. Two apps sharing one runtime let the
     agents' listener and the operators' listener be different sockets.
     """
     app = Flask("shepherd.server")
-    holder = holder or SessionHolder(db or bmdb.connect(config.bmdb_url), config)
-    app.extensions["shepherd"] = holder
+    limits = limits or runtime.guard_limits(interactive=True)
+    app.extensions["shepherd"] = runtime
     if agent_api:
-        register_agent_api(app, config, holder)
-    register_health_and_metrics(app, holder)
+        register_agent_api(app, config, runtime)
+    register_health_and_metrics(app, runtime, limits)
     if config.operator_views if views is None else views:
         from shepherd.server import web
 
-        web.register(app)
+        web.register(app, limits)
     register_error_handlers(app)
     return app
 
 
-def register_agent_api(app: Flask, config: ServerConfig, holder: SessionHolder) -> None:
+def register_agent_api(app: Flask, config: ServerConfig, runtime: Runtime) -> None:
     @app.post(HEARTBEAT_PATH)
     def heartbeat() -> tuple[Response, int]:
         body = read_body(config.max_body)
@@ -118,7 +103,8 @@ def register_agent_api(app: Flask, config: ServerConfig, holder: SessionHolder) 
             signed = auth.parse_headers(request.headers)
             auth.check_clock(signed, dt.datetime.now(dt.UTC), config.clock_window)
             path = request.script_root + request.path
-            answer = holder.transact(lambda tx: accept(tx, signed, request.method, path, body))
+            answer = runtime.transact(lambda tx: accept(tx, signed, request.method, path,
+                                                        body))
         except auth.Unauthorized as error:
             log.info("heartbeat refused from %s: %s", request.remote_addr, error)
             return jsonify(UNAUTHORIZED), 401
@@ -127,18 +113,18 @@ def register_agent_api(app: Flask, config: ServerConfig, holder: SessionHolder) 
         return jsonify(answer), 200
 
 
-def register_health_and_metrics(app: Flask, holder: SessionHolder) -> None:
+def register_health_and_metrics(app: Flask, runtime: Runtime, limits: GuardLimits) -> None:
     @app.get("/healthz")
     def healthz() -> tuple[Response, int]:
         try:
-            with holder.db.engine.connect() as conn:
-                conn.execute(sa.select(sa.literal(1)))
+            runtime.db.ping()
         except Exception as error:  # any failure to answer is "unhealthy"
             log.warning("health check: BMDB does not answer: %s", error)
             return jsonify({"status": "unavailable", "error": "BMDB does not answer"}), 503
         return jsonify({"status": "ok"}), 200
 
-    registry = metrics.server_registry(holder.db)
+    registry = metrics.server_registry(
+        runtime.db, limits, multiproc_dir=runtime.settings.prometheus_multiproc_dir or None)
 
     @app.get("/metrics")
     def prometheus() -> Response:

@@ -2,11 +2,12 @@
 
 Reading the agent's credentials and writing the new ``last_signed_at`` happen in
 the same transaction, and on PostgreSQL that transaction first locks the
-machine's ``agent_started`` row (FOR NO KEY UPDATE). Two requests for one
-machine, say a replay racing the original, therefore run one after the other:
-the second reads the first's committed ``last_signed_at`` (READ COMMITTED takes a
-new snapshot per statement, after the lock was granted) and is refused. SQLite
-transactions begin IMMEDIATE, so writers are serialised there already.
+machine's ``agent_started`` row (``bmdb.queries.lock_agent_credentials``, whose
+docstring holds the invariants). Two requests for one machine, say a replay racing
+the original, therefore run one after the other: the second reads the first's
+committed ``last_signed_at`` (READ COMMITTED takes a new snapshot per statement,
+after the lock was granted) and is refused. SQLite transactions begin IMMEDIATE, so
+writers are serialised there already.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
-
 import bmdb
-from bmdb import schema
 from shepherd.server.auth import SignedHeaders, Unauthorized, check_fresh, verify
 
 
@@ -68,33 +66,6 @@ def _installation_report(document: dict[str, Any]) -> tuple[int, dict[str, Any]]
     return generation, result
 
 
-def lock_credentials(tx: bmdb.Tx, machine_id: uuid.UUID) -> bmdb.queries.AgentCredentials | None:
-    """The machine's key and last accepted timestamp, with its heartbeats serialised.
-
-    Invariant: every request runs the same two statements, in the same order,
-    whether or not the machine exists or has an AgentStarted tag: a locking
-    primary-key probe of ``agent_started``, then the credentials join, each of
-    which simply finds no row for a stranger. No statement is skipped on the
-    unknown path, so the BMDB work (and so the time) does not tell a caller
-    whether the machine exists; ``auth.verify`` does the same for the signature.
-
-    They cannot be merged into one joined ``SELECT ... FOR NO KEY UPDATE OF
-    agent_started``: on PostgreSQL (READ COMMITTED) a statement that waited for
-    the lock re-checks only the locked row, and would return the
-    ``agent_heartbeat`` row from its snapshot of before the wait, so a replay
-    racing the original would read the old ``last_signed_at`` and be accepted
-    too (``test_concurrent_replays_are_accepted_once`` fails so). The second
-    statement takes a fresh snapshot after the lock is granted.
-    """
-    started = schema.agent_started
-    tx.execute(
-        sa.select(started.c.machine_id)
-        .where(started.c.machine_id == machine_id)
-        .with_for_update(key_share=True)  # FOR NO KEY UPDATE on PostgreSQL
-    ).scalar_one_or_none()
-    return bmdb.queries.agent_credentials(tx, machine_id)
-
-
 def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
            body: bytes) -> dict[str, Any]:
     """Authenticate and record one heartbeat; returns the answer for the agent.
@@ -102,7 +73,7 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     Raises ``Unauthorized`` or ``BadRequest`` before writing anything, so a refused
     request leaves the BMDB as it was (the transaction rolls back in any case).
     """
-    credentials = lock_credentials(tx, signed.machine_id)
+    credentials = bmdb.queries.lock_agent_credentials(tx, signed.machine_id)
     verify(credentials.public_key if credentials else None, signed, method, path, body)
     assert credentials is not None
     check_fresh(signed, credentials.last_signed_at)

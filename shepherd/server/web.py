@@ -26,22 +26,21 @@ from werkzeug.wrappers import Response
 
 import bmdb
 from shepherd import operator, tables
+from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
 
 bp = Blueprint("web", __name__, template_folder="templates")
 HISTORY_ROWS = 200
 
 
-def register(app: Flask, limits: GuardLimits | None = None) -> None:
+def register(app: Flask, limits: GuardLimits) -> None:
     """Mount the pages on ``app`` (whose ``extensions["shepherd"]`` holds the BMDB).
 
-    The guard's limits are the workers' (``metrics.default_guard_limits``), so a
-    machine's page says Recovery is paused exactly when a worker would pause it.
+    ``limits`` must be the workers' guard limits, from the same settings (the caller
+    builds them: nothing here reads the environment), so a machine's page says
+    Recovery is paused exactly when a worker would pause it.
     """
-    from shepherd import metrics
-
-    app.extensions["shepherd_guard_limits"] = (limits or metrics.default_guard_limits()
-                                               or GuardLimits())
+    app.extensions["shepherd_guard_limits"] = limits
     app.register_blueprint(bp)
 
 
@@ -113,7 +112,7 @@ def machine(machine: str) -> tuple[str, int] | str:
         return _error(404, str(error))
     db = _db()
     limits = current_app.extensions["shepherd_guard_limits"]
-    callback = operator.check_callback(limits)  # HTTP, so before the read transaction
+    callback = guard.check_callback(limits)  # HTTP, so before the read transaction
 
     def read(tx: bmdb.Tx) -> tuple[operator.MachineDetail, operator.Explanation]:
         return (operator.show_machine(tx, machine_id, HISTORY_ROWS),

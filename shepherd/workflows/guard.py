@@ -3,67 +3,37 @@
 Why: a callback-server outage, a network partition or a bad agent release makes
 every agent look dead together. Rebooting them all would turn a monitoring problem
 into a fleet outage; a share that high is almost never a per-machine fault.
+
+One evaluation, in two steps, so it can run inside a caller's transaction:
+
+* ``check_callback(limits)``: the callback server's ``/healthz``, an HTTP call, made
+  before and never inside a BMDB transaction (on SQLite a transaction locks every
+  writer out for as long as it lasts);
+* ``decide(tx, thresholds, limits, callback)``: BMDB reads only, in the caller's
+  transaction. The one place the pause reasons and their wording are written.
+
+``evaluate(db, ...)`` is the two together. The figures themselves are ``bmdb.fleet``'s.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
 import requests
-import sqlalchemy as sa
 
 import bmdb
+from bmdb import fleet
 
-
-def recovery_paused(source: bmdb.Tx | bmdb.BMDB, thresholds: bmdb.Thresholds,
-                    max_share: float = 0.10, min_silent: int = 0) -> str | None:
-    """A reason to pause Recovery, or None.
-
-    Silent machines are those in the Recovery backlog query (whether or not in
-    backoff or held: a backing-off silent machine is still silent), counted among
-    machines with AgentStarted. Paused when the share exceeds ``max_share`` and more
-    than ``min_silent`` machines are silent (``min_silent`` keeps a tiny fleet, where
-    one machine is already 10 %, from pausing for good).
-    """
-    if isinstance(source, bmdb.BMDB):
-        return source.read(lambda tx: recovery_paused(tx, thresholds, max_share, min_silent))
-    started, silent = silent_counts(source, thresholds)
-    return _share_reason(started, silent, max_share, min_silent)
-
-
-def _share_reason(started: int, silent: int, max_share: float, min_silent: int) -> str | None:
-    if started == 0 or silent <= min_silent:
-        return None
-    share = silent / started
-    if share <= max_share:
-        return None
-    return (f"recovery paused: {silent} of {started} started agents are silent "
-            f"({share:.0%} > {max_share:.0%}); check the callback server and network first")
-
-
-def silent_counts(tx: bmdb.Tx, thresholds: bmdb.Thresholds) -> tuple[int, int]:
-    """(machines with AgentStarted, distinct machines in the Recovery backlog query)."""
-    started = tx.execute(
-        sa.select(sa.func.count()).select_from(bmdb.schema.agent_started)
-    ).scalar_one()
-    silent_ids = bmdb.backlog.recovery(tx, thresholds).subquery()
-    silent = tx.execute(
-        sa.select(sa.func.count(sa.distinct(silent_ids.c.machine_id)))
-    ).scalar_one()
-    return int(started), int(silent)
-
-
-# -- the whole guard: share, callback server health, hourly reboot budget ----------
-
+#: How every pause reason starts.
+PAUSED_PREFIX = "recovery paused: "
 #: The budget window of ``reboots_per_hour``.
-HOUR = dt.timedelta(hours=1)
+HOUR = fleet.HOUR
 
 
 @dataclass(frozen=True)
 class GuardLimits:
-    """How much Recovery may do: see ``evaluate``. ``healthz_url`` None skips that check."""
+    """How much Recovery may do: see ``decide``. ``healthz_url`` None skips that check."""
 
     max_share: float = 0.10
     min_silent: int = 0
@@ -80,9 +50,19 @@ SILENT_SHARE, CALLBACK_SERVER, REBOOT_BUDGET = "silent_share", "callback_server"
 
 
 @dataclass(frozen=True)
+class CallbackCheck:
+    """The guard's check of the agent callback server (``GET /healthz``): ``unhealthy``
+    is why it failed, None when it answered 200."""
+
+    url: str
+    unhealthy: str | None
+
+
+@dataclass(frozen=True)
 class GuardDecision:
     """What the guard found. ``paused`` is the reason to reboot nothing now (or None);
-    ``allowed`` how many more Recovery claims the hourly budget admits.
+    ``allowed`` how many more Recovery claims the hourly budget admits. It carries the
+    limits it was decided against, so a view (``explain``) renders from it alone.
 
     JSON-able for task results and cheap to turn into metrics (``to_json``).
     """
@@ -95,12 +75,19 @@ class GuardDecision:
     callback_healthy: bool | None
     #: The labels (``SILENT_SHARE``, ``CALLBACK_SERVER``, ``REBOOT_BUDGET``) of ``paused``.
     causes: tuple[str, ...] = ()
+    max_share: float = GuardLimits.max_share
+    min_silent: int = GuardLimits.min_silent
+    reboots_per_hour: int = GuardLimits.reboots_per_hour
+    #: The ``/healthz`` asked, or None when the callback server was not checked.
+    callback_url: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"paused": self.paused, "causes": list(self.causes), "allowed": self.allowed,
                 "started": self.started, "silent": self.silent,
                 "reboots_last_hour": self.reboots_last_hour,
-                "callback_healthy": self.callback_healthy}
+                "callback_healthy": self.callback_healthy, "max_share": self.max_share,
+                "min_silent": self.min_silent, "reboots_per_hour": self.reboots_per_hour,
+                "callback_url": self.callback_url}
 
 
 def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0,
@@ -123,56 +110,89 @@ def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0,
     return None
 
 
-def reboots_last_hour(tx: bmdb.Tx) -> int:
-    """Recovery claims (``Started``) in the last hour, fleet-wide, minus those cancelled
-    before doing anything (broker refusal, never adopted, paused at execution).
+def check_callback(limits: GuardLimits) -> CallbackCheck | None:
+    """The callback-server check of ``limits``, or None when it names no ``healthz_url``.
 
-    Counted from BMDB history so every worker on every host shares one budget.
-    Note: history has no index on ``at``; at very large history sizes this wants
-    one on (process, event, at).
+    An HTTP call bounded by ``limits.healthz_timeout``: make it before the transaction
+    ``decide`` runs in, never inside one.
     """
-    h = bmdb.schema.history
-    started = h.alias("started")
-    canceled = sa.exists().where(h.c.work_id == started.c.work_id,
-                                 h.c.event == bmdb.Event.CANCELED)
-    query = sa.select(sa.func.count()).select_from(started).where(
-        started.c.process == bmdb.Process.RECOVERY.value,
-        started.c.event == bmdb.Event.STARTED,
-        started.c.at > tx.now - HOUR,
-        ~canceled,
-    )
-    return int(tx.execute(query).scalar_one())
+    if not limits.healthz_url:
+        return None
+    return CallbackCheck(limits.healthz_url, callback_server_unhealthy(
+        limits.healthz_url, limits.healthz_timeout, limits.healthz_ca_file))
+
+
+def silent_counts(tx: bmdb.Tx, thresholds: bmdb.Thresholds) -> tuple[int, int]:
+    """(machines with AgentStarted, distinct machines in the Recovery backlog query)."""
+    return fleet.agents_started(tx), fleet.silent_machines(tx, thresholds)
+
+
+def reboots_last_hour(tx: bmdb.Tx) -> int:
+    """Recovery claims in the last hour, fleet-wide, minus those cancelled before doing
+    anything (``bmdb.fleet.recovery_starts_last_hour``)."""
+    return fleet.recovery_starts_last_hour(tx)
+
+
+def _share_reason(started: int, silent: int, max_share: float, min_silent: int) -> str | None:
+    """Paused when the silent share exceeds ``max_share`` and more than ``min_silent``
+    machines are silent (``min_silent`` keeps a tiny fleet, where one machine is
+    already 10 %, from pausing for good)."""
+    if started == 0 or silent <= min_silent:
+        return None
+    share = silent / started
+    if share <= max_share:
+        return None
+    return (f"{PAUSED_PREFIX}{silent} of {started} started agents are silent "
+            f"({share:.0%} > {max_share:.0%}); check the callback server and network first")
+
+
+def decide(tx: bmdb.Tx, thresholds: bmdb.Thresholds, limits: GuardLimits,
+           callback: CallbackCheck | None, *, budget: bool = True) -> GuardDecision:
+    """Every reason Recovery must not reboot anything now, and the hourly budget left.
+
+    Paused when the callback server was found unhealthy (``callback``, from
+    ``check_callback``; None: not checked), when the silent share exceeds
+    ``max_share``, or (with ``budget``) when ``reboots_per_hour`` is used up; the
+    reasons in that order. ``budget=False`` is for a claim already made: it counts in
+    the budget itself. Silent machines are those in the Recovery backlog query
+    (backing off or held ones too), among the machines with AgentStarted.
+
+    Only BMDB reads, in ``tx``: callers that need the decision and their own reads to
+    agree (``explain``) run it in the same transaction.
+    """
+    reasons: dict[str, str] = {}
+    if callback is not None and callback.unhealthy:
+        reasons[CALLBACK_SERVER] = PAUSED_PREFIX + callback.unhealthy
+    started, silent = silent_counts(tx, thresholds)
+    share_reason = _share_reason(started, silent, limits.max_share, limits.min_silent)
+    if share_reason:
+        reasons[SILENT_SHARE] = share_reason
+    reboots = reboots_last_hour(tx)
+    allowed = max(0, limits.reboots_per_hour - reboots)
+    if budget and allowed == 0:
+        reasons[REBOOT_BUDGET] = (f"{PAUSED_PREFIX}{reboots} reboots in the last hour "
+                                  f"reach the limit of {limits.reboots_per_hour} per hour")
+    return GuardDecision(
+        paused="; ".join(reasons.values()) or None, allowed=allowed, started=started,
+        silent=silent, reboots_last_hour=reboots,
+        callback_healthy=None if callback is None else callback.unhealthy is None,
+        causes=tuple(reasons), max_share=limits.max_share, min_silent=limits.min_silent,
+        reboots_per_hour=limits.reboots_per_hour,
+        callback_url=None if callback is None else callback.url)
 
 
 def evaluate(db: bmdb.BMDB, thresholds: bmdb.Thresholds, limits: GuardLimits, *,
              budget: bool = True) -> GuardDecision:
-    """Every reason Recovery must not reboot anything now, and the hourly budget left.
+    """``check_callback`` (outside any transaction), then ``decide`` in one read."""
+    callback = check_callback(limits)
+    return db.read(lambda tx: decide(tx, thresholds, limits, callback, budget=budget))
 
-    Paused when the silent share exceeds ``max_share`` (``recovery_paused``), when the
-    callback server is unhealthy, or (with ``budget``) when ``reboots_per_hour`` is used
-    up. ``budget=False`` is for a claim already made: it counts in the budget itself.
-    """
-    healthy: bool | None = None
-    reasons: dict[str, str] = {}
-    if limits.healthz_url:
-        unhealthy = callback_server_unhealthy(limits.healthz_url, limits.healthz_timeout,
-                                              limits.healthz_ca_file)
-        healthy = unhealthy is None
-        if unhealthy:
-            reasons[CALLBACK_SERVER] = f"recovery paused: {unhealthy}"
 
-    def read(tx: bmdb.Tx) -> tuple[str | None, int, int, int]:
-        started, silent = silent_counts(tx, thresholds)
-        share_reason = _share_reason(started, silent, limits.max_share, limits.min_silent)
-        return share_reason, started, silent, reboots_last_hour(tx)
-
-    share_reason, started, silent, reboots = db.read(read)
-    if share_reason:
-        reasons[SILENT_SHARE] = share_reason
-    allowed = max(0, limits.reboots_per_hour - reboots)
-    if budget and allowed == 0:
-        reasons[REBOOT_BUDGET] = (f"recovery paused: {reboots} reboots in the last hour "
-                                  f"reach the limit of {limits.reboots_per_hour} per hour")
-    return GuardDecision(paused="; ".join(reasons.values()) or None, allowed=allowed,
-                         started=started, silent=silent, reboots_last_hour=reboots,
-                         callback_healthy=healthy, causes=tuple(reasons))
+def recovery_paused(source: bmdb.Tx | bmdb.BMDB, thresholds: bmdb.Thresholds,
+                    max_share: float = 0.10, min_silent: int = 0) -> str | None:
+    """The silent-share reason to pause Recovery, or None (``decide``'s first figure
+    alone: no callback server, no budget)."""
+    if isinstance(source, bmdb.BMDB):
+        return source.read(lambda tx: recovery_paused(tx, thresholds, max_share, min_silent))
+    started, silent = silent_counts(source, thresholds)
+    return _share_reason(started, silent, max_share, min_silent)

@@ -2,19 +2,25 @@
 
 Plain Python, no Celery: a periodic task calls ``reconcile(session, provider, settings)``.
 
-The safety rails (DESIGN.md section 4) and why they exist:
+The safety rails (docs/ARCHITECTURE.md section 5) and why they exist:
 
 * **The two fleets must agree before anything is created.** A device with our prefix
   that the BMDB lacks, or a BMDB machine the provider does not list, means someone
-  (or a crash between a create and its commit) changed the fleet behind our back.
+  (or a crash between a create and its registration) changed the fleet behind our back.
   Creating more on top of a fleet we do not understand is how whole racks get
   double-provisioned, so the run stops with ``FleetMismatch`` (logged at ERROR with
   the ids) and touches nothing. The opt-in ``assimilate`` setting registers the
   provider-only machines instead; BMDB-only machines always stop the run, because
   only an operator can tell "deleted on purpose" from "lost".
-* **Our own interrupted creations are not strangers.** Each creation's intent is
-  committed before the provider is asked (``bmdb.capacity.record_intent``) and
-  deleted with the registration. A provider-only machine whose witness matches a
+* **No provider call inside a transaction.** A transaction body may run more than
+  once and must have no outside effects, and on SQLite an open transaction holds the
+  database's write lock: every listing and every create happens between
+  transactions, and a created machine is registered afterwards in a transaction of
+  its own.
+* **Our own interrupted creations are not strangers.** That gap between "created"
+  and "registered" is covered by the creation intent: it is committed before the
+  provider is asked (``bmdb.capacity.record_intent``) and deleted in the same
+  transaction as the registration. A provider-only machine whose witness matches a
   pending intent was made by a creator that died (or lost its answer) before it
   could register it: it is registered, with a warning, instead of stopping the run.
 * **Every run is bounded**: at most ``chunk_size`` creation attempts, never more than
@@ -37,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,7 +234,7 @@ def _register_all(tx: bmdb.Tx, provider: str, machines: list[ProviderMachine]) -
 
 def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Capacity],
                     settings: ProvisionerSettings) -> tuple[list[str], dict[str, str]]:
-    """Create one machine per capacity, each in its own transaction, spaced in time.
+    """Create one machine per capacity, spaced in time, each registered on its own.
 
     A failed capacity is put in cooldown and the run goes on with the next, except
     after ``TransientExhausted``: the provider is struggling (down, or answering 5xx),
@@ -244,7 +250,7 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
         session.transact(lambda tx, i=item: bmdb.capacity.record_intent(
             tx, provider.name, i.reservation_id, i.request_id))
         try:
-            machine = session.transact(_creator(provider, item))
+            machine = provider.create_machine(item)  # no transaction open: see above
         except ProviderError as error:
             cause = _cause(error)
             failed[item.reservation_id] = cause
@@ -255,20 +261,26 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
                 tx, provider.name, i.request_id))
             cool_down(session, provider.name, item.reservation_id, settings.cooldown, cause)
             continue
+        session.transact(lambda tx, i=item, m=machine: register_created(
+            tx, provider.name, i, m))
         log.info("%s: created %s from reservation %s", provider.name, machine.provider_id,
                  item.reservation_id)
         created.append(machine.provider_id)
     return created, failed
 
 
-def _creator(provider: Provider, item: Capacity) -> Callable[[bmdb.Tx], ProviderMachine]:
-    # The same Capacity (same witness) on a re-run: the provider finds its own device.
-    def create(tx: bmdb.Tx) -> ProviderMachine:
-        machine = provider.create_machine(tx, item)
-        bmdb.capacity.forget_intent(tx, provider.name, item.request_id)
-        return machine
+def register_created(tx: bmdb.Tx, provider: str, capacity: Capacity,
+                     machine: ProviderMachine) -> Any:
+    """Register a machine just created from ``capacity`` and forget its intent, atomically.
 
-    return create
+    Why atomically: an intent forgotten while its machine is not registered would make
+    the next reconcile take the machine for a stranger (``FleetMismatch``). Should this
+    transaction never happen (the process dies, the session ends), the intent stays and
+    the next reconcile registers the machine from it (``register_interrupted``).
+    """
+    machine_id = register_provided(tx, provider, machine)
+    bmdb.capacity.forget_intent(tx, provider, capacity.request_id)
+    return machine_id
 
 
 def cool_down(session: bmdb.Session, provider: str, capacity_id: str, seconds: float,

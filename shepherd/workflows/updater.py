@@ -28,8 +28,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
-
 import bmdb
 from shepherd.providers.base import Provider, ProviderMachine
 
@@ -131,15 +129,10 @@ def _update_held(session: bmdb.Session, provider: Provider,
 def stored_views(tx: bmdb.Tx, provider: str,
                  machine_ids: Iterable[uuid.UUID] | None = None) -> dict[uuid.UUID, View]:
     """machine id -> the stored view, for ``provider``'s machines (or some of them)."""
-    p = bmdb.schema.provided
-    query = sa.select(p.c.machine_id, p.c.provider_id, p.c.reservation_id, p.c.address,
-                      p.c.location, p.c.provider_status).where(p.c.provider == provider)
-    if machine_ids is not None:
-        query = query.where(p.c.machine_id.in_(list(machine_ids)))
     return {
-        row.machine_id: View(row.provider_id, row.reservation_id, row.address, row.location,
-                             row.provider_status)
-        for row in tx.execute(query)
+        machine_id: View(state.provider_id, state.reservation_id, state.address,
+                         state.location, state.provider_status)
+        for machine_id, state in bmdb.queries.provided_states(tx, provider, machine_ids).items()
     }
 
 

@@ -1,0 +1,187 @@
+"""The command line: every subcommand, its arguments, and what runs it.
+
+Each operator command takes ``--json`` and ``--bmdb-url`` before or after its name.
+Usage errors are one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from shepherd.cli import actions, reads
+from shepherd.cli.migrate import migrate
+
+EXIT_BAD_ARGUMENT = 2
+BMDB_URL_HELP = "BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)"
+JSON_HELP = "one JSON document on stdout, for scripts"
+
+USAGE = """\
+Operator commands (tables for people, --json for scripts):
+
+    shepherd machines [--tag T]... [--without T]... [--provider P] [--work PROC|any]
+                      [--backoff PROC|any] [--limit N]
+    shepherd show MACHINE [--history N]
+    shepherd explain MACHINE
+    shepherd clear-backoff MACHINE PROCESS
+    shepherd start PROCESS MACHINE [--wait S]      PROCESS: agent-start | recovery
+    shepherd reconcile
+    shepherd sessions [--alive]
+    shepherd fleet | migrate [REV] | sweep | serve ... | simulator ... | up
+
+Each takes --json (one JSON document on stdout; not up) and --bmdb-url URL, before
+or after its name. MACHINE is a BMDB machine id (UUID); PROCESS a full name
+(ShepherdRecovery) or a short one (recovery). Exit status: 0 done; 1 could not be
+done now (machine busy, in backoff or not in the backlog, Recovery paused, no worker
+took the work, BMDB unreadable); 2 a bad argument (malformed id, unknown machine,
+process, tag or revision, a BMDB URL that is not one), with one line on stderr
+saying which.
+
+start and reconcile hand the work to the Celery workers through the broker
+(SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.
+"""
+
+#: Subcommands with an argument parser of their own: everything after the name is theirs.
+DELEGATED = {
+    "serve": ("shepherd.server.serve", "run the agent callback server and the web view"),
+    "simulator": ("shepherd.simulator.cli", "run the provider simulator"),
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit status 2 (scripts parse it, people read it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_ARGUMENT, f"{self.prog}: error: {message} "
+                                     f"(see {self.prog} --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = Parser(prog="shepherd", description=USAGE,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--bmdb-url", help=BMDB_URL_HELP)
+    top.add_argument("--json", action="store_true", help=JSON_HELP)
+    sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
+    commands = _Commands(sub)
+    _operator_commands(commands)
+    _up_command(commands.add("up", "run the whole control plane in the foreground", _up,
+                             json=False))
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return top
+
+
+def _up(ctx: Any) -> int:
+    from shepherd.cli.up import up
+
+    return up(ctx)
+
+
+class _Commands:
+    """Adds subcommands that all take ``--bmdb-url`` and (unless told otherwise)
+    ``--json`` after their name too. Delegated commands own their flags and get neither.
+
+    Why ``default=SUPPRESS``: a subcommand's own default would overwrite the value
+    given before the name; suppressed, the attribute is set only when given after it.
+    """
+
+    def __init__(self, sub: Any) -> None:
+        self.sub = sub
+        self.url = argparse.ArgumentParser(add_help=False)
+        self.url.add_argument("--bmdb-url", default=argparse.SUPPRESS, help=BMDB_URL_HELP)
+        self.json = argparse.ArgumentParser(add_help=False)
+        self.json.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                               help=JSON_HELP)
+
+    def add(self, name: str, text: str, run: Callable[[Any], int], *,
+            json: bool = True) -> argparse.ArgumentParser:
+        parents = [self.url, self.json] if json else [self.url]
+        command = self.sub.add_parser(name, help=text, parents=parents)
+        command.set_defaults(run=run)
+        return command
+
+
+def _operator_commands(commands: _Commands) -> None:
+    migrate_ = commands.add("migrate", "bring the BMDB schema up to date", migrate)
+    migrate_.add_argument("revision", nargs="?", default="head",
+                          help="alembic revision to upgrade to (default: head)")
+    commands.add("fleet", "fleet counts from the BMDB", reads.fleet)
+
+    machines = commands.add("machines", "list machines, with filters", reads.machines)
+    machines.add_argument("--tag", action="append", default=[], metavar="TAG",
+                          help="only machines with this tag (repeatable)")
+    machines.add_argument("--without", action="append", default=[], metavar="TAG",
+                          help="only machines without this tag (repeatable)")
+    machines.add_argument("--provider", help="only machines of this provider")
+    machines.add_argument("--work", metavar="PROCESS|any",
+                          help="only machines held by work of this process")
+    machines.add_argument("--backoff", metavar="PROCESS|any",
+                          help="only machines in an active backoff of this process")
+    machines.add_argument("--limit", type=positive, default=500)
+
+    show = commands.add("show", "one machine: tags, work, backoffs, history", reads.show)
+    show.add_argument("machine", metavar="MACHINE")
+    show.add_argument("--history", type=positive, default=50, help="history rows (newest)")
+
+    explain = commands.add("explain", "why a machine is or is not in each backlog",
+                           reads.explain)
+    explain.add_argument("machine", metavar="MACHINE")
+
+    clear = commands.add("clear-backoff", "delete a machine's backoff for a process",
+                         actions.clear_backoff)
+    clear.add_argument("machine", metavar="MACHINE")
+    clear.add_argument("process", metavar="PROCESS")
+
+    start = commands.add("start", "start AgentStart or Recovery on a machine now",
+                         actions.start)
+    start.add_argument("process", metavar="PROCESS", help="agent-start or recovery")
+    start.add_argument("machine", metavar="MACHINE")
+    start.add_argument("--wait", type=float, metavar="SECONDS",
+                       help="how long a worker may take to adopt the claim "
+                            "(default: SHEPHERD_DISPATCH_TTL)")
+
+    commands.add("reconcile", "run a reconcile now in a worker", actions.reconcile)
+    sessions = commands.add("sessions", "BMDB sessions and the work each holds",
+                            reads.sessions)
+    sessions.add_argument("--alive", action="store_true", help="only live sessions")
+    commands.add("sweep", "release work of dead sessions now", actions.sweep)
+
+
+def _up_command(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--workdir", type=Path, default=None,
+                    help="state directory: SQLite BMDB and broker, logs, keys (default "
+                         "$SHEPHERD_STATE_DIR or ./var)")
+    up.add_argument("--machines", type=positive, default=20,
+                    help="simulated machines (default 20; without a real provider)")
+    up.add_argument("--port", type=port, default=8470, help="web view and agent callbacks "
+                    "on 127.0.0.1 (default 8470; 0: a free port)")
+    up.add_argument("--flower-port", type=port, default=5555, help="default 5555; 0: free")
+    up.add_argument("--simulator-port", type=port, default=8780, help="default 8780; 0: free")
+    up.add_argument("--ssh-port", type=port, default=2222,
+                    help="SSH port of simulated machines (default 2222; 0: free)")
+    up.add_argument("--concurrency", type=positive, default=4,
+                    help="processes of the machine worker (SSH work; default 4)")
+    up.add_argument("--progress-interval", type=float, default=3.0, metavar="SECONDS")
+    up.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    up.add_argument("--broker", choices=("sqlite", "redis-server"), default="sqlite",
+                    help="embedded broker when SHEPHERD_BROKER_URL is unset: SQLite under "
+                         "the state directory (default; Flower sees no workers or events "
+                         "on it), or a private redis-server (needs the binary)")
+
+
+def port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return int(text)
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value

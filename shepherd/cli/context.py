@@ -1,0 +1,130 @@
+"""What every operator command is handed: the parsed arguments, the settings (built once,
+from the environment and the flags), and what is built from them on first use.
+
+This is the CLI's composition root. Commands never read the environment or build a
+BMDB handle of their own, so ``shepherd explain`` sees the same thresholds and guard
+limits as the workers and ``shepherd serve`` (all three start from ``Settings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+import bmdb
+from shepherd import operator
+from shepherd.cli.workers import CeleryWorkers, WorkerLayer
+from shepherd.config import Settings
+from shepherd.runtime import Runtime
+from shepherd.workflows.guard import GuardLimits
+
+URL_SHAPE = "dialect[+driver]://user[:password]@host[:port]/database or sqlite:///path"
+#: The BMDB session name of operator commands that change something.
+COMPONENT = "operator-cli"
+
+
+class Failed(Exception):
+    """The command could not be done now; the message is the one line to show (exit 1)."""
+
+
+class Context:
+    """One command's world. ``close()`` ends what was started (session, pool)."""
+
+    def __init__(self, args: argparse.Namespace, settings: Settings,
+                 workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> None:
+        self.args = args
+        self.settings = settings
+        self._workers_factory = workers
+        self._runtime: Runtime | None = None
+
+    @classmethod
+    def build(cls, args: argparse.Namespace,
+              workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> Context:
+        """Settings from the environment, ``--bmdb-url`` over them."""
+        settings = Settings.from_env()
+        if getattr(args, "bmdb_url", None):
+            settings = settings.with_overrides(bmdb_url=args.bmdb_url)
+        return cls(args, settings, workers)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime, once the BMDB URL was checked (so a bad one is one clear line)."""
+        if self._runtime is None:
+            check_bmdb_url(self.settings.bmdb_url, self.url_source)
+            self._runtime = Runtime(self.settings, COMPONENT)
+        return self._runtime
+
+    @property
+    def db(self) -> bmdb.BMDB:
+        return self.runtime.db
+
+    def guard_limits(self) -> GuardLimits:
+        """The guard's limits exactly as workers build them; only the health check's
+        wait is bounded, as a person is waiting."""
+        return self.runtime.guard_limits(interactive=True)
+
+    def workers(self) -> WorkerLayer:
+        return self._workers_factory(self.settings)
+
+    @property
+    def url_source(self) -> str:
+        if getattr(self.args, "bmdb_url", None):
+            return "--bmdb-url"
+        if self.settings.bmdb_url != Settings().bmdb_url:
+            return "SHEPHERD_BMDB_URL"
+        return "the default"
+
+    def emit(self, data: Any, text: Callable[[], str]) -> None:
+        """``data`` as one JSON document with ``--json``, else ``text()`` for people."""
+        if getattr(self.args, "json", False):
+            print(json.dumps(operator.jsonable(data), default=str))
+        else:
+            print(text())
+
+    def close(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+
+
+def check_bmdb_url(text: str, source: str) -> None:
+    """Raise ``BadArgument`` naming what is wrong with the BMDB URL.
+
+    Why before connecting: SQLAlchemy's errors for a bad URL read like a schema problem
+    (and were answered with "is it migrated?"), and a URL that does not parse cannot
+    be shown with its password hidden: ``redacted`` hides everything before its ``@``.
+    """
+    try:
+        url = sa.make_url(text)
+    except (sa.exc.ArgumentError, ValueError):
+        raise operator.BadArgument(f"the BMDB URL from {source}, {redacted(text)!r}, is not "
+                                   f"a database URL ({URL_SHAPE})") from None
+    shown = url.render_as_string(hide_password=True)
+    try:
+        url.get_dialect().import_dbapi()
+    except sa.exc.NoSuchModuleError:
+        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}: no database "
+                                   f"dialect {url.drivername!r} ({URL_SHAPE})") from None
+    except ImportError as error:
+        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}: its driver "
+                                   f"{error.name or url.drivername!r} is not installed"
+                                   ) from None
+
+
+def redacted(text: str) -> str:
+    """An unparsable URL without what may be credentials (all before the last ``@``)."""
+    if "@" not in text:
+        return text
+    scheme, sep, _ = text.partition("://")
+    host = text.rsplit("@", 1)[1]
+    return f"{scheme}://***@{host}" if sep else f"***@{host}"
+
+
+def safe_url(text: str) -> str:
+    try:
+        return sa.make_url(text).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "(unparsable URL)"

@@ -1,0 +1,60 @@
+"""``shepherd``'s entry point: parse, build the context, run, and turn the expected
+failures into one line on stderr and an exit status (0 done, 1 not now, 2 bad input)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+import sqlalchemy as sa
+
+from shepherd.cli.arguments import DELEGATED, EXIT_BAD_ARGUMENT, parser
+from shepherd.cli.context import Context, Failed, safe_url
+from shepherd.cli.workers import CeleryWorkers, WorkerLayer
+from shepherd.config import Settings, SettingsError
+from shepherd.operator import BadArgument
+
+EXIT_FAILED = 1
+
+
+def main(argv: Sequence[str] | None = None,
+         workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> int:
+    """Run one command. ``workers`` builds the worker layer (tests give their own)."""
+    top = parser()
+    args, rest = top.parse_known_args(argv)
+    if args.command in DELEGATED:
+        if args.bmdb_url and args.command == "serve":
+            rest = ["--bmdb-url", args.bmdb_url, *rest]
+        return importlib.import_module(DELEGATED[args.command][0]).main(rest)
+    if rest:
+        top.error(f"unrecognized arguments: {' '.join(rest)}")
+    return run(args, workers)
+
+
+def run(args: argparse.Namespace,
+        workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> int:
+    ctx: Context | None = None
+    try:
+        ctx = Context.build(args, workers)
+        return args.run(ctx)
+    except (BadArgument, SettingsError) as error:
+        return _fail(args, error, EXIT_BAD_ARGUMENT)
+    except Failed as error:
+        return _fail(args, error, EXIT_FAILED)
+    except sa.exc.SQLAlchemyError as error:
+        reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+        where = safe_url(ctx.settings.bmdb_url) if ctx else "(unknown)"
+        return _fail(args, f"cannot use the BMDB at {where}: {reason} "
+                           "(is it migrated? `shepherd migrate`)", EXIT_FAILED)
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+def _fail(args: argparse.Namespace, error: object, status: int) -> int:
+    """One line on stderr, whatever the error's own text looks like (a library's may
+    span several): scripts read it, people grep for it."""
+    print(f"shepherd {args.command}: {' '.join(str(error).split())}", file=sys.stderr)
+    return status

@@ -1,0 +1,54 @@
+"""The commands that only read the BMDB: fleet, machines, show, explain, sessions."""
+
+from __future__ import annotations
+
+import bmdb
+from shepherd import operator
+from shepherd.cli import render
+from shepherd.cli.context import Context
+
+
+def fleet(ctx: Context) -> int:
+    db = ctx.db
+    counts = db.read(lambda tx: bmdb.fleet.fleet_counts(tx, db.thresholds))
+    ctx.emit(counts, lambda: render.fleet(counts))
+    return 0
+
+
+def machines(ctx: Context) -> int:
+    args = ctx.args
+    f = operator.MachineFilter(
+        tags=tuple(operator.parse_tag(t) for t in args.tag),
+        without=tuple(operator.parse_tag(t) for t in args.without),
+        provider=args.provider, work=operator.parse_process_filter(args.work),
+        backoff=operator.parse_process_filter(args.backoff), limit=args.limit,
+    )
+    found = ctx.db.read(lambda tx: operator.list_machines(tx, f))
+    ctx.emit(found, lambda: render.machines(found))
+    return 0
+
+
+def show(ctx: Context) -> int:
+    machine_id = operator.parse_machine_id(ctx.args.machine)
+    history = ctx.args.history
+    detail = ctx.db.read(lambda tx: operator.show_machine(tx, machine_id, history))
+    ctx.emit(detail, lambda: render.show(detail))
+    return 0
+
+
+def explain(ctx: Context) -> int:
+    machine_id = operator.parse_machine_id(ctx.args.machine)
+    found = operator.explain_machine(ctx.db, machine_id, ctx.guard_limits())
+    data = {**operator.jsonable(found),
+            "processes": [{**operator.jsonable(p), "claimable": p.claimable,
+                           "state": p.state, "summary": p.summary}
+                          for p in found.processes]}
+    ctx.emit(data, lambda: render.explain(found))
+    return 0
+
+
+def sessions(ctx: Context) -> int:
+    include_dead = not ctx.args.alive
+    now, found = ctx.db.read(lambda tx: operator.list_sessions(tx, include_dead))
+    ctx.emit({"now": now, "sessions": found}, lambda: render.sessions(now, found))
+    return 0

@@ -1,0 +1,156 @@
+"""What operator commands print for people: tables and paragraphs from the operator's
+views (``shepherd.operator``). Scripts get ``--json`` instead, so nothing here is parsed.
+
+Pure functions of the views: no BMDB, no settings, so the wording can be read and
+changed in one place.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shepherd import operator, tables
+
+
+def fleet(c: Any) -> str:
+    """The counts as people read them: the fleet on one line, one row per process."""
+    rows = [(process, c.backlog.get(process), work, c.active_backoffs.get(process, 0))
+            for process, work in c.active_work.items()]
+    return "\n".join([
+        f"machines {c.machines}   provided {c.provided}   agent started "
+        f"{c.agent_started}   heartbeating {c.heartbeating}", "",
+        tables.table(["PROCESS", "BACKLOG", "WORK", "BACKOFFS"], rows),
+        "(backlog: what a claim could take, held and backing-off machines excluded; "
+        "the Recovery guard is not asked: `shepherd explain`)",
+    ])
+
+
+def machines(found: Any) -> str:
+    counts = "  ".join(f"{tag}={n}" for tag, n in found.tag_counts.items())
+    rows = [(m.id, m.provider, m.provider_id, m.provider_status, m.address,
+             [operator.short_tag(t) for t in m.tags], m.work, m.backoffs)
+            for m in found.machines]
+    shown = (f"{len(found.machines)} of {found.matched} matching" if
+             found.matched > len(found.machines) else f"{found.matched} matching")
+    return "\n".join([
+        f"fleet: {found.total} machines  {counts}",
+        tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
+                      "WORK", "BACKOFF"], rows),
+        f"({shown}; tags: {operator.TAG_LEGEND})",
+    ])
+
+
+def show(d: Any) -> str:
+    lines = [f"machine {d.id}  (created {tables.when(d.created_at)}; "
+             f"BMDB time {tables.when(d.now)} UTC)", "", "TAGS"]
+    if not d.tags:
+        lines.append("  (none)")
+    for name, values in d.tags.items():
+        shown = ", ".join(f"{k}={_value(v)}" for k, v in values.items()
+                          if k not in ("agent_started", "heartbeat_seen"))
+        lines.append(f"  {name}: {shown}")
+    lines += ["", "WORK"]
+    if not d.work:
+        lines.append("  (none)")
+    for w in d.work:
+        lines.append(f"  {w.process} work {w.id} since {tables.when(w.started_at)}")
+        lines.append(f"    {session_line(w, d.now)}")
+        if w.dispatch_deadline is not None:
+            lines.append(f"    waiting to be adopted until {tables.when(w.dispatch_deadline)}")
+    lines += ["", "BACKOFFS", _backoffs(d)]
+    lines += ["", "HISTORY (newest first)"]
+    if d.history:
+        lines.append(tables.table(
+            ["AT", "PROCESS", "EVENT", "SESSION", "CAUSE"],
+            [(h["at"], h["process"], h["event"], h["session_id"], h["cause"])
+             for h in d.history], max_width=80))
+    else:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def _backoffs(d: Any) -> str:
+    if not d.backoffs:
+        return "  (none)"
+    return tables.table(
+        ["PROCESS", "UNTIL", "STATE", "INTERVAL", "CAUSE"],
+        [(b.process, b.until, "active, " + tables.relative(b.until, d.now) if b.active
+          else "expired", tables.duration(b.interval_s), b.cause) for b in d.backoffs])
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.hex()[:16] + "…"
+    if hasattr(value, "astimezone"):
+        return tables.when(value)
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def session_line(work: Any, now: Any) -> str:
+    s = work.session
+    if s is None:
+        return f"session {work.session_id}: gone (the sweep releases this work)"
+    state = (f"alive, deadline {tables.relative(s.deadline, now)}" if s.alive else
+             f"DEAD since {tables.when(s.deadline)} (the sweep releases this work)")
+    return f"session {s.id} ({s.component} on {s.holder}): {state}"
+
+
+def explain(e: Any) -> str:
+    lines = [f"machine {e.id}  tags: {', '.join(e.tags) or '(none)'}",
+             f"BMDB time {tables.when(e.now)} UTC"]
+    for p in e.processes:
+        lines += ["", f"{p.process}: {p.verdict}"]
+        lines.append(f"  backlog: {'yes' if p.in_backlog else 'no'} — {p.backlog}")
+        if p.work is None:
+            lines.append("  work:    none in its exclusion group")
+        else:
+            lines.append(f"  work:    {p.work.process} work {p.work.id} since "
+                         f"{tables.when(p.work.started_at)}")
+            lines.append(f"           {session_line(p.work, e.now)}")
+        lines.append(f"  backoff: {_backoff_line(p.backoff, e.now)}")
+        if p.guard:
+            lines.append(f"  guard:   {_guard_line(p)}")
+    return "\n".join(lines)
+
+
+def _backoff_line(b: Any, now: Any) -> str:
+    if b is None:
+        return "none"
+    if b.active:
+        return (f"until {tables.when(b.until)} ({tables.relative(b.until, now)}) "
+                f"after: {b.cause}")
+    return f"expired at {tables.when(b.until)} (was: {b.cause})"
+
+
+def _guard_line(p: Any) -> str:
+    if p.paused:
+        return f"PAUSED — {p.paused}"
+    g = p.guard
+    callback = (f"callback server {g['callback_server']} healthy" if g.get("callback_server")
+                else "callback server not checked")
+    return (f"not paused ({g['silent']} of {g['started']} started agents silent, max share "
+            f"{g['max_share']:.0%}; {g['reboots_last_hour']} of {g['reboots_per_hour']} "
+            f"reboots in the last hour; {callback})")
+
+
+def sessions(now: Any, found: list[Any]) -> str:
+    rows = [(s.id, s.component, s.holder, s.started_at,
+             tables.relative(s.deadline, now) if s.alive else f"DEAD {tables.when(s.deadline)}",
+             s.work) for s in found]
+    return (tables.table(["SESSION", "COMPONENT", "HOLDER", "STARTED", "DEADLINE", "WORK"], rows)
+            + f"\n({len(found)} sessions)")
+
+
+def cleared(machine_id: Any, process: str, backoff: Any) -> str:
+    if backoff is None:
+        return f"machine {machine_id} had no {process} backoff"
+    state = "active" if backoff.active else "already expired"
+    return (f"cleared {process} backoff of machine {machine_id} ({state}, until "
+            f"{tables.when(backoff.until)}, after: {backoff.cause})")
+
+
+def swept(result: Any) -> str:
+    return (f"sweep: {result.abandoned} work of dead sessions released (Abandoned), "
+            f"{result.unadopted} claims nobody adopted cancelled, "
+            f"{result.sessions_deleted} dead sessions deleted")

@@ -1,0 +1,94 @@
+"""What an operator asks the BMDB: list, show and explain machines; sessions; clear a
+backoff; start a process on one machine.
+
+The CLI (``shepherd.cli``) and the web view (``shepherd.server.web``) both render what
+this package returns, so the two never disagree. It holds no SQL: every statement is
+a named function of ``bmdb`` (mostly ``bmdb.inspection``). Every time shown is the
+BMDB's clock (``tx.now``), the same clock the backlog queries and backoffs use.
+
+Modules, one job each: ``arguments`` (parsing what people type), ``views`` (the
+records returned, ``jsonable``), ``reads`` (list/show/sessions), ``explain`` (why a
+machine is or is not claimable, and its wording), ``backoffs`` (clearing one),
+``handoff`` (claiming a machine for a worker and waiting for the adoption).
+"""
+
+from __future__ import annotations
+
+from bmdb.inspection import ANY
+from shepherd.operator.arguments import (
+    BACKLOG_PROCESSES,
+    SHORT_TAGS,
+    TAG_LEGEND,
+    TAGS,
+    BadArgument,
+    UnknownMachine,
+    parse_machine_id,
+    parse_process,
+    parse_process_filter,
+    parse_tag,
+    short_tag,
+)
+from shepherd.operator.backoffs import clear_backoff
+from shepherd.operator.explain import explain, explain_machine, guard_figures, why_not
+from shepherd.operator.handoff import RecoveryPaused, claim_for_handoff, wait_adopted
+from shepherd.operator.reads import (
+    list_machines,
+    list_sessions,
+    require_machine,
+    show_machine,
+    tag_counts,
+)
+from shepherd.operator.views import (
+    BackoffInfo,
+    Explanation,
+    MachineDetail,
+    MachineFilter,
+    MachineList,
+    MachineSummary,
+    ProcessExplanation,
+    SessionInfo,
+    WorkInfo,
+    jsonable,
+)
+from shepherd.workflows.guard import PAUSED_PREFIX, CallbackCheck, check_callback
+
+__all__ = [
+    "ANY",
+    "BACKLOG_PROCESSES",
+    "PAUSED_PREFIX",
+    "SHORT_TAGS",
+    "TAGS",
+    "TAG_LEGEND",
+    "BackoffInfo",
+    "BadArgument",
+    "CallbackCheck",
+    "Explanation",
+    "MachineDetail",
+    "MachineFilter",
+    "MachineList",
+    "MachineSummary",
+    "ProcessExplanation",
+    "RecoveryPaused",
+    "SessionInfo",
+    "UnknownMachine",
+    "WorkInfo",
+    "check_callback",
+    "claim_for_handoff",
+    "clear_backoff",
+    "explain",
+    "explain_machine",
+    "guard_figures",
+    "jsonable",
+    "list_machines",
+    "list_sessions",
+    "parse_machine_id",
+    "parse_process",
+    "parse_process_filter",
+    "parse_tag",
+    "require_machine",
+    "short_tag",
+    "show_machine",
+    "tag_counts",
+    "wait_adopted",
+    "why_not",
+]

@@ -1,0 +1,89 @@
+"""Operator arguments: machine ids, process and tag names as people type them.
+
+Shared by the CLI and the web view, so both accept (and refuse) the same spellings,
+with the same one-line messages.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import bmdb
+from bmdb.inspection import ANY
+
+#: Tag names in display order (Provided first: the order of a machine's life).
+TAGS: tuple[str, ...] = bmdb.queries.TAG_NAMES
+#: Short tag names for narrow tables, and their legend.
+SHORT_TAGS: dict[str, str] = {
+    "Provided": "Prov", "AgentStarted": "Agent", "AgentHeartbeat": "HB",
+    "HardwareReport": "HW", "OSInstallationRequest": "OSReq", "OSInstallationReport": "OSRep",
+}
+TAG_LEGEND = ", ".join(f"{short}={name}" for name, short in SHORT_TAGS.items())
+#: Processes with a backlog query (the ones sourcing claims and ``explain`` covers).
+BACKLOG_PROCESSES: tuple[bmdb.Process, ...] = (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY)
+
+
+class BadArgument(ValueError):
+    """An operator's argument that cannot be used (a malformed id, an unknown machine)."""
+
+
+class UnknownMachine(BadArgument):
+    def __init__(self, machine_id: uuid.UUID) -> None:
+        super().__init__(f"no machine {machine_id} in the BMDB")
+        self.machine_id = machine_id
+
+
+def parse_machine_id(text: str) -> uuid.UUID:
+    """A BMDB machine id from its canonical UUID text (with or without hyphens)."""
+    try:
+        return uuid.UUID(text.strip())
+    except (ValueError, AttributeError):
+        raise BadArgument(f"{text!r} is not a machine id (a UUID like "
+                          "0f8e5c3a-7b1d-4c2e-9a6f-3d2b1c0e9f8a)") from None
+
+
+def _normalise(name: str) -> str:
+    key = name.strip().lower().replace("-", "").replace("_", "")
+    return key.removeprefix("shepherd")
+
+
+_PROCESS_NAMES = {_normalise(p.value): p for p in bmdb.Process}
+_SHORT_PROCESS = {bmdb.Process.AGENT_START: "agent-start", bmdb.Process.RECOVERY: "recovery",
+                  bmdb.Process.OS_INSTALL: "os-install"}
+
+
+def _short(process: bmdb.Process) -> str:
+    return _SHORT_PROCESS.get(process, process.value)
+
+
+def parse_process(text: str, allowed: Iterable[bmdb.Process] = tuple(bmdb.Process)
+                  ) -> bmdb.Process:
+    """A process from its full name (``ShepherdRecovery``) or a short one (``recovery``,
+    ``agent-start``), so operators need not type the prefix."""
+    allowed = tuple(allowed)
+    process = _PROCESS_NAMES.get(_normalise(text))
+    if process is None or process not in allowed:
+        names = ", ".join(f"{p.value} ({_short(p)})" for p in allowed)
+        raise BadArgument(f"unknown process {text!r}; one of: {names}")
+    return process
+
+
+def parse_process_filter(text: str | None) -> str | None:
+    """``any``, a process name (full or short), or None: for the work/backoff filters."""
+    if text is None or text == "":
+        return None
+    if text.strip().lower() == ANY:
+        return ANY
+    return parse_process(text).value
+
+
+def short_tag(tag: str) -> str:
+    return SHORT_TAGS.get(tag, tag)
+
+
+def parse_tag(text: str) -> str:
+    for tag in TAGS:
+        if tag.lower() == text.strip().lower():
+            return tag
+    raise BadArgument(f"unknown tag {text!r}; one of: {', '.join(TAGS)}")

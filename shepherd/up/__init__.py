@@ -1,0 +1,41 @@
+"""``shepherd up``: the whole control plane in one foreground command.
+
+What it starts, each as a subprocess (``supervisor.py``):
+
+* the simulator with ``--machines`` reservations (unless ``SHEPHERD_PROVIDER`` names a
+  real provider),
+* the agent callback server with the web view and ``/metrics`` (``shepherd serve``),
+* two Celery workers, one per queue, so control work never waits behind SSH work,
+* Celery beat (its schedule file under the state directory),
+* Flower when it is installed (127.0.0.1, basic auth).
+
+Every child gets the same ``SHEPHERD_*`` environment (``environment.py`` decides it
+before anything starts), plus ``SHEPHERD_UP_RUN=<id>``, the marker the final sweep
+finds leftovers by.
+
+Embedded defaults live under the state directory (``./var``, ``state.py``): the SQLite
+BMDB, a SQLite broker (kombu's SQLAlchemy transport) and a SQLite result backend. Each
+queue has exactly one consuming process (the worker's main process), which is what
+makes the polling SQLite broker safe: no two consumers race on one queue. Its limit:
+a virtual transport has no cross-process fanout, so Flower connects but sees no
+workers and no task events there. ``--broker redis-server`` runs a private Redis
+under the state directory instead (what production runs; Flower then works fully).
+``SHEPHERD_BMDB_URL`` / ``SHEPHERD_BROKER_URL`` pointing at PostgreSQL / Redis win.
+
+With the embedded simulator a run starts from a fresh demo BMDB (an earlier one is
+moved to ``previous/``): a new simulator has none of the old one's devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from shepherd.up.environment import RUN_MARKER, Plan, UpError, UpOptions, plan
+from shepherd.up.supervisor import SIM_SANDBOX, ChildFailed, Up, progress_line
+
+__all__ = ["RUN_MARKER", "SIM_SANDBOX", "ChildFailed", "Plan", "Up", "UpError", "UpOptions",
+           "main", "plan", "progress_line"]
+
+
+def main(options: UpOptions, env: Mapping[str, str]) -> int:
+    return Up(options, env).run()
