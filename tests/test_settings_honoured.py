@@ -15,6 +15,7 @@ entry point with the setting and depends on it (``"tests/file.py::test_name"``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -32,6 +33,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 import bmdb
+from shepherd import runtime
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.config import Settings
 from tests.agent_fixtures import add_machine, heartbeat_body, new_key, signed_headers
@@ -60,13 +62,14 @@ W, B, S, C, U = "worker", "beat", "serve", "cli", "up"
 probe = "probe"  # shown by a probe in this file
 E2E = "tests/test_tasks_e2e.py::"
 UP = "tests/test_up.py::test_up_reaches_heartbeating_and_sigint_leaves_nothing"
+POOL = "tests/test_settings_honoured.py::test_the_runtime_pools_as_configured"
 THIRTY = E2E + "test_thirty_reservations_become_heartbeating_machines"
 RECOVERED = E2E + "test_killed_agent_is_recovered_and_heartbeats_again"
 
 #: Setting -> {entry point: where it is shown to be honoured}.
 HONOURED_BY: dict[str, dict[str, str]] = {
     "bmdb_url": {W: probe, S: probe, C: probe, U: UP},
-    "bmdb_pool_size": {W: probe, S: probe, C: probe},
+    "bmdb_pool_size": {W: POOL, S: POOL, C: POOL},
     "broker_url": {W: probe, B: THIRTY, C: probe, U: UP},
     "result_backend": {W: probe, C: "tests/test_cli_workers.py::"
                        "test_reconcile_and_start_hand_over_to_a_worker", U: UP},
@@ -205,7 +208,7 @@ def world(pg_url: str, redis_url: str) -> Iterator[World]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
         env.update(SETTINGS, SHEPHERD_BMDB_URL=pg_url, SHEPHERD_BROKER_URL=redis_url,
                    SHEPHERD_RESULT_BACKEND=redis_url, SHEPHERD_BMAAS_ENDPOINT=endpoint,
-                   SHEPHERD_BMDB_POOL_SIZE="2", PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1")
         yield World(pg_url, db, env, stale, unheard, fresh, new)
     db.close()
 
@@ -229,15 +232,6 @@ def http() -> requests.Session:
     client = requests.Session()
     client.trust_env = False
     return client
-
-
-def backend_connections(world: World) -> int:
-    """Connections the entry point under test holds to its BMDB (the test's own aside)."""
-    database = sa.make_url(world.url).database
-    query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE datname = :d "
-                    "AND application_name = 'shepherd'")
-    own = world.db.engine.pool.checkedout()
-    return world.db.read(lambda tx: int(tx.execute(query, {"d": database}).scalar_one())) - own
 
 
 # -- serve -----------------------------------------------------------------------------
@@ -274,7 +268,6 @@ def test_serve_honours_thresholds_guard_session_and_its_own(world: World,
         assert world.interval_of("callback-server") == [2]
         assert client.post(f"{base}{HEARTBEAT_PATH}", data=b"x" * 1001,
                            timeout=30).status_code == 413
-        assert 0 < backend_connections(world) <= 2 + 10  # pool size plus its overflow
     finally:
         stop(server)
 
@@ -340,7 +333,6 @@ def test_a_worker_honours_thresholds_guard_session_and_batch(world: World,
         deadlines = world.db.read(lambda tx: list(tx.execute(
             sa.select(work.c.dispatch_deadline - work.c.started_at)).scalars()))
         assert deadlines == [dt.timedelta(seconds=3)]  # the claim waits dispatch_ttl
-        assert 0 < backend_connections(world) <= 2 + 10
     finally:
         client.close()
         stop(worker)
@@ -366,3 +358,20 @@ def test_up_keeps_state_in_the_state_dir(tmp_path: Path,
     (chosen,) = planned
     assert chosen.env["SHEPHERD_BMDB_URL"] == f"sqlite:///{state.resolve()}/bmdb.sqlite"
     assert chosen.env["SHEPHERD_STATE_DIR"] == str(state.resolve())
+
+
+# -- what every entry point shares --------------------------------------------------
+
+
+def test_the_runtime_pools_as_configured(pg_url: str) -> None:
+    """Workers, ``shepherd serve`` and the CLI all get their BMDB from ``Runtime``: its
+    pool keeps at most SHEPHERD_BMDB_POOL_SIZE idle connections (default 5)."""
+    settings = Settings.from_env({"SHEPHERD_BMDB_URL": pg_url, "SHEPHERD_BMDB_POOL_SIZE": "2"})
+    rt = runtime.Runtime(settings, "test")
+    try:
+        with contextlib.ExitStack() as stack:  # four at once: two beyond the pool
+            for _ in range(4):
+                stack.enter_context(rt.db.engine.connect())
+        assert rt.db.engine.pool.checkedin() == 2  # the overflow was closed on return
+    finally:
+        rt.close()
