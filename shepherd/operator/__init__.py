@@ -14,7 +14,7 @@ machine is or is not claimable, and its wording), ``backoffs`` (clearing one),
 
 from __future__ import annotations
 
-from bmdb.inspection import ANY
+from bmdb.inspection import MachineFilter, MachineList
 from shepherd.operator.arguments import (
     BACKLOG_PROCESSES,
     SHORT_TAGS,
@@ -29,55 +29,28 @@ from shepherd.operator.arguments import (
     short_tag,
 )
 from shepherd.operator.backoffs import clear_backoff
-from shepherd.operator.explain import explain, explain_machine, guard_figures, why_not
+from shepherd.operator.explain import explain, explain_machine
 from shepherd.operator.handoff import RecoveryPaused, claim_for_handoff, wait_adopted
-from shepherd.operator.reads import (
-    list_machines,
-    list_sessions,
-    require_machine,
-    show_machine,
-    tag_counts,
-)
-from shepherd.operator.views import (
-    BackoffInfo,
-    Explanation,
-    MachineDetail,
-    MachineFilter,
-    MachineList,
-    MachineSummary,
-    ProcessExplanation,
-    SessionInfo,
-    WorkInfo,
-    jsonable,
-)
-from shepherd.workflows.guard import PAUSED_PREFIX, CallbackCheck, check_callback
+from shepherd.operator.reads import list_machines, list_sessions, show_machine
+from shepherd.operator.views import Explanation, MachineDetail, ProcessExplanation, jsonable
 
 __all__ = [
-    "ANY",
     "BACKLOG_PROCESSES",
-    "PAUSED_PREFIX",
     "SHORT_TAGS",
     "TAGS",
     "TAG_LEGEND",
-    "BackoffInfo",
     "BadArgument",
-    "CallbackCheck",
     "Explanation",
     "MachineDetail",
     "MachineFilter",
     "MachineList",
-    "MachineSummary",
     "ProcessExplanation",
     "RecoveryPaused",
-    "SessionInfo",
     "UnknownMachine",
-    "WorkInfo",
-    "check_callback",
     "claim_for_handoff",
     "clear_backoff",
     "explain",
     "explain_machine",
-    "guard_figures",
     "jsonable",
     "list_machines",
     "list_sessions",
@@ -85,10 +58,7 @@ __all__ = [
     "parse_process",
     "parse_process_filter",
     "parse_tag",
-    "require_machine",
     "short_tag",
     "show_machine",
-    "tag_counts",
     "wait_adopted",
-    "why_not",
 ]

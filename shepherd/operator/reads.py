@@ -12,9 +12,6 @@ from bmdb.inspection import MachineFilter, MachineList, SessionInfo
 from shepherd.operator.arguments import UnknownMachine
 from shepherd.operator.views import MachineDetail
 
-#: Machines carrying each tag (whole-table counts: for people, not hot paths).
-tag_counts = inspection.tag_counts
-
 
 def require_machine(tx: bmdb.Tx, machine_id: uuid.UUID) -> dt.datetime:
     """The machine's creation time; ``UnknownMachine`` if the BMDB has no such machine."""

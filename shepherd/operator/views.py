@@ -1,8 +1,7 @@
-"""What the operator functions return: records the CLI and the web view render alike.
-
-The BMDB's own records (``bmdb.inspection``: machines, sessions, work, backoffs) are
-re-exported here; this module adds the views composed from several reads (a
-machine's detail, an explanation) and ``jsonable`` for ``--json``.
+"""What the operator functions return beyond the BMDB's own records
+(``bmdb.inspection``: machines, sessions, work, backoffs): the views composed from
+several reads (a machine's detail, an explanation) and ``jsonable`` for ``--json``.
+The CLI and the web view render them alike.
 """
 
 from __future__ import annotations
@@ -13,29 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from bmdb.inspection import (
-    BackoffInfo,
-    MachineFilter,
-    MachineList,
-    MachineSummary,
-    SessionInfo,
-    WorkInfo,
-)
+from bmdb.inspection import BackoffInfo, WorkInfo
 from shepherd.workflows.guard import PAUSED_PREFIX
-
-__all__ = [
-    "BackoffInfo",
-    "Explanation",
-    "MachineDetail",
-    "MachineFilter",
-    "MachineList",
-    "MachineSummary",
-    "ProcessExplanation",
-    "SessionInfo",
-    "WorkInfo",
-    "iso",
-    "jsonable",
-]
 
 
 def jsonable(value: Any) -> Any:
