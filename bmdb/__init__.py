@@ -23,13 +23,28 @@ Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer
 (fleet-wide counts: dashboards, metrics, the guard's figures), ``inspection``
 (what operators list and inspect), ``errors``, ``singletons`` (at most one holder
 fleet-wide, e.g. reconcile), ``capacity`` (cooldowns for capacity that failed to
-provision).
+provision), ``holds`` (maintenance and quarantine), ``host_keys`` (pinned SSH host
+keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refusals).
 
 Every SQL statement of Shepherd lives in this package, behind named functions:
 callers outside it never import ``schema`` or SQLAlchemy.
 """
 
-from bmdb import backlog, capacity, fleet, inspection, queries, schema, singletons, tags, work
+from bmdb import (
+    backlog,
+    capacity,
+    fleet,
+    history,
+    holds,
+    host_keys,
+    inspection,
+    queries,
+    refusals,
+    schema,
+    singletons,
+    tags,
+    work,
+)
 from bmdb.api import BMDB, connect
 from bmdb.backlog import Thresholds
 from bmdb.backoff import Backoff, default_backoff, next_interval
@@ -75,9 +90,13 @@ __all__ = [
     "default_backoff",
     "exclusion_group",
     "fleet",
+    "history",
+    "holds",
+    "host_keys",
     "inspection",
     "next_interval",
     "queries",
+    "refusals",
     "schema",
     "singletons",
     "tags",

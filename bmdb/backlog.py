@@ -3,6 +3,12 @@
 Each query reads only the machines in its backlog, through the marker columns
 and partial indexes described in ``schema.py``, so an idle poll costs the same
 at 1k machines as at 1M (``bench/backlog_latency.py`` measures it).
+
+Machines in maintenance or quarantine (``schema.machine_holds``) are in no backlog,
+nor are machines their provider no longer lists (Missing) in Recovery's. Enforced
+here, in the one place every claim and every count of a backlog reads, so no
+workflow, task or operator command can forget it: ``not_held`` and ``not_gone`` are
+anti-joins on a primary key, one index probe per candidate.
 """
 
 from __future__ import annotations
@@ -54,26 +60,43 @@ def _no_values(tx: Tx) -> dict[str, Any]:
     return {}
 
 
-#: Running at the provider, and no agent started yet.
+def not_held(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    """True for a machine in neither maintenance nor quarantine."""
+    holds = schema.machine_holds
+    return ~sa.exists().where(holds.c.machine_id == machine_id)
+
+
+def not_gone(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    """True unless the provider no longer lists the machine (Missing): a machine gone
+    from a static inventory is left alone, however silent its last agent."""
+    p = schema.provided
+    return ~sa.exists().where(p.c.machine_id == machine_id,
+                              p.c.provider_status == ProviderStatus.MISSING.value)
+
+
+#: Running at the provider, no agent started yet, and not held.
 agent_start = Backlog(
     sa.select(schema.provided.c.machine_id).where(
         ~schema.provided.c.agent_started,
         schema.provided.c.provider_status == ProviderStatus.RUNNING.value,
+        not_held(schema.provided.c.machine_id),
     ),
     _no_values,
 )
 
 
 def _recovery_statement() -> sa.CompoundSelect:
-    """Agent started, but no heartbeat soon enough after start, or none lately."""
+    """Agent started, but no heartbeat soon enough after start, or none lately; not held."""
     s, h = schema.agent_started, schema.agent_heartbeat
     never_heard = sa.select(s.c.machine_id).where(
         ~s.c.heartbeat_seen, s.c.started_at < sa.bindparam("started_before"),
+        not_held(s.c.machine_id), not_gone(s.c.machine_id),
     )
     gone_quiet = (
         sa.select(h.c.machine_id)
         .join(s, s.c.machine_id == h.c.machine_id)
-        .where(h.c.last_heartbeat_at < sa.bindparam("heard_before"))
+        .where(h.c.last_heartbeat_at < sa.bindparam("heard_before"),
+               not_held(h.c.machine_id), not_gone(h.c.machine_id))
     )
     return sa.union_all(never_heard, gone_quiet)
 
@@ -99,11 +122,18 @@ def recovery_backlog(thresholds: Thresholds) -> Backlog:
     return Backlog(RECOVERY, lambda tx: recovery_cutoffs(tx, thresholds))
 
 
+#: Every Provided machine, held or not: an operator's power command is what one
+#: does to a machine in maintenance. Claimed only by name (``claim_machine``).
+any_provided = Backlog(sa.select(schema.provided.c.machine_id), _no_values)
+
+
 def retriever(process: Process, thresholds: Thresholds) -> Backlog:
     """The backlog query of ``process`` as a claim retriever."""
     process = Process(process)
     if process is Process.AGENT_START:
         return agent_start
+    if process is Process.POWER:
+        return any_provided
     if process is Process.RECOVERY:
         return recovery_backlog(thresholds)
     raise ValueError(f"{process} has no backlog query; claim it with a retriever of your own")

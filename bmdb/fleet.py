@@ -8,6 +8,7 @@ built once (see ``backlog.Backlog`` for why).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ import sqlalchemy as sa
 
 from bmdb import backlog, schema
 from bmdb.database import Tx
+from bmdb.holds import HOLD_KINDS
 from bmdb.processes import Process
 from bmdb.work import Event, eligible
 
@@ -33,6 +35,8 @@ class FleetCounts:
     backlog: dict[str, int]
     active_work: dict[str, int]
     active_backoffs: dict[str, int]
+    #: Machines per hold kind (``maintenance``, ``quarantine``).
+    held: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
@@ -68,7 +72,16 @@ def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
         },
         active_work=per_process(schema.work),
         active_backoffs=per_process(schema.backoff, schema.backoff.c.until > tx.now),
+        held=held_counts(tx),
     )
+
+
+def held_counts(tx: Tx) -> dict[str, int]:
+    """Machines per hold kind, every kind present (zero when none)."""
+    holds = schema.machine_holds
+    rows = tx.execute(sa.select(holds.c.kind, sa.func.count()).group_by(holds.c.kind))
+    found = {row[0]: int(row[1]) for row in rows}
+    return {kind: found.get(kind, 0) for kind in HOLD_KINDS}
 
 
 _OUTCOMES = (sa.select(schema.history.c.process, schema.history.c.event, sa.func.count())
@@ -90,12 +103,17 @@ def task_outcomes(tx: Tx) -> dict[tuple[str, str], int]:
 
 # -- the blast-radius guard's figures --------------------------------------------------
 
-_AGENTS_STARTED = sa.select(sa.func.count()).select_from(schema.agent_started)
+_AGENTS_STARTED = sa.select(sa.func.count()).select_from(schema.agent_started).where(
+    backlog.not_held(schema.agent_started.c.machine_id))
 
 
 def agents_started(tx: Tx, among: Iterable[uuid.UUID] | None = None) -> int:
-    """Machines with an AgentStarted tag: the guard's denominator (or, ``among`` given,
-    how many of those machines have one)."""
+    """Machines with an AgentStarted tag and no hold: the guard's denominator (or,
+    ``among`` given, how many of those machines have one).
+
+    Held machines (maintenance, quarantine) are left out of both sides of the silent
+    share: an operator's planned work on a rack must not read as a fleet outage.
+    """
     if among is None:
         return int(tx.execute(_AGENTS_STARTED).scalar_one())
     s = schema.agent_started
@@ -111,8 +129,9 @@ _SILENT = _silent_statement()
 
 
 def silent_machines(tx: Tx, thresholds: backlog.Thresholds) -> int:
-    """Distinct machines the Recovery backlog query selects, whether or not they are held
-    or backing off: a silent machine in backoff is still silent."""
+    """Distinct machines the Recovery backlog query selects, whether or not they are
+    claimed or backing off: a silent machine in backoff is still silent. Machines in
+    maintenance or quarantine are not in that query, so not counted."""
     return int(tx.execute(_SILENT, backlog.recovery_cutoffs(tx, thresholds)).scalar_one())
 
 

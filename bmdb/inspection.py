@@ -1,4 +1,5 @@
-"""What operators read: machines by filter, one machine's work and backoffs, sessions.
+"""What operators read: machines by filter (with their tags, work, backoffs and holds),
+one machine's work and backoffs, sessions.
 
 For people (the CLI and the web view, through ``shepherd.operator``), not hot paths:
 these statements are composed per call and some count whole tables. Every record is
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -48,6 +49,8 @@ class MachineSummary:
     tags: list[str]
     work: list[str]
     backoffs: list[str]
+    #: Hold kinds (``maintenance``, ``quarantine``): such a machine is in no backlog.
+    holds: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ def list_machines(tx: Tx, f: MachineFilter = MachineFilter()) -> MachineList:
     tags: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
     work: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
     backoffs: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
+    holds: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
     if ids:
         for name, table in TAG_TABLES.items():
             for machine_id in tx.execute(sa.select(table.c.machine_id)
@@ -166,11 +170,16 @@ def list_machines(tx: Tx, f: MachineFilter = MachineFilter()) -> MachineList:
                               .where(b.c.machine_id.in_(ids), b.c.until > tx.now)
                               .order_by(b.c.process)):
             backoffs[row.machine_id].append(row.process)
+        # The holds' primary key (machine_id, kind) serves this lookup.
+        h = schema.machine_holds
+        for row in tx.execute(sa.select(h.c.machine_id, h.c.kind)
+                              .where(h.c.machine_id.in_(ids)).order_by(h.c.kind)):
+            holds[row.machine_id].append(row.kind)
     machines = [
         MachineSummary(id=row.id, created_at=row.created_at, provider=row.provider,
                        provider_id=row.provider_id, provider_status=row.provider_status,
                        address=row.address, tags=tags[row.id], work=work[row.id],
-                       backoffs=backoffs[row.id])
+                       backoffs=backoffs[row.id], holds=holds[row.id])
         for row in rows
     ]
     total = tx.execute(sa.select(sa.func.count()).select_from(schema.machines)).scalar_one()

@@ -16,6 +16,9 @@ import enum
 class Process(enum.StrEnum):
     AGENT_START = "ShepherdAgentStart"
     RECOVERY = "ShepherdRecovery"
+    # An operator's power command (``shepherd power on|off|cycle``): in the agent
+    # group, so it never runs while AgentStart or Recovery works on the machine.
+    POWER = "ShepherdPower"
     # Operator-requested OS (re)installation; outside the agent group because it
     # runs through the agent rather than around it.
     OS_INSTALL = "ShepherdOSInstall"
@@ -25,6 +28,7 @@ class Process(enum.StrEnum):
 EXCLUSION_GROUPS: dict[Process, str] = {
     Process.AGENT_START: "ShepherdAgent",
     Process.RECOVERY: "ShepherdAgent",
+    Process.POWER: "ShepherdAgent",
     Process.OS_INSTALL: "ShepherdOSInstall",
 }
 

@@ -15,6 +15,9 @@ Invariants and where they are enforced:
   step in the same transaction. They exist so that each backlog query reads only
   the machines in the backlog, through a partial index, whatever the fleet size.
 * History keeps rows of deleted machines: no foreign key on ``history.machine_id``.
+* A machine with a ``machine_holds`` row (maintenance or quarantine) is in no
+  backlog: ``backlog.py`` excludes it with an anti-join on this table's primary key,
+  which costs one index probe per backlog candidate, so the backlogs stay flat.
 """
 
 from __future__ import annotations
@@ -217,6 +220,31 @@ history = Table(
     Index("ix_history_machine_id_id", "machine_id", "id"),
 )
 
+machine_holds = Table(
+    "machine_holds",
+    metadata,
+    # Why a machine is left alone: ``maintenance`` (an operator's) or ``quarantine``
+    # (the reboot ladder failed too often). One row per kind; either keeps the
+    # machine out of every backlog and out of the guard's silent share.
+    Column("machine_id", Uuid, ForeignKey("machines.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("kind", String(16), primary_key=True),
+    Column("reason", Text, nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("since", UTCDateTime, nullable=False),
+)
+
+host_keys = Table(
+    "host_keys",
+    metadata,
+    # The SSH host key a machine must present (an OpenSSH public-key line), recorded
+    # at its first takeover (trust on first use). A pin from the inventory file wins
+    # over this row and is never stored here: the file stays its one source.
+    _machine_key(),
+    Column("host_key", Text, nullable=False),
+    Column("recorded_at", UTCDateTime, nullable=False),
+)
+
 # -- beyond machines ---------------------------------------------------------
 
 capacity_cooldown = Table(
@@ -255,4 +283,16 @@ singletons = Table(
         "session_id", Uuid, ForeignKey("sessions.id", ondelete="CASCADE"), nullable=False
     ),
     Column("acquired_at", UTCDateTime, nullable=False),
+)
+
+reconcile_refusals = Table(
+    "reconcile_refusals",
+    metadata,
+    # The last reconcile of ``provider`` refused to act (the fleets disagree): kept
+    # so that ``shepherd fleet``, the web view, ``shepherd up`` and the metrics show
+    # it, not only a worker log. Deleted by the next reconcile that goes through.
+    Column("provider", String(64), primary_key=True),
+    Column("cause", Text, nullable=False),
+    Column("since", UTCDateTime, nullable=False),
+    Column("checked_at", UTCDateTime, nullable=False),
 )

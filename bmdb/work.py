@@ -85,14 +85,21 @@ class Work:
 
         self.session.transact(body)
 
-    def fail(self, cause: str, backoff: Backoff | None = None) -> int:
-        """Release the machine as failed; it sits out a backoff. Returns the interval (s)."""
+    def fail(self, cause: str, backoff: Backoff | None = None,
+             then: Callable[[Tx], None] | None = None) -> int:
+        """Release the machine as failed; it sits out a backoff. Returns the interval (s).
+
+        ``then`` runs in the same transaction after the failure is in history (Recovery
+        quarantines a machine there once its failures add up).
+        """
         chosen = backoff or default_backoff(self.process)
 
         def body(tx: Tx) -> int:
             self._release(tx)
             interval = _upsert_backoff(tx, self.machine_id, self.process, chosen, cause)
             _record(tx, [self], Event.FAILED, cause=cause)
+            if then is not None:
+                then(tx)
             return interval
 
         return self.session.transact(body)
@@ -106,6 +113,18 @@ class Work:
 
         self.session.transact(body)
 
+    def note(self, event: str, cause: str) -> None:
+        """Put what the work observed so far in history (a reboot rung, say), while it
+        is still held: ``WorkGone`` if the claim is no longer this session's."""
+
+        def body(tx: Tx) -> None:
+            held = tx.execute(_HELD, {"work_id": self.id, "session_id": self.session.id})
+            if held.first() is None:
+                raise WorkGone(f"work {self.id} on machine {self.machine_id} is no longer held")
+            _record(tx, [self], event, cause=cause)
+
+        self.session.transact(body)
+
     def _release(self, tx: Tx) -> None:
         deleted = tx.execute(_RELEASE, {"work_id": self.id, "session_id": self.session.id})
         if deleted.rowcount != 1:
@@ -115,6 +134,8 @@ class Work:
 # Statements of every finish, built once (see ``backlog.Backlog`` for why).
 _RELEASE = sa.delete(schema.work).where(schema.work.c.id == sa.bindparam("work_id"),
                                         schema.work.c.session_id == sa.bindparam("session_id"))
+_HELD = sa.select(schema.work.c.id).where(schema.work.c.id == sa.bindparam("work_id"),
+                                          schema.work.c.session_id == sa.bindparam("session_id"))
 _CLEAR_BACKOFF = sa.delete(schema.backoff).where(
     schema.backoff.c.machine_id == sa.bindparam("machine_id"),
     schema.backoff.c.process == sa.bindparam("process"))

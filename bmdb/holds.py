@@ -1,0 +1,112 @@
+"""Maintenance and quarantine: machines Shepherd leaves alone, and why.
+
+A hold is a row of ``machine_holds`` (machine, kind, reason, who, since). Any hold
+takes the machine out of every backlog (``backlog.not_held``) and out of the
+guard's silent share (``fleet``): nothing automatic touches it. Every change is in
+history with who and why.
+
+* ``maintenance``: put and lifted by an operator (``shepherd maintenance on|off``).
+* ``quarantine``: put by Recovery when the reboot ladder was exhausted
+  ``limit`` times in a row (``quarantine_if_due``), lifted only by an operator
+  (``shepherd quarantine clear``): a machine no reboot brings back needs hands.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+import sqlalchemy as sa
+
+from bmdb import history, schema
+from bmdb.database import Tx
+from bmdb.processes import Process
+
+Kind = Literal["maintenance", "quarantine"]
+MAINTENANCE: Kind = "maintenance"
+QUARANTINE: Kind = "quarantine"
+HOLD_KINDS: tuple[Kind, ...] = (MAINTENANCE, QUARANTINE)
+#: How a Recovery failure that exhausted the reboot ladder begins its cause: what
+#: ``exhaustions_in_a_row`` counts.
+LADDER_EXHAUSTED = "ladder exhausted"
+_PROCESS = {MAINTENANCE: history.MAINTENANCE, QUARANTINE: history.QUARANTINE}
+MAX_REASON = 500
+
+
+@dataclass(frozen=True)
+class Hold:
+    machine_id: uuid.UUID
+    kind: Kind
+    reason: str
+    actor: str
+    since: dt.datetime
+
+
+def put(tx: Tx, machine_id: uuid.UUID, kind: Kind, reason: str, actor: str) -> bool:
+    """Hold the machine (``kind``); False, changing nothing, if it already is so held."""
+    h = schema.machine_holds
+    if holds_of(tx, machine_id, kind):
+        return False
+    reason, actor = reason.strip()[:MAX_REASON], actor.strip()[:128]
+    tx.execute(sa.insert(h).values(machine_id=machine_id, kind=kind, reason=reason,
+                                   actor=actor, since=tx.now))
+    history.record(tx, machine_id, _PROCESS[kind], history.HELD, f"by {actor}: {reason}")
+    return True
+
+
+def lift(tx: Tx, machine_id: uuid.UUID, kind: Kind, actor: str, reason: str = "") -> bool:
+    """Lift the hold; False if there was none."""
+    h = schema.machine_holds
+    deleted = tx.execute(sa.delete(h).where(h.c.machine_id == machine_id, h.c.kind == kind))
+    if deleted.rowcount != 1:
+        return False
+    why = f"by {actor.strip()[:128]}" + (f": {reason.strip()[:MAX_REASON]}" if reason else "")
+    history.record(tx, machine_id, _PROCESS[kind], history.RELEASED, why)
+    return True
+
+
+def holds_of(tx: Tx, machine_id: uuid.UUID, kind: Kind | None = None) -> list[Hold]:
+    """The machine's holds (of ``kind`` only, if given), oldest first."""
+    h = schema.machine_holds
+    query = sa.select(h).where(h.c.machine_id == machine_id).order_by(h.c.since)
+    if kind is not None:
+        query = query.where(h.c.kind == kind)
+    return [Hold(row.machine_id, row.kind, row.reason, row.actor, row.since)
+            for row in tx.execute(query)]
+
+
+def exhaustions_in_a_row(tx: Tx, machine_id: uuid.UUID, limit: int) -> int:
+    """How many of the machine's latest Recovery outcomes (up to ``limit``) were failures
+    that exhausted the reboot ladder, counted back from the newest until another
+    outcome, or until an operator last let the machine out of quarantine (a fresh
+    start: the failures before it were looked at by a person).
+
+    Reads at most ``limit`` rows through the (machine_id, id) history index.
+    """
+    h = schema.history
+    outcome = sa.and_(h.c.process == Process.RECOVERY.value,
+                      h.c.event.in_(("Finished", "Failed")))
+    released = sa.and_(h.c.process == history.QUARANTINE, h.c.event == history.RELEASED)
+    rows = tx.execute(
+        sa.select(h.c.event, h.c.cause)
+        .where(h.c.machine_id == machine_id, sa.or_(outcome, released))
+        .order_by(h.c.id.desc()).limit(limit)
+    )
+    streak = 0
+    for event, cause in rows:
+        if event != "Failed" or not (cause or "").startswith(LADDER_EXHAUSTED):
+            break
+        streak += 1
+    return streak
+
+
+def quarantine_if_due(tx: Tx, machine_id: uuid.UUID, limit: int, actor: str) -> bool:
+    """Quarantine the machine once its ladder was exhausted ``limit`` times in a row
+    (this failure included: call it after recording the failure); True if it was."""
+    streak = exhaustions_in_a_row(tx, machine_id, limit)
+    if streak < limit:
+        return False
+    return put(tx, machine_id, QUARANTINE,
+               f"the reboot ladder was exhausted {streak} times in a row", actor)
