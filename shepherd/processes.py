@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -43,3 +44,15 @@ def kill_marked(name: str, value: str, prefix: bool = False, rounds: int = 5) ->
                 killed += 1
         time.sleep(0.02)
     return killed
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
+    """SIGTERM ``process``, SIGKILL it if it is still there after ``timeout``; reaped."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=timeout)

@@ -1,0 +1,54 @@
+"""Power control: a machine's BMC (Redfish, IPMI) or its provider's API reboot.
+
+``connect(spec)`` gives the driver for an inventory's ``bmc`` table; wrap it in
+``ExclusivePower`` wherever workers may call concurrently (Recovery, the CLI), so
+a BMC sees one call at a time across the fleet. ``ProviderPower`` puts an API
+reboot behind the same interface. See ``base`` for the interface and its errors.
+"""
+
+from shepherd.power.base import (
+    ActionUnsupported,
+    BmcAuthFailed,
+    BmcBusy,
+    BmcUnreachable,
+    PowerAction,
+    PowerControl,
+    PowerError,
+    PowerState,
+)
+from shepherd.power.exclusive import ExclusivePower, singleton_name
+from shepherd.power.ipmi import IpmiPower
+from shepherd.power.provider import ProviderPower
+from shepherd.power.redfish import RedfishPower
+from shepherd.power.spec import DRIVERS, BmcSpec
+
+
+def connect(spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3) -> PowerControl:
+    """The driver for ``spec``: nothing is sent until its first call (so building
+    one for every listed machine is free, and credentials are read per call)."""
+    if spec.driver == "redfish":
+        return RedfishPower(spec, timeout=timeout, attempts=attempts)
+    if spec.driver == "ipmi":
+        return IpmiPower(spec, timeout=timeout, attempts=attempts)
+    raise ValueError(f"{spec.description}: unknown BMC driver {spec.driver!r} "
+                     f"(known: {', '.join(DRIVERS)})")
+
+
+__all__ = [
+    "DRIVERS",
+    "ActionUnsupported",
+    "BmcAuthFailed",
+    "BmcBusy",
+    "BmcSpec",
+    "BmcUnreachable",
+    "ExclusivePower",
+    "IpmiPower",
+    "PowerAction",
+    "PowerControl",
+    "PowerError",
+    "PowerState",
+    "ProviderPower",
+    "RedfishPower",
+    "connect",
+    "singleton_name",
+]

@@ -1,0 +1,117 @@
+"""At most one call per BMC at a time, across every worker on every host.
+
+BMCs are small, slow computers: two resets at once, or a reset while another
+worker reads the state, confuse some of them for minutes. So every call of a
+power control holds a fleet-wide BMDB singleton named after the BMC (not the
+machine: several machines can share a BMC, a chassis manager or one IPMI address).
+A holder that dies frees the name with its session; a live one is waited for, up
+to ``wait`` seconds, then ``BmcBusy``.
+
+The singleton belongs to a BMDB *session*, and one session can serve several
+threads (the CLI's parallel probes, a threaded worker): to the BMDB they are one
+holder. A process-wide lock per name therefore comes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import bmdb
+from shepherd.power.base import BmcBusy, PowerAction, PowerControl, PowerState
+
+log = logging.getLogger(__name__)
+
+#: How often a waiting call asks again.
+POLL_INTERVAL = 0.2
+
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _forget_locks() -> None:
+    """In a forked child: a lock held by a parent's thread would stay held for good."""
+    global _LOCKS_GUARD
+    _LOCKS.clear()
+    _LOCKS_GUARD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
+
+def singleton_name(lock_name: str) -> str:
+    """The BMDB singleton for ``lock_name`` (``BmcSpec.lock_name``): fixed length,
+    within the column's 64 characters whatever the BMC's address."""
+    return "bmc:" + hashlib.sha256(lock_name.encode()).hexdigest()[:40]
+
+
+def _local_lock(name: str) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(name, threading.Lock())
+
+
+class ExclusivePower:
+    """``inner`` with every call under the BMC's fleet-wide singleton."""
+
+    def __init__(self, inner: PowerControl, session: bmdb.Session, lock_name: str,
+                 wait: float = 30.0) -> None:
+        self.inner = inner
+        self.session = session
+        self.lock_name = lock_name
+        self.singleton = singleton_name(lock_name)
+        self.wait = wait
+        self.description = inner.description
+        self.reads_state = inner.reads_state
+
+    def __repr__(self) -> str:
+        return f"ExclusivePower({self.inner!r})"
+
+    def power_state(self) -> PowerState:
+        with self.held():
+            return self.inner.power_state()
+
+    def act(self, action: PowerAction) -> None:
+        with self.held():
+            self.inner.act(action)
+
+    def supports(self, action: PowerAction) -> bool:
+        with self.held():  # a Redfish BMC is asked (its AllowableValues)
+            return self.inner.supports(action)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold this BMC (process lock, then BMDB singleton) for the block; ``BmcBusy``
+        when that takes more than ``wait`` seconds."""
+        deadline = time.monotonic() + self.wait
+        local = _local_lock(self.singleton)
+        if not local.acquire(timeout=max(0.0, self.wait)):
+            raise self._busy()
+        try:
+            while not self.session.transact(
+                    lambda tx: bmdb.singletons.try_acquire(tx, self.singleton)):
+                if time.monotonic() >= deadline:
+                    raise self._busy()
+                time.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+            try:
+                yield
+            finally:
+                self._release()
+        finally:
+            local.release()
+
+    def _release(self) -> None:
+        try:
+            self.session.transact(lambda tx: bmdb.singletons.release(tx, self.singleton))
+        except Exception as error:  # the call's own outcome matters more
+            # Still ours until our session ends; others wait for that, then take it.
+            log.warning("%s: could not release the BMC lock %s: %s", self.description,
+                        self.singleton, error)
+
+    def _busy(self) -> BmcBusy:
+        return BmcBusy(f"{self.description}: another worker is talking to this BMC; "
+                       f"waited {self.wait:g}s")

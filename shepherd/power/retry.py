@@ -1,0 +1,45 @@
+"""The bounded retries every BMC driver uses, in one place.
+
+Why ours and not the client libraries': sushy retries up to 10 times 3 s apart and
+pyghmi per its own rules; a Recovery rung has a deadline and a BMC lock held
+meanwhile, so a call must end within a bound the settings say
+(``SHEPHERD_BMC_ATTEMPTS``, ``SHEPHERD_BMC_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import tenacity
+
+from shepherd.power.base import BmcUnreachable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Transient(Exception):
+    """No answer, or a 5xx: worth another attempt."""
+
+
+def with_retries(description: str, what: str, attempts: int, backoff: float,
+                 once: Callable[[], T]) -> T:
+    """``once()``, tried up to ``attempts`` times while it raises ``Transient``,
+    ``backoff`` seconds apart at first (doubling, at most ten times that);
+    ``BmcUnreachable`` naming the BMC when every attempt failed."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(Transient),
+        stop=tenacity.stop_after_attempt(attempts),
+        wait=tenacity.wait_exponential(multiplier=backoff, max=10 * backoff),
+        before_sleep=lambda s: log.info("%s: %s: %s; retry %d", description, what,
+                                        s.outcome.exception() if s.outcome else "",
+                                        s.attempt_number),
+        reraise=True,
+    )
+    try:
+        return retrying(once)
+    except Transient as error:
+        raise BmcUnreachable(f"{description}: {what}: no answer after {attempts} "
+                             f"attempts: {error}") from None

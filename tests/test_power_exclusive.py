@@ -1,0 +1,278 @@
+"""ExclusivePower: one call per BMC at a time across processes and threads (real PostgreSQL).
+
+The "BMC" here is a file-backed stand-in shared by every process of a test: a call
+creates a marker file exclusively for its duration, so two calls at once are seen
+(and the detector is shown to see them when nothing excludes them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import bmdb
+from shepherd.power import (
+    BmcBusy,
+    BmcUnreachable,
+    ExclusivePower,
+    PowerAction,
+    PowerState,
+    singleton_name,
+)
+
+LOCK = "bmc:redfish:https://192.0.2.117:623"
+
+
+class SharedBmc:
+    """Stands for one BMC that several processes talk to: notes every call's span,
+    and every call that started while another was running."""
+
+    description = "redfish https://192.0.2.117 (stand-in)"
+    reads_state = True
+
+    def __init__(self, directory: Path, hold: float = 0.1,
+                 barrier: threading.Barrier | None = None) -> None:
+        self.directory = directory
+        self.hold = hold
+        self.barrier = barrier
+        self.fail_next = False
+
+    def power_state(self) -> PowerState:
+        self._call("power_state")
+        return PowerState.ON
+
+    def act(self, action: PowerAction) -> None:
+        self._call(str(action))
+
+    def supports(self, action: PowerAction) -> bool:
+        self._call("supports")
+        return action != PowerAction.GRACEFUL_RESTART
+
+    def _call(self, what: str) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise BmcUnreachable(f"{self.description}: {what}: no answer")
+        start = time.monotonic()
+        try:
+            marker = os.open(self.directory / "busy", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            marker = None
+            self._note(f"overlap {os.getpid()} {what}")
+        try:
+            if self.barrier is not None:
+                self.barrier.wait()
+            time.sleep(self.hold)
+        finally:
+            if marker is not None:
+                os.close(marker)
+                os.unlink(self.directory / "busy")
+        self._note(f"call {os.getpid()} {what} {start:.6f} {time.monotonic():.6f}")
+
+    def _note(self, line: str) -> None:
+        with open(self.directory / "calls.log", "a") as handle:
+            handle.write(line + "\n")
+
+    def lines(self) -> list[str]:
+        path = self.directory / "calls.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def overlaps(self) -> list[str]:
+        return [line for line in self.lines() if line.startswith("overlap")]
+
+    def calls(self) -> list[str]:
+        return [line for line in self.lines() if line.startswith("call")]
+
+
+@pytest.fixture
+def db(pg_url: str) -> Iterator[bmdb.BMDB]:
+    handle = bmdb.connect(pg_url)
+    yield handle
+    handle.close()
+
+
+def sessions(db: bmdb.BMDB, count: int) -> list[bmdb.Session]:
+    return [db.start_session(f"power-test-{i}", interval=2) for i in range(count)]
+
+
+def _worker(pg_url: str, directory: str, calls: int) -> None:
+    """One process of its own (a Celery worker, another host): its own BMDB pool and session."""
+    db = bmdb.connect(pg_url)
+    try:
+        with db.start_session(f"worker-{os.getpid()}", interval=2) as session:
+            power = ExclusivePower(SharedBmc(Path(directory), hold=0.1), session, LOCK, wait=60)
+            for _ in range(calls):
+                power.act(PowerAction.FORCE_RESTART)
+                assert power.power_state() == PowerState.ON
+    finally:
+        db.close()
+
+
+def test_calls_from_several_processes_never_overlap(pg_url: str, tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")  # no inherited pools or threads
+    workers = [context.Process(target=_worker, args=(pg_url, str(tmp_path), 3))
+               for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=90)
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+    bmc = SharedBmc(tmp_path)
+    assert bmc.overlaps() == []
+    spans = sorted((float(start), float(end))
+                   for *_, start, end in (line.split() for line in bmc.calls()))
+    assert len(spans) == 3 * 3 * 2
+    assert len({line.split()[1] for line in bmc.calls()}) == 3, "every process called"
+    assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans))
+
+
+def test_the_overlap_detector_sees_calls_at_once(tmp_path: Path) -> None:
+    """Without ExclusivePower, two calls held together by a barrier overlap."""
+    bmc = SharedBmc(tmp_path, hold=0.05, barrier=threading.Barrier(2, timeout=10))
+    threads = [threading.Thread(target=bmc.power_state) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert len(bmc.overlaps()) == 1 and len(bmc.calls()) == 2
+
+
+def test_threads_sharing_one_session_never_overlap(db: bmdb.BMDB, tmp_path: Path) -> None:
+    """To the BMDB, threads of one session are one holder: the process lock separates them."""
+    bmc = SharedBmc(tmp_path, hold=0.05)
+    with db.start_session("shared", interval=2) as session:
+        power = ExclusivePower(bmc, session, LOCK, wait=30)
+        threads = [threading.Thread(target=lambda: [power.act(PowerAction.POWER_ON)
+                                                    for _ in range(3)]) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert len(bmc.calls()) == 12 and bmc.overlaps() == []
+
+
+def test_different_bmcs_do_not_wait_for_each_other(db: bmdb.BMDB, tmp_path: Path) -> None:
+    barrier = threading.Barrier(2, timeout=10)  # passes only if both calls run at once
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    a, b = sessions(db, 2)
+    try:
+        powers = [ExclusivePower(SharedBmc(first, 0.01, barrier), a, "bmc:ipmi:10.0.0.1:623"),
+                  ExclusivePower(SharedBmc(second, 0.01, barrier), b, "bmc:ipmi:10.0.0.2:623")]
+        threads = [threading.Thread(target=p.power_state) for p in powers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=15)
+        assert not barrier.broken
+        assert len(SharedBmc(first).calls()) == 1 and len(SharedBmc(second).calls()) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_bmc_held_elsewhere_is_busy_after_the_wait(db: bmdb.BMDB, tmp_path: Path) -> None:
+    other, ours = sessions(db, 2)
+    try:
+        name = singleton_name(LOCK)
+        assert other.transact(lambda tx: bmdb.singletons.try_acquire(tx, name))
+        bmc = SharedBmc(tmp_path)
+        power = ExclusivePower(bmc, ours, LOCK, wait=0.6)
+        started = time.monotonic()
+        with pytest.raises(BmcBusy) as busy:
+            power.act(PowerAction.POWER_OFF)
+        elapsed = time.monotonic() - started
+        assert 0.6 <= elapsed < 2.0, f"{elapsed:.2f}s"
+        assert bmc.description in str(busy.value)
+        assert bmc.calls() == []
+        other.transact(lambda tx: bmdb.singletons.release(tx, name))
+        power.act(PowerAction.POWER_OFF)
+        assert len(bmc.calls()) == 1
+    finally:
+        other.close()
+        ours.close()
+
+
+def test_a_call_in_this_process_makes_others_here_busy(db: bmdb.BMDB, tmp_path: Path) -> None:
+    """A thread of another session waits on the process lock first, bounded the same way."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowBmc(SharedBmc):
+        def _call(self, what: str) -> None:
+            entered.set()
+            release.wait(10)
+            super()._call(what)
+
+    holder_session, waiter_session = sessions(db, 2)
+    try:
+        holder = ExclusivePower(SlowBmc(tmp_path, hold=0), holder_session, LOCK)
+        thread = threading.Thread(target=holder.power_state)
+        thread.start()
+        assert entered.wait(10)
+        waiter = ExclusivePower(SharedBmc(tmp_path), waiter_session, LOCK, wait=0.4)
+        started = time.monotonic()
+        with pytest.raises(BmcBusy):
+            waiter.power_state()
+        assert 0.4 <= time.monotonic() - started < 1.5
+        release.set()
+        thread.join(timeout=10)
+        assert waiter.power_state() == PowerState.ON
+    finally:
+        release.set()
+        holder_session.close()
+        waiter_session.close()
+
+
+def test_a_dead_holder_is_taken_over(db: bmdb.BMDB, tmp_path: Path) -> None:
+    """A worker that died mid-call leaves the name to its session, which ends with it."""
+    dead, ours = sessions(db, 2)
+    try:
+        assert dead.transact(lambda tx: bmdb.singletons.try_acquire(tx, singleton_name(LOCK)))
+        dead.close()  # no release: as a killed worker's session lapses
+        started = time.monotonic()
+        ExclusivePower(SharedBmc(tmp_path), ours, LOCK, wait=5).act(PowerAction.POWER_ON)
+        assert time.monotonic() - started < 1.0
+    finally:
+        ours.close()
+
+
+def test_a_failing_call_releases_the_bmc(db: bmdb.BMDB, tmp_path: Path) -> None:
+    first, second = sessions(db, 2)
+    try:
+        bmc = SharedBmc(tmp_path)
+        bmc.fail_next = True
+        with pytest.raises(BmcUnreachable):
+            ExclusivePower(bmc, first, LOCK).act(PowerAction.FORCE_RESTART)
+        name = singleton_name(LOCK)
+        assert second.transact(lambda tx: bmdb.singletons.try_acquire(tx, name))
+        second.transact(lambda tx: bmdb.singletons.release(tx, name))
+    finally:
+        first.close()
+        second.close()
+
+
+def test_it_passes_the_inner_control_through(db: bmdb.BMDB, tmp_path: Path) -> None:
+    with db.start_session("pass", interval=2) as session:
+        bmc = SharedBmc(tmp_path, hold=0)
+        power = ExclusivePower(bmc, session, LOCK)
+        assert power.description == bmc.description and power.reads_state
+        assert power.supports(PowerAction.FORCE_RESTART)
+        assert not power.supports(PowerAction.GRACEFUL_RESTART)
+        assert power.power_state() == PowerState.ON
+        assert len(bmc.calls()) == 3  # supports() asks the BMC too, so it is held
+
+
+def test_singleton_names_fit_the_column() -> None:
+    long_lock = "bmc:redfish:https://" + "x" * 300 + ":623"
+    names = {singleton_name(lock) for lock in (LOCK, long_lock, "bmc:ipmi:10.0.0.1:623")}
+    assert len(names) == 3
+    assert all(name.startswith("bmc:") and len(name) <= 64 for name in names)
+    assert singleton_name(LOCK) == singleton_name(LOCK)
