@@ -14,9 +14,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import bmdb
+
+if TYPE_CHECKING:  # a type only: importing shepherd.power here would be a cycle
+    from shepherd.power.spec import BmcSpec
 
 PLACEHOLDERS = frozenset({"", "changeme", "example", "fixme", "todo", "placeholder", "xxx"})
 
@@ -67,6 +70,14 @@ class ProviderMachine:
     #: The ``Capacity.request_id`` it was created under, where the provider keeps it
     #: (so an interrupted creation is recognised; see ``bmdb.capacity``).
     witness: str | None = None
+    #: Who to log in as over SSH; None: the provider does not say (``root`` is used).
+    ssh_user: str | None = None
+    #: The pinned SSH host key, ``"TYPE BASE64"`` (OpenSSH's public-key line without
+    #: its comment), or None when the provider pins none (trust on first use).
+    host_key: str | None = None
+    #: The machine's own BMC (static inventories), or None: then power goes through
+    #: the provider's API reboot, if it has one.
+    bmc: BmcSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,14 @@ class Provider(Protocol):
     @property
     def name(self) -> str:
         """The value stored in the Provided tag's ``provider`` column."""
+        ...
+
+    @property
+    def authoritative(self) -> bool:
+        """True when the provider's list *is* the operator's statement of the fleet (a
+        static inventory): reconcile registers what it lists without asking, and a
+        machine it stops listing is shown as gone. False for an API, whose devices
+        the BMDB does not know may be someone else's (``FleetMismatch``)."""
         ...
 
     def list_machines(self) -> list[ProviderMachine]:

@@ -505,6 +505,10 @@ class EquinixProvider:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def authoritative(self) -> bool:
+        return False  # a project's devices without our record may be someone else's
+
     def ensure_ssh_key(self, public_key: str, *, replace: bool = False) -> str:
         """Register our public key under the configured label; new devices get only it.
         ``replace``: rotate a different key registered under that label (see

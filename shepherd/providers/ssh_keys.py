@@ -28,11 +28,35 @@ def load_or_create(path: Path | str) -> Ed25519PrivateKey:
 
     Creation is race-free across processes: the key is written to a private temp
     file and hard-linked into place, so a loser of the race reads the winner's key.
+    The public half is kept beside it (``public_key_path``), as ssh-keygen does, for
+    the operator to put into ``authorized_keys`` on machines of their own racks.
     """
     path = Path(path)
     if not path.exists():
         _create(path)
-    return _load(path)
+    key = _load(path)
+    _write_public(path, key)
+    return key
+
+
+def public_key_path(path: Path | str) -> Path:
+    """Where the public half of the key at ``path`` is kept: ``<path>.pub``."""
+    path = Path(path)
+    return path.with_name(path.name + ".pub")
+
+
+def _write_public(path: Path, key: Ed25519PrivateKey) -> None:
+    """Write ``<path>.pub`` unless it already holds this key (atomically: a reader never
+    sees half a line)."""
+    line = public_key_openssh(key) + "\n"
+    public = public_key_path(path)
+    with contextlib.suppress(OSError):
+        if public.read_text() == line:
+            return
+    temp = public.with_name(f".{public.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    temp.write_text(line)
+    os.chmod(temp, 0o644)
+    os.replace(temp, public)
 
 
 def public_key_openssh(key: Ed25519PrivateKey, comment: str = COMMENT) -> str:
