@@ -32,20 +32,25 @@ from tasks import app
 MODE = os.environ.get("BENCH_AGENT", "instant")
 
 
+BENCH_HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBENCHBENCHBENCHBENCHBENCHBENCHBENCHBENCHBENC"
+
+
 def instant_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
-                     settings: InitializerSettings) -> bytes:
-    return os.urandom(32)
+                     settings: InitializerSettings,
+                     pin: initializer.HostKeyPin | None = None) -> initializer.Takeover:
+    return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY)
 
 
 def banner_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
-                    settings: InitializerSettings) -> bytes:
+                    settings: InitializerSettings,
+                    pin: initializer.HostKeyPin | None = None) -> initializer.Takeover:
     assert machine.address is not None
     with socket.create_connection((machine.address, machine.ssh_port),
                                   timeout=settings.connect_timeout) as conn:
         conn.settimeout(settings.connect_timeout)
         if not conn.recv(64).startswith(b"SSH-"):
             raise initializer.WorkflowFailure("bench: no SSH banner")
-    return os.urandom(32)
+    return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY)
 
 
 def known_machine(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff

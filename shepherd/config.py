@@ -192,10 +192,18 @@ class Settings:
     ssh_exec_timeout: float = 60.0
     # The agent: extra command-line arguments (e.g. a short --interval for demos).
     agent_args: tuple[str, ...] = ()
-    # Recovery and its blast-radius guard.
-    reboot_wait: float = 60.0
+    # Recovery: the verified reboot ladder (seconds), quarantine, BMC calls.
+    rung_timeout: float = 300.0
+    rung_poll_interval: float = 2.0
+    boot_wait: float = 300.0
+    quarantine_after: int = 3
+    bmc_timeout: float = 10.0
+    bmc_attempts: int = 3
+    # How long a BMC call waits for another worker's call to the same BMC to end.
+    bmc_lock_wait: float = 60.0
+    # The blast-radius guard; min_silent machines may be silent whatever the share.
     recovery_max_share: float = 0.10
-    recovery_min_silent: int = 0
+    recovery_min_silent: int = 1
     reboots_per_hour: int = 50
     healthz_timeout: float = 5.0
     # Backoffs.
@@ -222,14 +230,17 @@ class Settings:
 
     @property
     def machine_task_time_limit(self) -> float:
-        """Hard limit of a per-machine task: SSH connect + run, or a reboot wait, plus slack.
+        """Hard limit of a per-machine task: SSH connect + run (AgentStart, Recovery's
+        agent restart), the whole reboot ladder (four verifications, the boot wait and
+        the BMC calls, each of which may wait for the BMC's lock), plus slack.
 
         Why a limit: a hung task keeps its BMDB session alive, so without one a machine
         could stay held for ever; killing the child ends the session and the sweep
         releases the work (``Abandoned``).
         """
-        return (self.ssh_connect_timeout + 2 * self.ssh_exec_timeout + self.reboot_wait
-                + 120.0)
+        bmc_call = self.bmc_lock_wait + self.bmc_timeout * self.bmc_attempts
+        ladder = 4 * self.rung_timeout + self.boot_wait + 4 * bmc_call
+        return self.ssh_connect_timeout + 2 * self.ssh_exec_timeout + ladder + 120.0
 
     @property
     def machine_task_soft_time_limit(self) -> float:
@@ -298,7 +309,14 @@ class Settings:
             ssh_connect_timeout=_float(env, "SSH_CONNECT_TIMEOUT", d.ssh_connect_timeout),
             ssh_exec_timeout=_float(env, "SSH_EXEC_TIMEOUT", d.ssh_exec_timeout),
             agent_args=_args(env, "AGENT_ARGS", d.agent_args),
-            reboot_wait=_float(env, "REBOOT_WAIT", d.reboot_wait),
+            rung_timeout=_float(env, "RUNG_TIMEOUT", d.rung_timeout, minimum=0.1),
+            rung_poll_interval=_float(env, "RUNG_POLL_INTERVAL", d.rung_poll_interval,
+                                      minimum=0.05),
+            boot_wait=_float(env, "BOOT_WAIT", d.boot_wait),
+            quarantine_after=_int(env, "QUARANTINE_AFTER", d.quarantine_after, minimum=1),
+            bmc_timeout=_float(env, "BMC_TIMEOUT", d.bmc_timeout, minimum=0.1),
+            bmc_attempts=_int(env, "BMC_ATTEMPTS", d.bmc_attempts, minimum=1),
+            bmc_lock_wait=_float(env, "BMC_LOCK_WAIT", d.bmc_lock_wait),
             recovery_max_share=_share(env, "RECOVERY_MAX_SHARE", d.recovery_max_share),
             recovery_min_silent=_int(env, "RECOVERY_MIN_SILENT", d.recovery_min_silent),
             reboots_per_hour=_int(env, "REBOOTS_PER_HOUR", d.reboots_per_hour),
@@ -337,3 +355,9 @@ def _read_secret(env: Mapping[str, str], name: str) -> str:
         except OSError as error:
             raise SettingsError(f"SHEPHERD_{name}_FILE={path!r}: {error.strerror}") from error
     return env.get(f"SHEPHERD_{name}", "")
+
+
+def named_secret(name: str) -> str | None:
+    """The environment variable ``name`` (an inventory's ``password_env``), read at the
+    moment of a BMC call, so the password is never kept in a long-lived object."""
+    return os.environ.get(name)

@@ -19,6 +19,9 @@ import invoke
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
+from shepherd.inventory.host_keys import ALGORITHMS, HostKeyError, parse_host_key
+from shepherd.providers.ssh_keys import same_key
+
 
 class RemoteError(Exception):
     """Anything that went wrong talking to a machine over SSH."""
@@ -40,6 +43,46 @@ class ExecTimeout(RemoteError):
     """The command did not finish within the exec timeout."""
 
 
+class HostKeyMismatch(RemoteError):
+    """The machine presented another host key than the one pinned for it."""
+
+    def __init__(self, where: str, seen: str, expected: str) -> None:
+        super().__init__(f"{where}: host key mismatch: the machine presented {seen} "
+                         f"({fingerprint(seen)}), expected {expected} ({fingerprint(expected)})")
+        self.seen = seen
+        self.expected = expected
+
+
+def fingerprint(key_line: str) -> str:
+    """OpenSSH's ``SHA256:...`` fingerprint of a public-key line (``type base64 [comment]``)."""
+    try:
+        return parse_host_key(key_line).fingerprint
+    except HostKeyError:
+        return "SHA256:?"
+
+
+def _other_key_algorithms(pin: str) -> list[str]:
+    """Every host-key algorithm but those of the pin's type: a server with several host
+    keys shows the one the client prefers, and it must be the pinned one's type."""
+    wanted = ALGORITHMS.get(pin.split()[0], ()) if pin.split() else ()
+    return [name for name in paramiko.Transport._preferred_keys if name not in wanted]
+
+
+class _PinPolicy(paramiko.MissingHostKeyPolicy):
+    """Record the server's key; refuse it (before authentication) unless it is the pin."""
+
+    def __init__(self, where: str, expected: str | None) -> None:
+        self.where = where
+        self.expected = expected
+        self.seen: str | None = None
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str,
+                         key: paramiko.PKey) -> None:
+        self.seen = f"{key.get_name()} {key.get_base64()}"
+        if self.expected is not None and not same_key(self.seen, self.expected):
+            raise HostKeyMismatch(self.where, self.seen, self.expected)
+
+
 class RunResult(NamedTuple):
     exit_code: int
     stdout: str
@@ -47,11 +90,12 @@ class RunResult(NamedTuple):
 
 
 class Remote:
-    """One SSH connection to (address, port) as ``user`` with a private key file."""
+    """One SSH connection to (address, port) as ``user`` with a private key file,
+    to a machine that must present ``host_key`` when one is given."""
 
     def __init__(self, address: str, port: int, key_filename: Path | str, *,
                  user: str = "root", connect_timeout: float = 10.0,
-                 exec_timeout: float = 60.0) -> None:
+                 exec_timeout: float = 60.0, host_key: str | None = None) -> None:
         self.address = address
         self.port = port
         self.connect_timeout = connect_timeout
@@ -69,8 +113,17 @@ class Remote:
                 "banner_timeout": connect_timeout,
                 "auth_timeout": connect_timeout,
                 "channel_timeout": connect_timeout,
+                **({"disabled_algorithms": {"keys": _other_key_algorithms(host_key)}}
+                   if host_key else {}),
             },
         )
+        self._policy = _PinPolicy(f"{address}:{port}", host_key)
+        self.connection.client.set_missing_host_key_policy(self._policy)
+
+    @property
+    def host_key(self) -> str | None:
+        """The key the machine presented (``type base64``), once connected."""
+        return self._policy.seen
 
     def __repr__(self) -> str:
         return f"Remote({self.address}:{self.port})"
@@ -89,6 +142,9 @@ class Remote:
         started = time.monotonic()
         try:
             self.connection.open()
+        except HostKeyMismatch:
+            self.connection.client.close()
+            raise
         except Exception as error:
             self.connection.client.close()  # stop a half-open transport's thread
             raise self._classify(error, time.monotonic() - started) from error

@@ -25,11 +25,12 @@ import bmdb
 from shepherd import metrics
 from shepherd.config import Settings, SettingsError
 from shepherd.providers import Provider, ssh_keys
-from shepherd.providers.base import refuse_placeholder
+from shepherd.providers.base import ProviderMachine, refuse_placeholder
 from shepherd.workflows import InitializerSettings, RecovererSettings
 from shepherd.workflows.guard import GuardLimits
 
 if TYPE_CHECKING:
+    from shepherd.power import PowerControl
     from shepherd.workflows.provisioner import ProvisionerSettings
     from shepherd.workflows.sourcing import SourcingSettings
     from shepherd.workflows.updater import UpdaterSettings
@@ -104,6 +105,10 @@ class Runtime:
 
     def guard_limits(self, *, interactive: bool = False) -> GuardLimits:
         return guard_limits(self.settings, interactive=interactive)
+
+    def power_for(self, machine: ProviderMachine) -> PowerControl | None:
+        """``power_for`` with this process's settings, provider and session."""
+        return power_for(self.settings, self.provider, self.session, machine)
 
     def forget_inherited(self, component: str | None = None) -> None:
         """After a fork: drop the parent's objects without touching what they share with it.
@@ -212,7 +217,32 @@ def initializer_settings(settings: Settings) -> InitializerSettings:
 
 
 def recoverer_settings(settings: Settings) -> RecovererSettings:
-    return RecovererSettings(reboot_wait=settings.reboot_wait)
+    from shepherd.workflows.ladder import LadderSettings
+
+    return RecovererSettings(
+        ladder=LadderSettings(rung_timeout=settings.rung_timeout,
+                              boot_wait=settings.boot_wait,
+                              poll_interval=settings.rung_poll_interval,
+                              banner_timeout=min(5.0, settings.ssh_connect_timeout)),
+        quarantine_after=settings.quarantine_after,
+        agent_restart=initializer_settings(settings),
+    )
+
+
+def power_for(settings: Settings, provider: Provider, session: bmdb.Session,
+              machine: ProviderMachine) -> PowerControl | None:
+    """The machine's power control: its BMC from the inventory (every call under the
+    BMC's fleet-wide lock), else its provider's reboot API, else None."""
+    from shepherd import power
+
+    if machine.bmc is not None:
+        driver = power.connect(machine.bmc, timeout=settings.bmc_timeout,
+                               attempts=settings.bmc_attempts)
+        return power.ExclusivePower(driver, session, machine.bmc.lock_name,
+                                    wait=settings.bmc_lock_wait)
+    if settings.provider in HTTP_PROVIDERS:
+        return power.ProviderPower(provider, machine.provider_id)
+    return None
 
 
 #: The longest an operator's command, page or scrape waits for the callback server.
@@ -277,8 +307,9 @@ class ConfiguredWork(bmdb.Work):
 
     default: bmdb.Backoff | None = None
 
-    def fail(self, cause: str, backoff: bmdb.Backoff | None = None) -> int:
-        return super().fail(cause, backoff or self.default)
+    def fail(self, cause: str, backoff: bmdb.Backoff | None = None,
+             then: Callable[[bmdb.Tx], None] | None = None) -> int:
+        return super().fail(cause, backoff or self.default, then)
 
 
 def configured(work: bmdb.Work, settings: Settings) -> ConfiguredWork:

@@ -97,7 +97,7 @@ def _initialize(work: bmdb.Work) -> WorkflowResult:
 
 def _recover(work: bmdb.Work) -> WorkflowResult:
     rt = app.runtime
-    return recover(work, rt.provider, runtime.recoverer_settings(rt.settings))
+    return recover(work, rt.provider, rt.power_for, runtime.recoverer_settings(rt.settings))
 
 
 def count_pauses(decision: guard.GuardDecision) -> None:

@@ -105,7 +105,11 @@ class ControlPlane:
             "SHEPHERD_SSH_CONNECT_TIMEOUT": "3",
             "SHEPHERD_SSH_EXEC_TIMEOUT": "15",
             "SHEPHERD_AGENT_ARGS": "--interval 0.5 --max-backoff 1",
-            "SHEPHERD_REBOOT_WAIT": "1",
+            "SHEPHERD_RUNG_TIMEOUT": "10",
+            "SHEPHERD_RUNG_POLL_INTERVAL": "0.2",
+            "SHEPHERD_BOOT_WAIT": "10",
+            "SHEPHERD_BMC_TIMEOUT": "3",
+            "SHEPHERD_BMC_LOCK_WAIT": "10",
             "SHEPHERD_HEALTHZ_TIMEOUT": "2",
             "SHEPHERD_AGENT_START_BACKOFF": "1,2,2",
             "SHEPHERD_RECOVERY_BACKOFF": "1,2,2",
@@ -314,7 +318,8 @@ def overlapping_work(history: list[dict[str, Any]]) -> list[str]:
     """
     held: dict[tuple[uuid.UUID, str], uuid.UUID] = {}
     problems = []
-    for row in sorted(history, key=lambda r: r["id"]):
+    work_rows = [r for r in history if r["process"] in bmdb.EXCLUSION_GROUPS]
+    for row in sorted(work_rows, key=lambda r: r["id"]):
         key = (row["machine_id"], bmdb.exclusion_group(row["process"]))
         if row["event"] == bmdb.Event.STARTED:
             if key in held:

@@ -55,7 +55,7 @@ def test_reconcile_and_start_hand_over_to_a_worker(control_plane) -> None:
     time.sleep(1)
     assert "AgentStarted" not in cp.tags(other)
     events = [(r["event"], r["session_id"]) for r in cp.history()
-              if r["machine_id"] == machine]
+              if r["machine_id"] == machine and r["process"] == bmdb.Process.AGENT_START]
     assert [e for e, _ in events] == [bmdb.Event.STARTED, bmdb.Event.FINISHED]
     # Claimed by the CLI's session, finished by the worker session that adopted it.
     assert events[0][1] != events[1][1]

@@ -35,7 +35,7 @@ def test_secret_from_file_stays_out_of_repr(tmp_path):
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("SHEPHERD_BATCH_SIZE", "many", "SHEPHERD_BATCH_SIZE='many' is not a whole number"),
-    ("SHEPHERD_REBOOT_WAIT", "-1", "must not be negative"),
+    ("SHEPHERD_BOOT_WAIT", "-1", "must not be negative"),
     ("SHEPHERD_RECOVERY_BACKOFF", "60", "expected initial,maximum,exponent"),
     ("SHEPHERD_PROVIDER_TOKEN_FILE", "/nonexistent/token", "No such file"),
     ("SHEPHERD_BATCH_SIZE", "0", "SHEPHERD_BATCH_SIZE='0' must be at least 1"),

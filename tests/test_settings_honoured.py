@@ -65,6 +65,9 @@ UP = "tests/test_up.py::test_up_reaches_heartbeating_and_sigint_leaves_nothing"
 POOL = "tests/test_settings_honoured.py::test_the_runtime_pools_as_configured"
 THIRTY = E2E + "test_thirty_reservations_become_heartbeating_machines"
 RECOVERED = E2E + "test_killed_agent_is_recovered_and_heartbeats_again"
+RACKS_QUARANTINE = ("tests/test_racks_e2e.py::"
+                    "test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off")
+RULES = "tests/test_recovery_rules.py::test_ladder_and_bmc_settings_reach_what_workers_build"
 
 #: Setting -> {entry point: where it is shown to be honoured}.
 HONOURED_BY: dict[str, dict[str, str]] = {
@@ -112,7 +115,13 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "ssh_connect_timeout": {W: E2E + "test_refused_ssh_fails_with_the_backoff_then_succeeds"},
     "ssh_exec_timeout": {W: THIRTY},
     "agent_args": {W: THIRTY},
-    "reboot_wait": {W: RECOVERED},
+    "rung_timeout": {W: RACKS_QUARANTINE},
+    "rung_poll_interval": {W: RULES},
+    "boot_wait": {W: RACKS_QUARANTINE},
+    "quarantine_after": {W: RACKS_QUARANTINE},
+    "bmc_timeout": {W: RULES},
+    "bmc_attempts": {W: RULES},
+    "bmc_lock_wait": {W: RULES},
     "recovery_max_share": {W: probe, S: probe, C: probe},
     "recovery_min_silent": {W: "tests/test_workflows.py::"
                             "test_recovery_guard_pauses_on_a_fleet_wide_silence"},

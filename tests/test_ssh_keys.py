@@ -41,7 +41,9 @@ def test_concurrent_first_use_agrees_on_one_key(tmp_path: Path) -> None:
     for thread in threads:
         thread.join(timeout=10)
     assert len(results) == 8 and len(set(results)) == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["id_ed25519"]  # no temp files left
+    # No temp files left; the public half beside the key holds the same key.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["id_ed25519", "id_ed25519.pub"]
+    assert (tmp_path / "id_ed25519.pub").read_text() == results[0] + "\n"
 
 
 def test_key_readable_by_others_is_refused(tmp_path: Path) -> None:

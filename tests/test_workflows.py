@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import bmdb
+from shepherd.power import ProviderPower
 from shepherd.providers.base import ProviderMachine, register_provided
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.server import RunningServer
@@ -28,6 +29,8 @@ from shepherd.workflows import (
     recover,
     recovery_paused,
 )
+from shepherd.workflows.ladder import LadderSettings
+from shepherd.workflows.recoverer import PowerFor
 from tests.agent_fixtures import add_machine, callback_server, tags_of, wait_for
 from tests.simulator_fixtures import client, provider, simulator, ssh_key
 
@@ -100,7 +103,10 @@ def test_initialize_starts_an_agent_that_heartbeats(
     tags = tags_of(db, machine_id)
     assert len(tags["AgentStarted"]["public_key"]) == 32
     assert (simulator.sandbox(provider_id) / settings.agent_target).stat().st_mode & 0o777 == 0o755
-    assert [h["event"] for h in history(db, machine_id)][:2] == ["Finished", "Started"]
+    assert [h["event"] for h in history(db, machine_id)][:3] == ["Finished", "Pinned", "Started"]
+    # Trust on first use: the host key the machine presented is now required.
+    assert db.read(lambda tx: bmdb.host_keys.pinned(tx, machine_id)) == \
+        simulator.host_key_line(provider_id)
     assert session.held_work() == []
     assert session.claim_backlog(bmdb.Process.AGENT_START, 5) == []
 
@@ -150,6 +156,16 @@ def test_agent_error_answer_fails_the_work(
     assert session.held_work() == []
 
 
+#: A ladder for a simulator whose reboots take about a second.
+FAST = RecovererSettings(ladder=LadderSettings(rung_timeout=8, boot_wait=8, poll_interval=0.1,
+                                               banner_timeout=1))
+
+
+def api_reboot(provider: EquinixProvider) -> PowerFor:
+    """Recovery's power control for the simulator's devices: the provider's reboot API."""
+    return lambda machine: ProviderPower(provider, machine.provider_id)
+
+
 def test_recovery_reboots_and_returns_the_machine_to_agent_start(
         session: bmdb.Session, db: bmdb.BMDB, provider: EquinixProvider,
         simulator: Simulator, settings: InitializerSettings) -> None:
@@ -160,10 +176,13 @@ def test_recovery_reboots_and_returns_the_machine_to_agent_start(
                     what="the silent machine in the Recovery backlog")[0]
     assert work.machine_id == machine_id
 
-    result = recover(work, provider, RecovererSettings(reboot_wait=0.2))
+    result = recover(work, provider, api_reboot(provider), FAST)
 
     assert result.ok, result.cause
     assert simulator.devices[provider_id].reboots == 1
+    rungs = [h for h in history(db, machine_id) if h["event"] == "Rung"]
+    assert [r["cause"].split(":")[0] for r in rungs] == ["rung 1 (graceful restart)"]
+    assert "verified" in rungs[0]["cause"] and "not verified" not in rungs[0]["cause"]
     tags = tags_of(db, machine_id)
     assert "AgentStarted" not in tags and "AgentHeartbeat" not in tags
     assert history(db, machine_id)[0]["process"] == bmdb.Process.RECOVERY.value
@@ -194,7 +213,7 @@ def test_recovery_of_an_unknown_device_fails(
     now_silent = bmdb.Thresholds(first_heartbeat=0, heartbeat=0)
     [work] = session.claim(bmdb.Process.RECOVERY,
                            lambda tx: bmdb.backlog.recovery(tx, now_silent), 1)
-    result = recover(work, provider, RecovererSettings(reboot_wait=0))
+    result = recover(work, provider, api_reboot(provider), FAST)
     assert result.outcome == "failed" and "not found" in (result.cause or "")
     assert "AgentStarted" in tags_of(db, machine_id)  # nothing dropped on failure
     assert session.held_work() == []

@@ -4,7 +4,7 @@ AgentStart and Recovery (per machine).
 A Celery task adopts (or claims) a ``bmdb.Work`` and calls::
 
     result = initialize(work, provider, InitializerSettings(ssh_key_path=..., bmaas_endpoint=...))
-    result = recover(work, provider, RecovererSettings(reboot_wait=60))
+    result = recover(work, provider, power_for, RecovererSettings())
     reason = recovery_paused(db, thresholds)        # before sourcing Recovery at all
 
 Both workflows finish or fail the work on every path and return a ``WorkflowResult``

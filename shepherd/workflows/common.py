@@ -30,12 +30,15 @@ Outcome = Literal["finished", "failed"]
 
 
 class WorkflowFailure(Exception):
-    """A failure with its cause text and, optionally, a backoff fitting it."""
+    """A failure with its cause text and, optionally, a backoff fitting it and more
+    changes to make in the failing transaction (``then``)."""
 
-    def __init__(self, cause: str, backoff: bmdb.Backoff | None = None) -> None:
+    def __init__(self, cause: str, backoff: bmdb.Backoff | None = None,
+                 then: Callable[[bmdb.Tx], None] | None = None) -> None:
         super().__init__(cause)
         self.cause = cause
         self.backoff = backoff
+        self.then = then
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def run_work(work: bmdb.Work, body: Callable[[], Callable[[bmdb.Tx], None]]) -> 
     except NOT_OURS:
         raise
     except WorkflowFailure as failure:
-        return fail(work, failure.cause, failure.backoff)
+        return fail(work, failure.cause, failure.backoff, failure.then)
     except NotSupported as error:
         return fail(work, f"provider: not supported: {error}", PERMANENT_BACKOFF)
     except ProviderError as error:
@@ -96,9 +99,10 @@ def run_work(work: bmdb.Work, body: Callable[[], Callable[[bmdb.Tx], None]]) -> 
     return WorkflowResult(work.machine_id, work.process.value, "finished")
 
 
-def fail(work: bmdb.Work, cause: str, backoff: bmdb.Backoff | None = None) -> WorkflowResult:
+def fail(work: bmdb.Work, cause: str, backoff: bmdb.Backoff | None = None,
+         then: Callable[[bmdb.Tx], None] | None = None) -> WorkflowResult:
     """Fail the work (default backoff of its process unless one is given) and say so."""
     cause = cause if len(cause) <= MAX_CAUSE else cause[: MAX_CAUSE - 3] + "..."
     log.warning("%s failed on %s: %s", work.process.value, work.machine_id, cause)
-    interval = work.fail(cause, backoff)
+    interval = work.fail(cause, backoff, then)
     return WorkflowResult(work.machine_id, work.process.value, "failed", cause, interval)

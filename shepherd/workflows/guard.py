@@ -36,7 +36,9 @@ class GuardLimits:
     """How much Recovery may do: see ``decide``. ``healthz_url`` None skips that check."""
 
     max_share: float = 0.10
-    min_silent: int = 0
+    #: Silent machines allowed whatever the share: one machine of a small rack is
+    #: already a large share, and must still be recovered.
+    min_silent: int = 1
     reboots_per_hour: int = 50
     healthz_url: str | None = None
     healthz_timeout: float = 5.0
@@ -189,7 +191,8 @@ def evaluate(db: bmdb.BMDB, thresholds: bmdb.Thresholds, limits: GuardLimits, *,
 
 
 def recovery_paused(source: bmdb.Tx | bmdb.BMDB, thresholds: bmdb.Thresholds,
-                    max_share: float = 0.10, min_silent: int = 0) -> str | None:
+                    max_share: float = GuardLimits.max_share,
+                    min_silent: int = GuardLimits.min_silent) -> str | None:
     """The silent-share reason to pause Recovery, or None (``decide``'s first figure
     alone: no callback server, no budget)."""
     if isinstance(source, bmdb.BMDB):

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import bmdb
 from shepherd.agent import AGENT_PATH
@@ -24,7 +25,7 @@ from shepherd.providers.base import (
     Provider,
     ProviderMachine,
 )
-from shepherd.remote import Remote, RemoteError
+from shepherd.remote import HostKeyMismatch, Remote, RemoteError, fingerprint
 from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
     WorkflowFailure,
@@ -64,11 +65,44 @@ def initialize(work: bmdb.Work, provider: Provider,
 
     def body() -> Callable[[bmdb.Tx], None]:
         machine = reachable_machine(work, provider, settings.permanent_backoff)
+        pin = host_key_pin(work, machine)
         work.ensure_held()
-        key = take_over(machine, work.machine_id, settings)
-        return lambda tx: bmdb.tags.set_agent_started(tx, work.machine_id, key)
+        taken = take_over(machine, work.machine_id, settings, pin)
+
+        def record(tx: bmdb.Tx) -> None:
+            bmdb.tags.set_agent_started(tx, work.machine_id, taken.agent_key)
+            if pin is None:
+                bmdb.host_keys.pin(tx, work.machine_id, taken.host_key,
+                                   fingerprint(taken.host_key))
+
+        return record
 
     return run_work(work, body)
+
+
+@dataclass(frozen=True)
+class HostKeyPin:
+    """The host key a machine must present, and where the pin comes from (for causes)."""
+
+    key: str
+    source: str
+
+
+def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None:
+    """The inventory's pin if it has one, else the key recorded at the first takeover."""
+    if machine.host_key:
+        return HostKeyPin(machine.host_key, "pinned in the inventory")
+    recorded = work.session.transact(
+        lambda tx: bmdb.host_keys.pinned(tx, work.machine_id))
+    if recorded is None:
+        return None
+    return HostKeyPin(recorded, "recorded at the first takeover; after a reinstall run "
+                                f"'shepherd host-key forget {work.machine_id}'")
+
+
+class Takeover(NamedTuple):
+    agent_key: bytes
+    host_key: str
 
 
 def reachable_machine(work: bmdb.Work, provider: Provider,
@@ -89,24 +123,33 @@ def reachable_machine(work: bmdb.Work, provider: Provider,
 
 
 def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
-              settings: InitializerSettings) -> bytes:
-    """Upload and run the agent over SSH; return its validated 32-byte public key."""
+              settings: InitializerSettings, pin: HostKeyPin | None = None) -> Takeover:
+    """Upload and run the agent over SSH; return its validated 32-byte public key and
+    the host key the machine presented (which must be ``pin``'s when there is one:
+    otherwise nothing is uploaded)."""
     assert machine.address is not None
     try:
         init = TakeoverInit(machine_id, settings.bmaas_endpoint, settings.ca_certificate)
     except ProtocolError as error:
         raise WorkflowFailure(f"config: unusable takeover settings: {error}") from error
     remote = Remote(machine.address, machine.ssh_port, settings.ssh_key_path,
-                    user=settings.ssh_user, connect_timeout=settings.connect_timeout,
-                    exec_timeout=settings.exec_timeout)
+                    user=machine.ssh_user or settings.ssh_user,
+                    connect_timeout=settings.connect_timeout,
+                    exec_timeout=settings.exec_timeout,
+                    host_key=None if pin is None else pin.key)
     try:
         remote.connect()
         remote.upload(AGENT_PATH, settings.agent_target, mode=0o755)
         result = remote.run(agent_command(settings), stdin=init.encode())
+    except HostKeyMismatch as error:
+        assert pin is not None
+        raise WorkflowFailure(f"ssh: {error} ({pin.source})",
+                              settings.permanent_backoff) from error
     except RemoteError as error:
         raise WorkflowFailure(f"ssh: {type(error).__name__}: {error}") from error
     finally:
         remote.close()
+    assert remote.host_key is not None
     if not result.stdout.strip():
         raise WorkflowFailure(f"agent: exited {result.exit_code} without an answer; "
                               f"stderr: {result.stderr.strip()[-300:]!r}")
@@ -119,7 +162,7 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
     for warning in response.warnings:
         log.warning("agent on %s warns: %s", machine_id, warning)
     assert response.key is not None
-    return response.key
+    return Takeover(response.key, remote.host_key)
 
 
 def agent_command(settings: InitializerSettings) -> str:

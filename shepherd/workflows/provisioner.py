@@ -11,7 +11,13 @@ The safety rails (docs/ARCHITECTURE.md section 5) and why they exist:
   double-provisioned, so the run stops with ``FleetMismatch`` (logged at ERROR with
   the ids) and touches nothing. The opt-in ``assimilate`` setting registers the
   provider-only machines instead; BMDB-only machines always stop the run, because
-  only an operator can tell "deleted on purpose" from "lost".
+  only an operator can tell "deleted on purpose" from "lost". The refusal is kept
+  in the BMDB (``bmdb.refusals``) until a run goes through, so ``shepherd fleet``,
+  the web view, ``shepherd up`` and the metrics show it, naming the setting.
+* **An authoritative provider (a static inventory) is the fleet.** The file is the
+  operator's statement of which machines exist: what it lists is registered without
+  any setting, and a machine it no longer lists is left to the updater, which marks
+  it Missing (shown as gone, never deleted, never started).
 * **No provider call inside a transaction.** A transaction body may run more than
   once and must have no outside effects, and on SQLite an open transaction holds the
   database's write lock: every listing and every create happens between
@@ -79,6 +85,18 @@ class FleetMismatch(Exception):
             f"{_shown(self.provider_only)}, {len(self.bmdb_only)} in the BMDB but not at "
             f"the provider {_shown(self.bmdb_only)}"
         )
+
+    @property
+    def advice(self) -> str:
+        """The refusal as operators see it outside the worker log: what to do about it."""
+        fixes = []
+        if self.provider_only:
+            fixes.append("set SHEPHERD_ASSIMILATE=true to register the machines the BMDB "
+                         "lacks")
+        if self.bmdb_only:
+            fixes.append("machines the provider no longer lists need an operator: find out "
+                         "why they are gone")
+        return f"{self}; {'; '.join(fixes)}"
 
 
 @dataclass(frozen=True)
@@ -162,7 +180,13 @@ def _reconcile_held(session: bmdb.Session, provider: Provider,
     known = session.transact(lambda tx: bmdb.queries.provided_by_provider_id(tx, provider.name))
     recovered = register_interrupted(session, provider, machines, known)
     known = {**known, **recovered}
-    assimilated = check_fleets(session, provider, machines, known, settings.assimilate)
+    try:
+        assimilated = check_fleets(session, provider, machines, known, settings.assimilate)
+    except FleetMismatch as mismatch:
+        advice = mismatch.advice
+        session.transact(lambda tx: bmdb.refusals.record(tx, provider.name, advice))
+        raise
+    session.transact(lambda tx: bmdb.refusals.clear(tx, provider.name))
     cooling = session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name))
     candidates = [c for c in capacity if c.reservation_id not in cooling]
     attempts = min(settings.chunk_size, room)
@@ -214,11 +238,14 @@ def check_fleets(session: bmdb.Session, provider: Provider, machines: list[Provi
     provider_only = sorted(set(at_provider) - set(known))
     bmdb_only = sorted(set(known) - set(at_provider))
     assimilated = 0
+    if provider.authoritative:
+        assimilate, bmdb_only = True, []
     if provider_only and assimilate:
         new = [at_provider[i] for i in provider_only]
         session.transact(lambda tx: _register_all(tx, provider.name, new))
-        log.warning("%s: assimilated %d machines the BMDB lacked: %s", provider.name,
-                    len(new), _shown(provider_only))
+        level = logging.INFO if provider.authoritative else logging.WARNING
+        log.log(level, "%s: registered %d machines the BMDB lacked: %s", provider.name,
+                len(new), _shown(provider_only))
         assimilated, provider_only = len(new), []
     if provider_only or bmdb_only:
         mismatch = FleetMismatch(provider.name, provider_only, bmdb_only)

@@ -1,19 +1,34 @@
-"""Recovery: reboot a machine whose agent went silent, and send it back to AgentStart.
+"""Recovery: bring back a machine whose agent went silent, by the gentlest step that works.
 
-Finishing drops AgentStarted and AgentHeartbeat in one transaction, which puts the
-machine (still Provided, Running) back in the AgentStart backlog; the initializer
-then starts a fresh agent with a fresh key.
+0. If the agent had been heard from and SSH still answers with the machine's pinned
+   host key, only the agent is restarted (the initializer's takeover again): no
+   reboot. Finishing records the new agent in place of the old one.
+1.-3. Otherwise the verified reboot ladder (``ladder``) through the machine's power
+   control (its BMC from the inventory, or its provider's reboot API).
+
+After a verified reboot, finishing drops AgentStarted and AgentHeartbeat in one
+transaction, which puts the machine back in the AgentStart backlog. A ladder climbed
+to its end fails the work with the Recovery backoff; the ``quarantine_after``-th such
+failure in a row quarantines the machine in the same transaction (``bmdb.holds``):
+nothing automatic touches it again until an operator clears it.
+
+Why rung 0 needs a heard-from agent: an agent that never reached the callback server
+after its start will not reach it by being started again; a reboot at least changes
+something.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import bmdb
-from shepherd.providers.base import NotFound, Provider
+from shepherd.power import PowerControl, PowerError
+from shepherd.providers.base import NotFound, Provider, ProviderMachine
+from shepherd.workflows import ladder
 from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
     WorkflowFailure,
@@ -21,38 +36,114 @@ from shepherd.workflows.common import (
     provider_id_of,
     run_work,
 )
+from shepherd.workflows.initializer import InitializerSettings, host_key_pin, take_over
+
+log = logging.getLogger(__name__)
+
+#: The power control of a machine, or None when nothing can reboot it.
+PowerFor = Callable[[ProviderMachine], PowerControl | None]
+QUARANTINE_ACTOR = "shepherd recovery"
 
 
 @dataclass(frozen=True)
 class RecovererSettings:
-    """``reboot_wait``: seconds to wait after the reboot request before finishing.
+    """``quarantine_after``: ladders exhausted in a row before the machine is quarantined.
+    ``agent_restart``: the initializer's settings for rung 0 (None: no rung 0)."""
 
-    Why wait: finishing makes the machine claimable for AgentStart at once; an
-    initializer arriving before the machine went down would start an agent the
-    reboot then kills, costing a heartbeat timeout to notice.
-    """
-
-    reboot_wait: float = 60.0
+    ladder: ladder.LadderSettings = field(default_factory=ladder.LadderSettings)
+    quarantine_after: int = 3
+    agent_restart: InitializerSettings | None = None
     permanent_backoff: bmdb.Backoff = PERMANENT_BACKOFF
 
 
-def recover(work: bmdb.Work, provider: Provider, settings: RecovererSettings,
+def recover(work: bmdb.Work, provider: Provider, power_for: PowerFor,
+            settings: RecovererSettings,
+            clock: Callable[[], float] = time.monotonic,
             sleep: Callable[[float], None] = time.sleep) -> WorkflowResult:
-    """Reboot ``work``'s machine, wait, then finish dropping its agent tags (or fail)."""
+    """Restart the agent or climb the reboot ladder; finish, or fail with the cause."""
+
+    def note(outcome: ladder.RungOutcome) -> None:
+        log.info("recovery of %s: %s", work.machine_id, outcome.text())
+        work.note(bmdb.history.RUNG, outcome.text())
 
     def body() -> Callable[[bmdb.Tx], None]:
-        provider_id = provider_id_of(work, provider, settings.permanent_backoff)
+        machine = current_machine(work, provider, settings.permanent_backoff)
+        restarted = restart_agent(work, machine, settings, note)
+        if restarted is not None:
+            return restarted
+        power = power_for(machine)
+        if power is None:
+            raise WorkflowFailure(
+                f"nothing can reboot this machine: its inventory entry has no bmc table and "
+                f"provider {provider.name} has no reboot API", settings.permanent_backoff)
+        endpoint = ladder.Endpoint(machine.address, machine.ssh_port)
+        watch = ladder.Watch(power, endpoint, settings.ladder, clock, sleep)
         work.ensure_held()
         try:
-            provider.reboot(provider_id)
-        except NotFound as error:
-            raise WorkflowFailure(f"provider {provider.name}: device {provider_id} not "
-                                  f"found: {error}", settings.permanent_backoff) from error
-        if settings.reboot_wait > 0:
-            sleep(settings.reboot_wait)
+            verified = ladder.climb(power, watch, note)
+        except PowerError as error:
+            raise WorkflowFailure(f"bmc: {type(error).__name__}: {error}") from error
+        if verified is None:
+            raise exhausted(work, power, settings.quarantine_after)
+        if not watch.banner_back():
+            log.warning("recovery of %s: SSH not back within %.0fs of %s; AgentStart will "
+                        "retry", work.machine_id, settings.ladder.boot_wait, verified.name)
         return lambda tx: forget_agent(tx, work.machine_id)
 
     return run_work(work, body)
+
+
+def current_machine(work: bmdb.Work, provider: Provider,
+                    permanent: bmdb.Backoff) -> ProviderMachine:
+    provider_id = provider_id_of(work, provider, permanent)
+    try:
+        return provider.get_machine(provider_id)
+    except NotFound as error:
+        raise WorkflowFailure(f"provider {provider.name}: device {provider_id} not found: "
+                              f"{error}", permanent) from error
+
+
+def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: RecovererSettings,
+                  note: ladder.Note) -> Callable[[bmdb.Tx], None] | None:
+    """Rung 0: a new agent over SSH, when allowed (see the module docstring); the tag
+    changes to finish with, or None to climb the ladder."""
+    init = settings.agent_restart
+    if init is None or not machine.address:
+        return None
+    pin = host_key_pin(work, machine)
+    heard = work.session.transact(
+        lambda tx: bmdb.queries.machine_tag(tx, "AgentHeartbeat", work.machine_id))
+    if pin is None or heard is None:
+        return None
+    started = time.monotonic()
+    work.ensure_held()
+    try:
+        taken = take_over(machine, work.machine_id, init, pin)
+    except WorkflowFailure as failure:
+        note(ladder.RungOutcome(0, "agent restart", False, failure.cause,
+                                time.monotonic() - started))
+        return None
+    note(ladder.RungOutcome(0, "agent restart", True, "a new agent answered over SSH",
+                            time.monotonic() - started))
+
+    def replace_agent(tx: bmdb.Tx) -> None:
+        forget_agent(tx, work.machine_id)
+        bmdb.tags.set_agent_started(tx, work.machine_id, taken.agent_key)
+
+    return replace_agent
+
+
+def exhausted(work: bmdb.Work, power: PowerControl, limit: int) -> WorkflowFailure:
+    """The failure of a ladder climbed to its end; quarantines on the ``limit``-th."""
+    cause = (f"{bmdb.holds.LADDER_EXHAUSTED}: no rung was verified through "
+             f"{power.description} (see the Rung entries in history)")
+
+    def quarantine(tx: bmdb.Tx) -> None:
+        if bmdb.holds.quarantine_if_due(tx, work.machine_id, limit, QUARANTINE_ACTOR):
+            log.error("QUARANTINED %s: the reboot ladder was exhausted %d times in a row",
+                      work.machine_id, limit)
+
+    return WorkflowFailure(cause, then=quarantine)
 
 
 def forget_agent(tx: bmdb.Tx, machine_id: uuid.UUID) -> None:
