@@ -13,11 +13,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import paramiko
 import pytest
 import requests
 
+from shepherd.processes import marked_processes
+from shepherd.providers import ssh_keys
 from shepherd.simulator import Simulator
+from shepherd.simulator.ssh import MARKER
 from tests.simulator_fixtures import TOKEN, free_port, simulator
 
 pytestmark = pytest.mark.timeout(60)
@@ -268,3 +274,244 @@ def test_cli_refuses_to_start_without_a_token() -> None:
     finally:
         if saved is not None:
             os.environ["SHEPHERD_SIMULATOR_TOKEN"] = saved
+
+
+# -- host keys, power and the hang fault ---------------------------------------------
+
+
+def _server_key(sim: Simulator, device_id: str) -> str:
+    """The host key the device's SSH presents, read as a client does (no login)."""
+    sock = socket.create_connection((sim.devices[device_id].address, sim.ssh_port), timeout=5)
+    transport = paramiko.Transport(sock)
+    try:
+        transport.start_client(timeout=5)
+        key = transport.get_remote_server_key()
+        return f"{key.get_name()} {key.get_base64()}"
+    finally:
+        transport.close()
+
+
+def _refused(sim: Simulator, device_id: str) -> bool:
+    try:
+        socket.create_connection((sim.devices[device_id].address, sim.ssh_port),
+                                 timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+DETACH = "setsid bash -c 'sleep 300' </dev/null >/dev/null 2>&1 & echo started"
+
+
+def _run_detached(sim: Simulator, device_id: str, key_path: Path) -> None:
+    """Leave a detached process on the device (what a started agent is), over real SSH."""
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    client.connect(sim.devices[device_id].address, sim.ssh_port, username="root",
+                   key_filename=str(key_path), timeout=5, allow_agent=False,
+                   look_for_keys=False)
+    try:
+        _, stdout, _ = client.exec_command(DETACH, timeout=5)
+        assert stdout.read() == b"started\n"
+    finally:
+        client.close()
+    deadline = time.monotonic() + 5
+    while not marked_processes(MARKER, device_id):
+        assert time.monotonic() < deadline, "the detached process never showed up"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def login_key(tmp_path: Path) -> Path:
+    return tmp_path / "keys" / "id_ed25519"
+
+
+@pytest.fixture
+def powered(tmp_path: Path, login_key: Path) -> Iterator[Simulator]:
+    """A simulator with one host key per device, ``login_key`` registered."""
+    public = ssh_keys.public_key_openssh(ssh_keys.load_or_create(login_key))
+    sim = Simulator(reservations=3, token=TOKEN, ssh_port=free_port(), provision_delay=0.0,
+                    reboot_delay=0.5, workdir=tmp_path / "sim", per_device_host_keys=True)
+    with sim:
+        sim.state.create_ssh_key({"label": "test", "key": public})
+        yield sim
+
+
+def test_host_keys_per_device_and_rotation(powered: Simulator,
+                                           simulator: Simulator) -> None:
+    one, two = _create(powered, 0)["id"], _create(powered, 1)["id"]
+    for device in (one, two):
+        powered.wait_for_ssh(device, timeout=5)
+    first = _server_key(powered, one)
+    assert first == powered.host_key_line(one) and first.startswith("ssh-ed25519 AAAA")
+    assert _server_key(powered, two) == powered.host_key_line(two) != first
+    rotated = powered.rotate_host_key(one)
+    assert rotated != first and _server_key(powered, one) == rotated
+    assert _server_key(powered, two) == powered.host_key_line(two)  # untouched
+    over_api = _api(powered, "POST", f"/_admin/devices/{two}/rotate-host-key").json()
+    assert _server_key(powered, two) == over_api["host_key"] == powered.host_key_line(two)
+    state = {d["id"]: d for d in _api(powered, "GET", "/_admin/state").json()["devices"]}
+    assert state[one]["host_key"] == rotated
+    # The default: one key shared by every device.
+    shared = [_create(simulator, i)["id"] for i in (0, 1)]
+    assert simulator.host_key_line(shared[0]) == simulator.host_key_line(shared[1])
+
+
+def test_power_off_kills_and_refuses_power_on_answers(powered: Simulator,
+                                                       login_key: Path) -> None:
+    device = _create(powered)["id"]
+    powered.wait_for_ssh(device, timeout=5)
+    _run_detached(powered, device, login_key)
+    assert powered.set_power(device, False) is True
+    assert _refused(powered, device)  # at once: set_power returns once SSH reflects it
+    assert marked_processes(MARKER, device) == []
+    assert _api(powered, "GET", f"/devices/{device}").json()["state"] == "inactive"
+    assert powered.set_power(device, False) is False  # the same state: no transition
+    reboot = _api(powered, "POST", f"/devices/{device}/actions", json={"type": "reboot"})
+    assert reboot.status_code == 422  # nothing to reboot while off
+    assert powered.set_power(device, True) is True
+    assert not _refused(powered, device)
+    assert _api(powered, "GET", f"/devices/{device}").json()["state"] == "active"
+    snapshot = _api(powered, "GET", "/_admin/state").json()["devices"][0]
+    assert (snapshot["powered"], snapshot["hung"], snapshot["power_changes"]) == (True, False, 2)
+    over_api = _api(powered, "POST", f"/_admin/devices/{device}/power", json={"on": False})
+    assert over_api.json() == {"changed": True} and _refused(powered, device)
+    bad = _api(powered, "POST", f"/_admin/devices/{device}/power", json={"on": "yes"})
+    assert bad.status_code == 422
+
+
+def test_hang_lasts_until_the_next_power_transition(powered: Simulator,
+                                                    login_key: Path) -> None:
+    device = _create(powered)["id"]
+    powered.wait_for_ssh(device, timeout=5)
+    _run_detached(powered, device, login_key)
+    assert powered.hang(device) >= 1
+    assert _refused(powered, device) and marked_processes(MARKER, device) == []
+    assert _api(powered, "GET", f"/devices/{device}").json()["state"] == "active"  # API: fine
+    assert powered.set_power(device, True) is False  # already on: not a transition
+    assert _refused(powered, device)
+    powered.set_power(device, False)
+    powered.set_power(device, True)
+    assert not _refused(powered, device)
+    # A reboot through the API is a power transition too; the hang over the admin API.
+    assert _api(powered, "POST", f"/_admin/devices/{device}/hang").json() == {"killed": 0}
+    assert _refused(powered, device)
+    powered.reboot_device(device)
+    powered.wait_for_state(device, "active", timeout=5)
+    powered.wait_for_ssh(device, timeout=5)
+
+
+def test_bmc_notifications_power_the_named_device(powered: Simulator) -> None:
+    """What sushy-emulator's fake driver PUTs after a change (no token: it sends none)."""
+    device = _create(powered)["id"]
+    powered.wait_for_ssh(device, timeout=5)
+    url = f"http://127.0.0.1:{powered.http_port}/bmc-notify"
+    system = {"uuid": "5b0c5d6e-0000-4000-8000-000000000001", "name": device,
+              "power_state": "Off", "external_notifier": True,
+              "pending_power": {"power_state": "ForceRestart", "apply_time": 0},
+              "nics": [{"mac": "00:5c:52:31:3a:01", "ip": "10.0.0.1"}]}
+    off = requests.put(url, json=system, timeout=5)
+    assert off.status_code == 200
+    assert off.json() == {"device_id": device, "powered": False, "changed": True}
+    assert _refused(powered, device)
+    again = requests.put(url, json=system, timeout=5)
+    assert again.json()["changed"] is False
+    on = requests.put(url, json={**system, "power_state": "On", "pending_power": None},
+                      timeout=5)
+    assert on.json()["changed"] is True and not _refused(powered, device)
+    assert requests.put(url, json={**system, "name": "nope"}, timeout=5).status_code == 404
+    assert requests.put(url, json={**system, "power_state": "Paused"},
+                        timeout=5).status_code == 422
+    assert requests.put(url, json=[1], timeout=5).status_code == 422
+    assert requests.get(url, timeout=5).status_code == 405
+    assert [r.status for r in powered.requests("PUT", "/bmc-notify")] == [200, 200, 200, 404,
+                                                                        422, 422]
+
+
+# -- racks: the machines behind an emulated Redfish BMC ------------------------------
+
+
+def test_racks_list_pinned_machines_whose_bmc_powers_them(tmp_path: Path,
+                                                          login_key: Path) -> None:
+    """A real sushy-emulator: the inventory parses, pins what SSH serves, and a reset
+    through the BMC reaches the machine (its restart's "Off" is notified before the
+    BMC answers; "On" lands 1-11 s later)."""
+    from shepherd.inventory.file import load_inventory
+    from shepherd.simulator.racks import Racks
+
+    public = ssh_keys.public_key_openssh(ssh_keys.load_or_create(login_key))
+    sim = Simulator(reservations=3, token=TOKEN, ssh_port=free_port(),
+                    workdir=tmp_path / "sim")
+    with sim, Racks(sim, tmp_path / "racks", 2, authorized_keys=[public]) as racks:
+        assert racks.bmc is not None
+        machines = {m.provider_id: m for m in load_inventory(racks.inventory_path)}
+        assert sorted(machines) == ["rack1-u01", "rack1-u02"]
+        assert sorted(sim.devices) == ["rack1-u01", "rack1-u02"]  # one reservation left
+        for name, machine in machines.items():
+            assert (machine.address, machine.ssh_port) == (sim.devices[name].address,
+                                                           sim.ssh_port)
+            assert machine.ssh_user == "root"
+            assert machine.host_key == sim.host_key_line(name) == _server_key(sim, name)
+            assert machine.bmc is not None
+            assert (machine.bmc.driver, machine.bmc.address, machine.bmc.username) == (
+                "redfish", racks.bmc.base_url, "admin")
+            assert machine.bmc.system == racks.bmc.system_path(name)
+            assert machine.bmc.password_file == str(racks.password_path.resolve())
+        assert machines["rack1-u01"].host_key != machines["rack1-u02"].host_key
+        password = racks.password_path.read_text().strip()
+        assert oct(racks.password_path.stat().st_mode & 0o777) == "0o600"
+        assert password not in racks.inventory_path.read_text()
+        _run_detached(sim, "rack1-u01", login_key)  # root logs in with the given key
+
+        bmc_url = racks.bmc.base_url
+        system = bmc_url + racks.bmc.system_path("rack1-u01")
+        assert requests.get(system, timeout=5).status_code == 401  # Basic auth on
+        reset = requests.post(system + "/Actions/ComputerSystem.Reset",
+                              json={"ResetType": "ForceRestart"},
+                              auth=("admin", password), timeout=10)
+        assert reset.status_code == 204
+        assert _refused(sim, "rack1-u01") and marked_processes(MARKER, "rack1-u01") == []
+        assert not _refused(sim, "rack1-u02")  # its neighbour is untouched
+        sim.wait_for_ssh("rack1-u01", timeout=20)  # the BMC's "On" landed and was notified
+        assert sim.devices["rack1-u01"].power_changes == 2
+        assert racks.bmc.power_state("rack1-u01") == "On"
+        notified = [r.status for r in sim.requests("PUT", "/bmc-notify")]
+        assert len(notified) >= 2 and set(notified) == {200}  # "Off" now, "On" when applied
+    with pytest.raises(requests.ConnectionError):  # stopped with the racks
+        requests.get(bmc_url + "/redfish/v1/", timeout=2)
+
+
+def test_cli_racks_until_sigterm(tmp_path: Path, login_key: Path) -> None:
+    """``shepherd simulator --racks``: the inventory is there when the JSON line is;
+    SIGTERM stops the emulated BMC too."""
+    from shepherd.inventory.file import load_inventory
+
+    keys = tmp_path / "authorized_keys"
+    keys.write_text("# the fleet key\n" + ssh_keys.public_key_openssh(
+        ssh_keys.load_or_create(login_key)) + "\n")
+    env = {**os.environ, "SHEPHERD_SIMULATOR_TOKEN": TOKEN,
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shepherd.simulator.cli", "--http-port", "0", "--ssh-port", "0",
+         "--reservations", "2", "--workdir", str(tmp_path / "sim"),
+         "--racks", str(tmp_path / "racks"), "--authorized-keys", str(keys)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        machines = load_inventory(info["inventory"])
+        assert [m.provider_id for m in machines] == ["rack1-u01", "rack1-u02"]
+        assert {m.bmc.address for m in machines if m.bmc} == {info["bmc"]}
+        state = requests.get(info["base_url"] + "/_admin/state",
+                             headers={"X-Auth-Token": TOKEN}, timeout=5).json()
+        assert {d["id"]: d["host_key"] for d in state["devices"]} == {
+            m.provider_id: m.host_key for m in machines}
+        assert requests.get(info["bmc"] + "/redfish/v1/", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        with pytest.raises(requests.ConnectionError):
+            requests.get(info["bmc"] + "/redfish/v1/", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -18,8 +18,13 @@ import pytest
 import requests
 
 import bmdb
+from shepherd.config import Settings
 from shepherd.processes import kill_marked, marked_processes
-from shepherd.up import RUN_MARKER, SIM_SANDBOX, UpError, UpOptions, plan, progress_line
+from shepherd.providers import ssh_keys
+from shepherd.runtime import build_provider, check_settings
+from shepherd.simulator import Simulator
+from shepherd.simulator.racks import Racks
+from shepherd.up import RUN_MARKER, SIM_SANDBOX, UpError, UpOptions, plan, progress_line, racks
 
 MACHINES = 5
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
@@ -74,6 +79,82 @@ def test_on_the_simulator_everything_is_on_loopback(tmp_path: Path) -> None:
     assert "SHEPHERD_SERVE_OPERATOR_LISTEN" not in env
     assert env["SHEPHERD_BMAAS_ENDPOINT"] == up.urls["web"] == "http://127.0.0.1:8470"
     assert "SHEPHERD_HEARTBEAT_TIMEOUT=30" in up.cli_environment()
+
+
+def test_racks_plan_a_static_provider_over_the_simulators_inventory(tmp_path: Path) -> None:
+    up = plan(UpOptions(workdir=tmp_path, racks=True, machines=3, simulator_port=0,
+                        ssh_port=0), {})
+    env = up.env
+    assert up.simulated and up.racks == tmp_path / "racks"
+    assert up.inventory == tmp_path / "racks" / "inventory.toml"
+    assert (env["SHEPHERD_PROVIDER"], env["SHEPHERD_STATIC_INVENTORY"]) == (
+        "static", str(up.inventory))
+    assert "SHEPHERD_PROVIDER_URL" not in env and "SHEPHERD_PROVIDER_TOKEN" not in env
+    settings = Settings.from_env(env)
+    check_settings(settings)
+    assert settings.static_inventory == str(up.inventory)
+    cli = up.cli_environment()
+    assert "SHEPHERD_PROVIDER=static" in cli and f"SHEPHERD_STATIC_INVENTORY={up.inventory}" in cli
+    argv = racks.simulator_argv(up, 3)
+    assert argv[argv.index("--racks") + 1] == str(up.racks)
+    assert argv[argv.index("--reservations") + 1] == "3"
+    assert argv[argv.index("--http-port") + 1] == str(up.simulator_port)
+    assert argv[argv.index("--ssh-port") + 1] == str(up.ssh_port)
+    with pytest.raises(UpError, match="--racks"):
+        plan(UpOptions(workdir=tmp_path, racks=True), {
+            "SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1"})
+
+
+def test_racks_inventory_lists_each_machine_behind_its_bmc(tmp_path: Path) -> None:
+    """What ``up --racks`` prepares, and the inventory the simulator then writes, read
+    by the static provider the workers build (a real emulated BMC, no control plane)."""
+    up = plan(UpOptions(workdir=tmp_path, racks=True, machines=2, simulator_port=0,
+                        ssh_port=0), {})
+    (tmp_path / "ssh").mkdir()
+    (tmp_path / "racks").mkdir()
+    (tmp_path / "racks" / "inventory.toml").write_text("stale")  # an earlier run's
+    said: list[str] = []
+    racks.prepare(up, said.append)
+    assert up.racks is not None and up.inventory is not None
+    assert not up.inventory.exists()
+    fleet_key = ssh_keys.public_key_openssh(ssh_keys.load_or_create(
+        up.env["SHEPHERD_SSH_KEY_PATH"]))
+    authorized = up.racks / racks.AUTHORIZED_KEYS
+    assert authorized.read_text() == fleet_key + "\n"
+    token = up.racks / racks.TOKEN_FILE
+    assert token.read_text().strip() == up.env["SHEPHERD_SIMULATOR_TOKEN"]
+    assert {oct(p.stat().st_mode & 0o777) for p in (authorized, token)} == {"0o600"}
+
+    sim = Simulator(reservations=2, token=up.env["SHEPHERD_SIMULATOR_TOKEN"],
+                    ssh_port=up.ssh_port or 0, http_port=up.simulator_port or 0,
+                    per_device_host_keys=True, workdir=tmp_path / "simulator")
+    with sim, Racks(sim, up.racks, 2, authorized_keys=[fleet_key]) as rack:
+        assert rack.bmc is not None
+        provider = build_provider(Settings.from_env(up.env))
+        machines = provider.list_machines()
+        assert [m.provider_id for m in machines] == ["rack1-u01", "rack1-u02"]
+        password = rack.password_path.read_text().strip()
+        for machine in machines:
+            device = sim.devices[machine.provider_id]
+            assert (machine.address, machine.ssh_port) == (device.address, up.ssh_port)
+            assert machine.ssh_user == "root"
+            assert machine.host_key == sim.host_key_line(machine.provider_id)
+            bmc = machine.bmc
+            assert bmc is not None and bmc.driver == "redfish"
+            assert bmc.address == rack.bmc.base_url
+            assert bmc.system == rack.bmc.system_path(machine.provider_id)
+            assert bmc.username == "admin" and bmc.read_password() == password
+            system = requests.get(bmc.address + bmc.system, auth=(bmc.username, password),
+                                  timeout=5)
+            assert system.json()["PowerState"] == "On"
+        assert password not in up.inventory.read_text()
+        lines: list[str] = []
+        racks.announce(up, lines.append)
+        text = "\n".join(lines)
+        assert f"2 machines listed in {up.inventory}" in text
+        assert rack.bmc.base_url in text
+        assert "/_admin/devices/rack1-u01/hang" in text and password not in text
+        assert up.env["SHEPHERD_SIMULATOR_TOKEN"] not in text  # read from its file
 
 
 @pytest.mark.slow

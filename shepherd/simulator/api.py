@@ -8,11 +8,16 @@ Every request is recorded (``Simulator.requests``) as an ``ApiRequest``: the
 ``(method, path, status)`` tuple it always was, plus when it arrived, whether its
 action was applied and which hardware reservation it named, so tests can count what
 reached the API in a time window and how many creates each reservation received.
+
+``PUT /bmc-notify`` is not the provider's API: it receives sushy-emulator's external
+notifications (an emulated Redfish BMC's system after each change) and powers the
+device of that name on or off, so a BMC's power action reaches the machine behind it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -33,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Reply = tuple[int, Any]
 Route = tuple[str, re.Pattern[str], Callable[..., Reply]]
+#: Where sushy-emulator's ``EXTERNAL_NOTIFICATION_URL`` points (outside the API prefix).
+NOTIFY_PATH = "/bmc-notify"
 
 
 class ApiRequest(tuple):
@@ -141,6 +148,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         if isinstance(body, dict) and body.get("hardware_reservation_id") is not None:
             self._reservation_id = str(body["hardware_reservation_id"])
+        if path == NOTIFY_PATH:
+            self._notify(method, path, query, body)
+            return
         if self.headers.get("X-Auth-Token") != sim.config.token:
             self._record(method, path, 401)
             self._reply(401, {"error": "Invalid authentication token"})
@@ -160,6 +170,16 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._dispatch(method, path, query, body, API_ROUTES, lost=decision.lost,
                        error_after=decision.status if decision.after_apply else None)
+
+    def _notify(self, method: str, path: str, query: dict[str, str], body: Any) -> None:
+        """A BMC's notification. sushy-emulator sends no credentials, so instead of the
+        token only loopback peers are heard: an API listening on 0.0.0.0 (a container)
+        must not let the network power devices off."""
+        if not ipaddress.ip_address(self.client_address[0]).is_loopback:
+            self._record(method, path, 403)
+            self._reply(403, {"errors": ["BMC notifications are accepted on loopback only"]})
+            return
+        self._dispatch(method, path, query, body, NOTIFY_ROUTES)
 
     def _dispatch(self, method: str, path: str, query: dict[str, str], body: Any,
                   routes: list[Route], lost: bool = False,
@@ -383,6 +403,48 @@ def admin_kill_agent(sim: Simulator, query: dict[str, str], body: Any, device: s
     return 200, {"killed": sim.kill_agent(device)}
 
 
+def admin_hang(sim: Simulator, query: dict[str, str], body: Any, device: str) -> Reply:
+    """The "hung machine" fault, for a simulator run as a separate process (the demo)."""
+    sim.state.get_device(device)
+    return 200, {"killed": sim.hang(device)}
+
+
+def admin_power(sim: Simulator, query: dict[str, str], body: Any, device: str) -> Reply:
+    """Body ``{"on": bool}``: power behind the BMC's back (a pulled cable)."""
+    on = (body or {}).get("on") if isinstance(body, dict) else None
+    if not isinstance(on, bool):
+        raise ApiError(422, 'a body {"on": true|false} is required')
+    sim.state.get_device(device)
+    return 200, {"changed": sim.set_power(device, on)}
+
+
+def admin_rotate_host_key(sim: Simulator, query: dict[str, str], body: Any,
+                          device: str) -> Reply:
+    sim.state.get_device(device)
+    return 200, {"host_key": sim.rotate_host_key(device)}
+
+
+# -- BMC notifications ----------------------------------------------------------
+
+
+def bmc_notify(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
+    """sushy-emulator's fake driver PUTs the whole system after every change: ``name``
+    (the device id here), ``power_state`` ("On"/"Off": what the BMC reports now) and
+    ``pending_power`` (a change due later, announced again when it lands). Only
+    ``power_state`` matters: a restart arrives as "Off" at once, then "On"."""
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        raise ApiError(422, "expected a Redfish system's JSON with a name")
+    power = body.get("power_state")
+    if power not in ("On", "Off"):
+        raise ApiError(422, f"power_state {power!r} is neither On nor Off")
+    device = body["name"]
+    sim.state.get_device(device)
+    changed = sim.set_power(device, power == "On")
+    log.info("BMC notification: device %s power %s%s", device, power,
+             "" if changed else " (unchanged)")
+    return 200, {"device_id": device, "powered": power == "On", "changed": changed}
+
+
 def _r(method: str, pattern: str, handler: Callable[..., Reply]) -> Route:
     return method, re.compile(pattern), handler
 
@@ -405,4 +467,8 @@ ADMIN_ROUTES: list[Route] = [
     _r("POST", r"/_admin/faults", admin_faults),
     _r("POST", r"/_admin/devices", admin_foreign_device),
     _r("POST", rf"/_admin/devices/(?P<device>{_ID})/kill-agent", admin_kill_agent),
+    _r("POST", rf"/_admin/devices/(?P<device>{_ID})/hang", admin_hang),
+    _r("POST", rf"/_admin/devices/(?P<device>{_ID})/power", admin_power),
+    _r("POST", rf"/_admin/devices/(?P<device>{_ID})/rotate-host-key", admin_rotate_host_key),
 ]
+NOTIFY_ROUTES: list[Route] = [_r("PUT", NOTIFY_PATH, bmc_notify)]

@@ -1,4 +1,8 @@
-"""``shepherd simulator``: run the simulated provider in the foreground until SIGINT/SIGTERM."""
+"""``shepherd simulator``: run the simulated provider in the foreground until SIGINT/SIGTERM.
+
+With ``--racks DIR`` its machines are racked instead (``shepherd.simulator.racks``):
+devices made at once, behind an emulated Redfish BMC, listed in ``DIR/inventory.toml``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
+from shepherd.simulator.racks import Racks
+from shepherd.simulator.redfish import EmulatorError
 from shepherd.simulator.server import Simulator, SimulatorConfig
 
 TOKEN_ENV = "SHEPHERD_SIMULATOR_TOKEN"
@@ -44,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where device sandboxes live (default: a temporary directory)")
     parser.add_argument("--seed", type=int, default=None, help="seed for fault dice")
+    parser.add_argument("--per-device-host-keys", action="store_true",
+                        help="one SSH host key per device (default: one shared key)")
+    parser.add_argument("--racks", type=Path, default=None, metavar="DIR",
+                        help="rack the machines: one device per reservation at once, behind "
+                             "an emulated Redfish BMC, listed in DIR/inventory.toml")
+    parser.add_argument("--authorized-keys", type=Path, default=None, metavar="FILE",
+                        help="with --racks: OpenSSH public keys (one a line) root logins "
+                             "accept, e.g. the shepherd's fleet key")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -67,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         address_net=args.address_net,
         provision_delay=args.provision_delay, reboot_delay=args.reboot_delay,
         workdir=args.workdir, seed=args.seed,
+        per_device_host_keys=args.per_device_host_keys or args.racks is not None,
     )
+    try:
+        keys = _authorized_keys(args.authorized_keys)
+    except OSError as error:
+        print(f"shepherd simulator: --authorized-keys: {error.strerror}", file=sys.stderr)
+        return 2
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: done.set())
@@ -76,15 +96,35 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"shepherd simulator: cannot listen: {error}", file=sys.stderr)
         return 1
+    racks: Racks | None = None
     try:
-        print(json.dumps({"base_url": sim.base_url, "project_id": sim.project_id,
-                          "ssh_port": sim.ssh_port, "reservations": args.reservations}),
-              flush=True)
+        info = {"base_url": sim.base_url, "project_id": sim.project_id,
+                "ssh_port": sim.ssh_port, "reservations": args.reservations}
+        if args.racks is not None:
+            try:
+                racks = Racks(sim, args.racks, args.reservations,
+                              authorized_keys=keys).start()
+            except (EmulatorError, ValueError, OSError) as error:
+                print(f"shepherd simulator: cannot rack the machines: {error}",
+                      file=sys.stderr)
+                return 1
+            assert racks.bmc is not None
+            info.update({"inventory": str(racks.inventory_path), "bmc": racks.bmc.base_url})
+        print(json.dumps(info), flush=True)
         while not done.wait(0.5):
             pass
     finally:
+        if racks is not None:
+            racks.stop()
         sim.stop()
     return 0
+
+
+def _authorized_keys(path: Path | None) -> list[str]:
+    if path is None:
+        return []
+    return [line.strip() for line in path.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class SimulatorConfig:
     reboot_delay: float = 1.0        # seconds SSH stays down after a reboot
     workdir: Path | None = None      # device sandboxes; a temporary directory if None
     seed: int | None = None          # fault dice
+    #: One host key per device, as real machines have (pins then tell machines apart);
+    #: False: one key shared by every device, the cheaper default.
+    per_device_host_keys: bool = False
 
 
 class Simulator:
@@ -46,7 +49,8 @@ class Simulator:
 
     Use as a context manager, or call ``start`` and ``stop``. Tests inspect
     ``state``/``devices``, inject faults through ``faults`` and act through
-    ``create_foreign_device``, ``kill_agent`` and ``reboot_device``.
+    ``create_foreign_device``, ``kill_agent``, ``reboot_device``, ``set_power``,
+    ``hang`` and ``rotate_host_key``.
     """
 
     HOST = "127.0.0.1"
@@ -146,12 +150,19 @@ class Simulator:
 
     # -- devices ------------------------------------------------------------
 
-    def create_device(self, body: dict[str, Any], created_by: str = "api") -> Device:
-        """Create a device (as the API does) and bring up its SSH endpoint."""
-        device = self.state.create_device(body, created_by=created_by)
+    def create_device(self, body: dict[str, Any], created_by: str = "api", *,
+                      device_id: str | None = None,
+                      provision_delay: float | None = None) -> Device:
+        """Create a device (as the API does) and bring up its SSH endpoint.
+
+        ``device_id``/``provision_delay``: see ``SimState.create_device``.
+        """
+        device = self.state.create_device(body, created_by=created_by, device_id=device_id,
+                                          provision_delay=provision_delay)
+        host_key = generate_host_key() if self.config.per_device_host_keys else self._host_key
         endpoint = DeviceSSH(
             device_id=device.id, address=device.address, port=self.ssh_port,
-            sandbox=self.workdir / "devices" / device.id, host_key=self._host_key,
+            sandbox=self.workdir / "devices" / device.id, host_key=host_key,
             instance=self.instance,
             is_up=lambda: self._ssh_up(device.id),
             hangs=lambda: self.faults.effective(device.id).ssh_hang,
@@ -173,7 +184,7 @@ class Simulator:
     def _ssh_up(self, device_id: str) -> bool:
         device = self.state.devices.get(device_id)
         return (device is not None and not self._stopped and device.state() == "active"
-                and not self.faults.effective(device_id).ssh_refused)
+                and not device.hung and not self.faults.effective(device_id).ssh_refused)
 
     def endpoint(self, device_id: str) -> DeviceSSH:
         return self._endpoints[device_id]
@@ -194,6 +205,52 @@ class Simulator:
         """The "agent killed" fault: every process the device runs dies now."""
         endpoint = self._endpoints.get(device_id)
         return endpoint.kill_processes() if endpoint is not None else 0
+
+    def set_power(self, device_id: str, on: bool) -> bool:
+        """Power a device off (its processes die, sessions drop, SSH refuses) or on (SSH
+        answers again; nothing the device ran comes back, as after a real power cut).
+
+        What an emulated BMC's power change does to the machine behind it. Returns
+        True for a transition, which also ends a ``hang``; the same state again is a
+        no-op. When it returns, the SSH port already reflects the new state.
+        """
+        changed = self.state.set_power(device_id, on)
+        endpoint = self._endpoints.get(device_id)
+        if changed and endpoint is not None:
+            endpoint.settle()
+            if not on:
+                endpoint.drop_sessions()
+                endpoint.kill_processes()
+        return changed
+
+    def hang(self, device_id: str) -> int:
+        """The "hung machine" fault: its processes die, sessions drop and SSH refuses
+        until the next power transition (``set_power``, ``reboot_device``); restarting
+        the agent over SSH cannot help, only the BMC can. Returns the processes killed."""
+        self.state.hang(device_id)
+        endpoint = self._endpoints.get(device_id)
+        if endpoint is None:
+            return 0
+        endpoint.settle()
+        endpoint.drop_sessions()
+        return endpoint.kill_processes()
+
+    # -- host keys ----------------------------------------------------------
+
+    def host_key_line(self, device_id: str) -> str:
+        """The device's SSH host key as an OpenSSH public line (``ssh-ed25519 AAAA...``),
+        what an inventory's ``host_key`` pin holds."""
+        key = self._endpoints[device_id].host_key
+        return f"{key.get_name()} {key.get_base64()}"
+
+    def rotate_host_key(self, device_id: str) -> str:
+        """A new host key for this device alone (a reinstalled machine); returns its line.
+
+        New connections see the new key; sessions already open keep theirs, as with
+        sshd, whose running connections are not re-keyed by a key change on disk.
+        """
+        self._endpoints[device_id].host_key = generate_host_key()
+        return self.host_key_line(device_id)
 
     def wait_for_state(self, device_id: str, state: str, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -231,6 +288,8 @@ class Simulator:
                 "id": d.id, "hostname": d.hostname, "state": d.state(), "tags": d.tags,
                 "reservation_id": d.reservation_id, "address": d.address,
                 "ssh_port": self.ssh_port, "created_by": d.created_by, "reboots": d.reboots,
+                "powered": d.powered, "hung": d.hung, "power_changes": d.power_changes,
+                "host_key": (self.host_key_line(d.id) if d.id in self._endpoints else None),
                 "sandbox": str(self.workdir / "devices" / d.id),
             } for d in self.state.project_devices()]
             return {

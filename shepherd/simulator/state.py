@@ -2,7 +2,9 @@
 
 Device states are derived from timestamps when read (queued -> provisioning ->
 active after ``provision_delay``; ``powering_on`` while a reboot lasts), so no
-timer threads are needed and tests see the same clock the servers do.
+timer threads are needed and tests see the same clock the servers do. Power is the
+exception: a device powered off (``set_power``, driven by an emulated BMC) is
+``inactive`` until powered on again, because a BMC, not a clock, decides that.
 """
 
 from __future__ import annotations
@@ -68,12 +70,17 @@ class Device:
     failed: bool = False
     reboot_until: float = 0.0
     reboots: int = 0
+    powered: bool = True            # off: processes dead, SSH refuses (a BMC said so)
+    hung: bool = False              # the "hang" fault: until the next power transition
+    power_changes: int = 0
 
     def state(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
         elapsed = now - self.created_at
         if self.failed:
             return "failed"
+        if not self.powered:
+            return "inactive"
         if elapsed < self.provision_delay / 3:
             return "queued"
         if elapsed < self.provision_delay:
@@ -158,8 +165,14 @@ class SimState:
 
     # -- devices ------------------------------------------------------------
 
-    def create_device(self, body: dict[str, Any], created_by: str = "api") -> Device:
-        """Create a device on a reservation, as POST /projects/{id}/devices does."""
+    def create_device(self, body: dict[str, Any], created_by: str = "api", *,
+                      device_id: str | None = None,
+                      provision_delay: float | None = None) -> Device:
+        """Create a device on a reservation, as POST /projects/{id}/devices does.
+
+        ``device_id`` and ``provision_delay`` are for machines racked by hand (the
+        simulator's racks): a readable id an inventory names, and no provisioning.
+        """
         for required in ("metro", "plan", "operating_system"):
             if not body.get(required):
                 raise ApiError(422, f"{required} is required")
@@ -172,9 +185,11 @@ class SimState:
                 raise ApiError(422, f"hardware reservation {rid} is not provisionable")
             if body["metro"] not in ("any", reservation.metro):
                 raise ApiError(422, f"reservation {rid} is not in metro {body['metro']!r}")
+            if device_id is not None and device_id in self.devices:
+                raise ApiError(422, f"device {device_id} already exists")
             self._device_count += 1
             device = Device(
-                id=str(uuid.uuid4()),
+                id=device_id or str(uuid.uuid4()),
                 hostname=str(body.get("hostname") or f"sim-{self._device_count}"),
                 tags=[str(t) for t in body.get("tags") or []],
                 reservation_id=rid,
@@ -187,7 +202,8 @@ class SimState:
                 private_address=f"10.{self._device_count // 250}.{self._device_count % 250}.2",
                 ssh_key_ids=[str(k) for k in body.get("project_ssh_keys") or []],
                 created_by=created_by,
-                provision_delay=self.provision_delay,
+                provision_delay=(self.provision_delay if provision_delay is None
+                                 else provision_delay),
             )
             self.devices[device.id] = device
             reservation.device_id = device.id
@@ -208,6 +224,31 @@ class SimState:
                 raise ApiError(422, f"device is {device.state()}, cannot reboot")
             device.reboot_until = time.time() + self.reboot_delay
             device.reboots += 1
+            device.hung = False  # a reboot is a power transition
+            device.updated_at = time.time()
+            return device
+
+    def set_power(self, device_id: str, on: bool) -> bool:
+        """Power a device on or off; True when that was a transition (it clears a hang).
+
+        Powering a device to the state it is in changes nothing, as a BMC reporting
+        the same state twice does not restart anything.
+        """
+        with self.lock:
+            device = self.get_device(device_id)
+            if device.powered == on:
+                return False
+            device.powered = on
+            device.hung = False
+            device.power_changes += 1
+            device.updated_at = time.time()
+            return True
+
+    def hang(self, device_id: str) -> Device:
+        """The "hang" fault: the device stops answering until its power changes."""
+        with self.lock:
+            device = self.get_device(device_id)
+            device.hung = True
             device.updated_at = time.time()
             return device
 

@@ -24,6 +24,10 @@ under the state directory instead (what production runs; Flower then works fully
 
 With the embedded simulator a run starts from a fresh demo BMDB (an earlier one is
 moved to ``previous/``): a new simulator has none of the old one's devices.
+
+``--racks`` runs the simulator's machines as one's own racks instead: the static
+provider over an inventory the simulator writes, each machine behind an emulated
+Redfish BMC (``racks.py``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,11 @@ DEMO_ENV = {
 #: What the CLI in another terminal needs to see the same BMDB, thresholds and guard.
 CLI_SETTINGS = ("SHEPHERD_BMDB_URL", "SHEPHERD_HEARTBEAT_TIMEOUT",
                 "SHEPHERD_FIRST_HEARTBEAT_TIMEOUT", "SHEPHERD_BMAAS_ENDPOINT")
+#: ... and with ``--racks``, the inventory (``shepherd power``/``inventory`` read BMCs there).
+RACKS_CLI_SETTINGS = ("SHEPHERD_PROVIDER", "SHEPHERD_STATIC_INVENTORY")
+#: The racks directory under the state directory (``shepherd.simulator.racks`` fills it).
+RACKS_DIR = "racks"
+RACKS_INVENTORY = "inventory.toml"
 
 
 class UpError(Exception):
@@ -54,6 +59,9 @@ class UpOptions:
     #: "sqlite" (kombu's SQLAlchemy transport) or "redis-server" (a private Redis under
     #: the state directory: Flower then sees workers and tasks). SHEPHERD_BROKER_URL wins.
     broker: str = "sqlite"
+    #: The simulator's machines as real racks: a generated static inventory, host keys
+    #: pinned, power through an emulated Redfish BMC (``shepherd.up.racks``).
+    racks: bool = False
 
 
 @dataclasses.dataclass
@@ -67,14 +75,25 @@ class Plan:
     urls: dict[str, str]
     #: The private Redis's port (``--broker redis-server``), else None.
     redis_port: int | None = None
+    #: The embedded simulator's API and SSH ports, when it runs.
+    simulator_port: int | None = None
+    ssh_port: int | None = None
+    #: With ``--racks``: the directory the simulator racks its machines in.
+    racks: Path | None = None
 
     @property
     def run_id(self) -> str:
         return self.env[RUN_MARKER]
 
+    @property
+    def inventory(self) -> Path | None:
+        """With ``--racks``: the static inventory the simulator writes."""
+        return self.racks / RACKS_INVENTORY if self.racks is not None else None
+
     def cli_environment(self) -> str:
         """The settings this run chose itself (the caller's own are in their shell)."""
-        chosen = [name for name in CLI_SETTINGS
+        names = CLI_SETTINGS + (RACKS_CLI_SETTINGS if self.racks is not None else ())
+        chosen = [name for name in names
                   if name in self.env and name not in self.base_env]
         return " ".join(f"{name}={shlex.quote(self.env[name])}" for name in chosen)
 
@@ -113,17 +132,24 @@ def plan(options: UpOptions, base_env: Mapping[str, str]) -> Plan:
     env.setdefault("SHEPHERD_RESULT_BACKEND", sqlite_url("db+sqlite", w / "results.sqlite"))
     env.setdefault("SHEPHERD_STATE_DIR", str(w))
     env.setdefault("SHEPHERD_SSH_KEY_PATH", str(w / "ssh" / "shepherd_ed25519"))
+    if options.racks and not found.simulated:
+        raise UpError("--racks runs the simulator's machines from an inventory it writes; "
+                      "unset SHEPHERD_PROVIDER and SHEPHERD_PROVIDER_URL")
     found.urls["web"] = serve_addresses(env, options, found.simulated)
-    if found.simulated:
-        simulator_env(env, options)
+    if options.racks:
+        found.racks = w / RACKS_DIR
+        found.simulator_port, found.ssh_port = racks_env(env, options, found.racks)
+    elif found.simulated:
+        found.simulator_port, found.ssh_port = simulator_env(env, options)
     # Inherited when given, so a caller (a test) can find every process of this run.
     env.setdefault(RUN_MARKER, uuid.uuid4().hex)
     env["PYTHONUNBUFFERED"] = "1"
     return found
 
 
-def simulator_env(env: dict[str, str], options: UpOptions) -> None:
-    """The embedded simulator's address and token, and the demo's short intervals."""
+def simulator_env(env: dict[str, str], options: UpOptions) -> tuple[int, int]:
+    """The embedded simulator's address and token, and the demo's short intervals;
+    returns the simulator's API and SSH ports."""
     token = env.get("SHEPHERD_SIMULATOR_TOKEN") or secrets.token_hex(16)
     sim_port, ssh_port = port(options.simulator_port), port(options.ssh_port)
     env.update({
@@ -136,6 +162,21 @@ def simulator_env(env: dict[str, str], options: UpOptions) -> None:
     env.setdefault("SHEPHERD_MAX_MACHINES", str(options.machines))
     for key, value in DEMO_ENV.items():
         env.setdefault(key, value)
+    return sim_port, ssh_port
+
+
+def racks_env(env: dict[str, str], options: UpOptions, racks: Path) -> tuple[int, int]:
+    """``--racks``: the static provider over the inventory the simulator writes in
+    ``racks``; the simulator runs only as the machines (its API is not the provider).
+    Returns the simulator's API and SSH ports."""
+    token = env.get("SHEPHERD_SIMULATOR_TOKEN") or secrets.token_hex(16)
+    env.update({
+        "SHEPHERD_PROVIDER": "static", "SHEPHERD_SIMULATOR_TOKEN": token,
+        "SHEPHERD_STATIC_INVENTORY": str(racks / RACKS_INVENTORY),
+    })
+    for key, value in DEMO_ENV.items():
+        env.setdefault(key, value)
+    return port(options.simulator_port), port(options.ssh_port)
 
 
 def serve_addresses(env: dict[str, str], options: UpOptions, simulated: bool) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 import bmdb
+from shepherd.up import racks
 from shepherd.up.environment import Plan
 
 
@@ -24,6 +25,8 @@ def prepare(plan: Plan, out: Callable[[str], None]) -> None:
     (workdir / "ssh").mkdir(parents=True, exist_ok=True)
     if plan.simulated and "SHEPHERD_BMDB_URL" not in plan.base_env:
         set_demo_state_aside(plan, out)
+    if plan.racks is not None:
+        racks.prepare(plan, out)
     bmdb.connect(plan.env["SHEPHERD_BMDB_URL"], migrate=True).close()
     out(f"BMDB migrated: {safe_url(plan.env['SHEPHERD_BMDB_URL'])}")
     prepare_broker(plan.env["SHEPHERD_BROKER_URL"], plan.env["SHEPHERD_RESULT_BACKEND"])

@@ -20,14 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import bmdb
 from shepherd.config import Settings
 from shepherd.processes import kill_marked
 from shepherd.runtime import Runtime
-from shepherd.up import state
+from shepherd.up import racks, state
 from shepherd.up.environment import (
     RUN_MARKER,
     SIM_PROJECT,
@@ -114,14 +114,17 @@ class Up:
         env = plan.env
         if plan.redis_port is not None:
             self.start_redis(plan.redis_port)
-        if plan.simulated:
-            sim_port = env["SHEPHERD_PROVIDER_URL"].split(":")[2].split("/")[0]
+        if plan.racks is not None:
+            self.start_racks(plan)
+        elif plan.simulated:
+            assert plan.simulator_port is not None
             self.spawn("simulator", [
                 sys.executable, "-m", "shepherd.cli", "simulator",
-                "--reservations", str(self.options.machines), "--http-port", sim_port,
+                "--reservations", str(self.options.machines),
+                "--http-port", str(plan.simulator_port),
                 "--ssh-port", env["SHEPHERD_PROVIDER_SSH_PORT"], "--project-id", SIM_PROJECT,
                 "--workdir", str(plan.workdir / "simulator")])
-            self.wait_port("simulator", int(sim_port))
+            self.wait_port("simulator", plan.simulator_port)
         server = self.spawn("server", [sys.executable, "-m", "shepherd.cli", "serve"])
         self.wait_port(server.name, int(plan.urls["web"].rsplit(":", 1)[1]))
         self.start_workers(plan)
@@ -130,6 +133,15 @@ class Up:
             "--pidfile", str(plan.workdir / "beat.pid"), "--loglevel=INFO"))
         if self.options.flower and importlib.util.find_spec("flower") is not None:
             self.start_flower(plan)
+
+    def start_racks(self, plan: Plan) -> None:
+        """The simulator racks its machines; the rest starts once their inventory is
+        written (the static provider reads it at start), which the simulator does last,
+        when the machines and their BMC answer."""
+        assert plan.simulator_port is not None and plan.inventory is not None
+        self.spawn("simulator", racks.simulator_argv(plan, self.options.machines))
+        self.wait_port("simulator", plan.simulator_port)
+        self.wait_file("simulator", plan.inventory)
 
     def start_workers(self, plan: Plan) -> None:
         """Two workers, one per queue, so control work never waits behind SSH work."""
@@ -179,6 +191,19 @@ class Up:
         if not self.stopping.is_set():
             raise ChildFailed(child, f"not listening on port {number} after {timeout:g}s")
 
+    def wait_file(self, name: str, path: Path, timeout: float = 60.0) -> None:
+        """Block until ``name`` has written ``path``."""
+        child = next(c for c in self.children if c.name == name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if child.process.poll() is not None:
+                raise ChildFailed(child)
+            if path.exists():
+                return
+            time.sleep(0.1)
+        if not self.stopping.is_set():
+            raise ChildFailed(child, f"did not write {path} within {timeout:g}s")
+
     # -- running ----------------------------------------------------------------
 
     def run(self) -> int:
@@ -219,7 +244,9 @@ class Up:
         for name, url in urls.items():
             if name.endswith("worker metrics"):
                 self.out(f"{name}: {url}")
-        if plan.simulated:
+        if plan.racks is not None:
+            racks.announce(plan, self.out)
+        elif plan.simulated:
             self.out(f"provider:  simulator with {self.options.machines} machines at "
                      f"{plan.env['SHEPHERD_PROVIDER_URL']}")
         self.out(f"logs:      {self.logs}/   (Ctrl-C stops everything)")
@@ -282,16 +309,27 @@ class Up:
 def progress(db: bmdb.BMDB) -> str:
     """One progress line, or why the BMDB could not be read now (busy, missing)."""
     try:
-        counts = db.read(lambda tx: bmdb.fleet.fleet_counts(tx, db.thresholds))
+        counts, refusals = db.read(lambda tx: (bmdb.fleet.fleet_counts(tx, db.thresholds),
+                                               bmdb.refusals.current(tx)))
     except Exception as error:  # a busy or missing BMDB: say so, keep going
         return f"BMDB not readable now: {type(error).__name__}"
-    return progress_line(counts)
+    return progress_line(counts, refusals)
 
 
-def progress_line(c: bmdb.fleet.FleetCounts) -> str:
+def progress_line(c: bmdb.fleet.FleetCounts,
+                  refusals: Sequence[bmdb.refusals.Refusal] = ()) -> str:
+    """The counts, held machines when there are any, and a standing reconcile refusal
+    with its advice: a newcomer watching ``shepherd up`` must not need a worker log to
+    learn why no machine appears."""
     backoffs = sum(c.active_backoffs.values())
-    return (f"machines {c.machines}  provided {c.provided}  agent started "
+    line = (f"machines {c.machines}  provided {c.provided}  agent started "
             f"{c.agent_started}  heartbeating {c.heartbeating}  in backoff {backoffs}")
+    held = "  ".join(f"{kind} {n}" for kind, n in c.held.items() if n)
+    if held:
+        line += f"  held: {held}"
+    for refusal in refusals:
+        line += f"  RECONCILE REFUSING: {refusal.cause}"
+    return line
 
 
 def _die_with_parent() -> None:

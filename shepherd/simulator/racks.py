@@ -1,0 +1,195 @@
+"""The simulator's machines racked: listed in a static inventory, each behind an
+emulated Redfish BMC whose power changes reach the machine.
+
+What ``shepherd up --racks`` runs, so a newcomer sees the way real racks work
+(static inventory, pinned host keys, power through a BMC) without owning one.
+
+``Racks`` puts ``count`` simulator devices (readable ids, powered on, SSH up at
+once, one host key each) behind one ``RedfishEmulator`` holding one system per
+device (named by the device id). The emulator notifies the simulator's
+``/bmc-notify`` of every power change, which powers the device off (processes die,
+SSH refuses) or on. Then ``inventory.toml`` is written in the racks directory, in
+the format of ``shepherd.inventory.file`` (the BMC password in ``bmc-password``,
+mode 0600, named by ``password_file``: never in the inventory itself). The
+inventory appears last and in one rename, so whoever waits for it finds the
+machines and their BMC answering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shepherd.simulator.api import NOTIFY_PATH
+from shepherd.simulator.redfish import RedfishEmulator
+from shepherd.simulator.server import Simulator
+from shepherd.simulator.state import ApiError
+
+INVENTORY_FILE = "inventory.toml"
+PASSWORD_FILE = "bmc-password"
+BMC_USER = "admin"
+SSH_USER = "root"        # the simulator's SSH accepts root only
+UNITS_PER_RACK = 40
+
+
+@dataclass(frozen=True)
+class RackMachine:
+    """One racked machine, as its inventory entry lists it."""
+
+    id: str
+    address: str
+    ssh_port: int
+    host_key: str        # OpenSSH public line, the inventory's pin
+    system: str          # its Redfish system path on the BMC
+
+
+def machine_id(index: int) -> str:
+    """``rack1-u01``... (0-based ``index``): ids an operator would recognise."""
+    rack, unit = divmod(index, UNITS_PER_RACK)
+    return f"rack{rack + 1}-u{unit + 1:02d}"
+
+
+def render_inventory(machines: Sequence[RackMachine], *, bmc_address: str,
+                     username: str, password_file: Path) -> str:
+    """The inventory file's text: what every machine shares in ``[defaults]`` (the
+    BMC, its login, the SSH user), per machine its address, pin and Redfish system."""
+
+    def s(value: str) -> str:  # a TOML basic string (JSON's escapes are TOML's)
+        return json.dumps(value)
+
+    lines = [
+        "# Written by the simulator's racks (shepherd up --racks); rewritten every run.",
+        "[defaults]",
+        f"ssh_user = {s(SSH_USER)}",
+        f"bmc = {{ driver = \"redfish\", address = {s(bmc_address)}, "
+        f"username = {s(username)}, password_file = {s(str(password_file))} }}",
+    ]
+    for machine in machines:
+        lines += [
+            "",
+            "[[machines]]",
+            f"id = {s(machine.id)}",
+            f"address = {s(machine.address)}",
+            f"ssh_port = {machine.ssh_port}",
+            f"host_key = {s(machine.host_key)}",
+            f"bmc = {{ system = {s(machine.system)} }}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class Racks:
+    """``count`` of ``sim``'s reservations racked under ``directory`` (see the module).
+
+    ``authorized_keys``: OpenSSH public lines root logins accept (the shepherd's fleet
+    key). The BMC password is read from ``directory/bmc-password`` when it exists,
+    else generated there. Start after the simulator (its API receives the BMC's
+    notifications); stop before it.
+    """
+
+    def __init__(self, sim: Simulator, directory: Path, count: int, *,
+                 authorized_keys: Sequence[str] = (), username: str = BMC_USER) -> None:
+        if count < 1:
+            raise ValueError("racks need at least one machine")
+        self.sim = sim
+        self.directory = directory
+        self.count = count
+        self.authorized_keys = list(authorized_keys)
+        self.username = username
+        self.machines: list[RackMachine] = []
+        self.bmc: RedfishEmulator | None = None
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.directory / INVENTORY_FILE
+
+    @property
+    def password_path(self) -> Path:
+        return self.directory / PASSWORD_FILE
+
+    def __enter__(self) -> Racks:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Racks:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.inventory_path.unlink(missing_ok=True)  # a stale one would be waited for
+        password = self._password()
+        for number, line in enumerate(self.authorized_keys, start=1):
+            try:
+                self.sim.state.create_ssh_key({"label": "racks", "key": line})
+            except ApiError as error:
+                raise ValueError(f"authorized key {number}: {error}") from None
+        systems = [(device_id, self._system_uuid(device_id), "On")
+                   for device_id in self._rack_devices()]
+        self.bmc = RedfishEmulator(
+            systems, username=self.username, password=password,
+            notify_url=f"http://{Simulator.HOST}:{self.sim.http_port}{NOTIFY_PATH}",
+            workdir=self.directory / "bmc")
+        try:
+            self.bmc.start()
+        except BaseException:
+            self.bmc = None
+            raise
+        self.machines = [RackMachine(
+            id=name, address=self.sim.devices[name].address, ssh_port=self.sim.ssh_port,
+            host_key=self.sim.host_key_line(name), system=self.bmc.system_path(name),
+        ) for name, _, _ in systems]
+        self._write_inventory()
+        return self
+
+    def stop(self) -> None:
+        if self.bmc is not None:
+            self.bmc.stop()
+            self.bmc = None
+
+    def _rack_devices(self) -> list[str]:
+        """Devices on the first ``count`` reservations, active at once, one host key each."""
+        reservations = self.sim.state.project_reservations()
+        if len(reservations) < self.count:
+            raise ValueError(f"racks of {self.count} machines need as many reservations; "
+                             f"the simulator holds {len(reservations)}")
+        names = []
+        for index, reservation in enumerate(reservations[:self.count]):
+            name = machine_id(index)
+            self.sim.create_device({
+                "metro": reservation.metro, "plan": reservation.plan,
+                "operating_system": "ubuntu_22_04", "hostname": name,
+                "hardware_reservation_id": reservation.id,
+            }, created_by="racks", device_id=name, provision_delay=0.0)
+            if not self.sim.config.per_device_host_keys:
+                self.sim.rotate_host_key(name)  # pins must tell machines apart
+            names.append(name)
+        return names
+
+    def _system_uuid(self, device_id: str) -> str:
+        """Stable per project and device, so a rerun's BMC paths look the same."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL,
+                              f"shepherd-racks/{self.sim.project_id}/{device_id}"))
+
+    def _password(self) -> str:
+        if self.password_path.exists():
+            password = self.password_path.read_text().strip("\r\n")
+            if password:
+                return password
+        password = secrets.token_urlsafe(18)
+        fd = os.open(self.password_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(password + "\n")
+        os.chmod(self.password_path, 0o600)  # an existing (empty) file keeps its mode
+        return password
+
+    def _write_inventory(self) -> None:
+        assert self.bmc is not None
+        text = render_inventory(self.machines, bmc_address=self.bmc.base_url,
+                                username=self.username,
+                                password_file=self.password_path.resolve())
+        temporary = self.inventory_path.with_name(f".{INVENTORY_FILE}.tmp")
+        temporary.write_text(text)
+        temporary.replace(self.inventory_path)
