@@ -3,8 +3,10 @@
 Two kinds of source, and why each lives where it does:
 
 * **From the BMDB, at scrape time** (``BMDBCollector``): fleet counts
-  (``bmdb.fleet.fleet_counts``) and per-machine task outcomes by process, counted
-  from the history table (``bmdb.fleet.task_outcomes``). History is written by every
+  (``bmdb.fleet.fleet_counts``, held machines per kind included), standing reconcile
+  refusals (``bmdb.refusals``: the refusal happens in a worker, the alert belongs
+  here) and per-machine task outcomes by process, counted from the history table
+  (``bmdb.fleet.task_outcomes``). History is written by every
   worker on every host in the same transaction as the outcome, so these numbers are
   fleet-wide and survive worker restarts, which in-process counters in Celery
   children are not. Any process with a BMDB handle can serve them; the callback
@@ -128,10 +130,13 @@ class BMDBCollector(Collector):
     ``guard`` limits also the blast-radius guard's view (``guard_metrics``)."""
 
     def __init__(self, db: bmdb.BMDB, thresholds: bmdb.Thresholds | None = None,
-                 guard: GuardLimits | None = None) -> None:
+                 guard: GuardLimits | None = None, providers: Iterable[str] = ()) -> None:
         self.db = db
         self.thresholds = thresholds or db.thresholds
         self.guard = guard
+        #: Providers whose ``shepherd_reconcile_refusing`` is 0 while they do not refuse
+        #: (a series that exists says "checked, fine"); any refusing one is 1 regardless.
+        self.providers = tuple(providers)
 
     def describe(self) -> Iterable[Metric]:
         return []  # names depend on nothing but are read live; skip the describe-time query
@@ -140,9 +145,9 @@ class BMDBCollector(Collector):
         up = GaugeMetricFamily("shepherd_bmdb_up", "1 when the BMDB answered this scrape.")
         started = time.perf_counter()
         try:
-            counts, outcomes = self.db.read(
+            counts, outcomes, refusals = self.db.read(
                 lambda tx: (bmdb.fleet.fleet_counts(tx, self.thresholds),
-                            bmdb.fleet.task_outcomes(tx)))
+                            bmdb.fleet.task_outcomes(tx), bmdb.refusals.current(tx)))
         except Exception as error:  # a scrape must answer even when the BMDB does not
             log.warning("metrics: BMDB read failed: %s", error)
             up.add_metric([], 0)
@@ -155,6 +160,7 @@ class BMDBCollector(Collector):
         took.add_metric([], time.perf_counter() - started)
         yield took
         yield from _fleet(counts)
+        yield _refusing(refusals, self.providers)
         yield from _outcomes(outcomes)
         if self.guard is not None:
             yield from guard_metrics(self.db, self.thresholds, self.guard)
@@ -187,6 +193,26 @@ def _fleet(c: bmdb.fleet.FleetCounts) -> Iterator[Metric]:
                        c.active_work)
     yield _per_process("shepherd_fleet_active_backoffs", "Backoffs not yet expired, per process.",
                        c.active_backoffs)
+    held = GaugeMetricFamily("shepherd_machines_held", "Machines held out of every backlog, "
+                             "per kind (maintenance: an operator's; quarantine: the reboot "
+                             "ladder failed too often).", labels=["kind"])
+    for kind, count in sorted(c.held.items()):
+        held.add_metric([kind], count)
+    yield held
+
+
+def _refusing(refusals: Iterable[bmdb.refusals.Refusal], providers: Iterable[str]
+              ) -> GaugeMetricFamily:
+    """1 per provider whose last reconcile refused to act (the fleets disagree), 0 for
+    the ``providers`` named that do not. The cause (with the setting that resolves it)
+    is in ``shepherd fleet`` and the web view: label values stay bounded."""
+    refusing = {r.provider for r in refusals}
+    family = GaugeMetricFamily("shepherd_reconcile_refusing", "1 while the provider's "
+                               "reconcile refuses to act (FLEET MISMATCH: see `shepherd "
+                               "fleet` for what resolves it).", labels=["provider"])
+    for provider in sorted(refusing | set(providers)):
+        family.add_metric([provider], int(provider in refusing))
+    return family
 
 
 def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
@@ -292,12 +318,14 @@ def process_collector(registry: CollectorRegistry, multiproc_dir: str | None) ->
 
 def server_registry(db: bmdb.BMDB, limits: GuardLimits | None, *,
                     thresholds: bmdb.Thresholds | None = None,
-                    multiproc_dir: str | None = None) -> CollectorRegistry:
+                    multiproc_dir: str | None = None,
+                    providers: Iterable[str] = ()) -> CollectorRegistry:
     """What the callback server's ``/metrics`` shows: BMDB metrics, the guard gauges
     when ``limits`` are given (the server's own, so they match its web view), plus its
-    process's."""
+    process's. ``providers``: the configured provider(s), whose refusal gauge reads 0
+    while they do not refuse."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BMDBCollector(db, thresholds, limits))
+    registry.register(BMDBCollector(db, thresholds, limits, providers))
     process_collector(registry, multiproc_dir)
     return registry
 

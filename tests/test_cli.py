@@ -440,7 +440,9 @@ def test_fleet_is_a_table(fleet: Fleet, capsys) -> None:
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
             if line.startswith("Shepherd")}
     assert rows == {"ShepherdAgentStart": ["1", "1", "1"], "ShepherdRecovery": ["2", "1", "0"],
-                    "ShepherdOSInstall": ["-", "0", "0"]}
+                    "ShepherdPower": ["-", "0", "0"], "ShepherdOSInstall": ["-", "0", "0"]}
+    assert "held (in no backlog): maintenance 0   quarantine 0" in out
+    assert "REFUSING" not in out
 
 
 # -- shared options: --bmdb-url before or after the name, --json -------------------------
@@ -449,14 +451,18 @@ def test_fleet_is_a_table(fleet: Fleet, capsys) -> None:
 COMMAND_ARGS = {
     "migrate": [], "fleet": [], "machines": [], "show": [UNKNOWN], "explain": [UNKNOWN],
     "clear-backoff": [UNKNOWN, "recovery"], "start": ["recovery", UNKNOWN], "reconcile": [],
-    "sessions": [], "sweep": [], "up": [],
+    "sessions": [], "sweep": [], "up": [], "maintenance": ["on", UNKNOWN],
+    "quarantine": ["clear", UNKNOWN], "host-key": ["forget", UNKNOWN],
+    "power": ["status", UNKNOWN], "ssh-key": [],
 }
+#: Commands that never open the BMDB (``inventory check`` reads only its file).
+WITHOUT_BMDB = {"inventory"}
 
 
 def test_every_command_takes_the_shared_options_after_its_name() -> None:
     top = cli.parser()
     (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(COMMAND_ARGS) == set(commands.choices) - set(cli.DELEGATED)
+    assert set(COMMAND_ARGS) == set(commands.choices) - set(cli.DELEGATED) - WITHOUT_BMDB
     for name, argv in COMMAND_ARGS.items():
         assert top.parse_args([name, *argv, "--bmdb-url", "sqlite:///a"]).bmdb_url == (
             "sqlite:///a"), name

@@ -75,6 +75,43 @@ def test_fleet_counts_and_task_outcomes_from_the_bmdb(server_and_fleet, db: bmdb
     assert value(samples, "shepherd_fleet_active_work", process="ShepherdRecovery") == 0
 
 
+def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB) -> None:
+    """Held machines per kind, and 1 per provider whose reconcile refuses: the cause
+    (which may quote ids) stays in ``shepherd fleet``, never in a label."""
+    server, fleet = server_and_fleet
+    samples = scrape(server.url)
+    held = "shepherd_machines_held"
+    assert samples[(held, frozenset({("kind", "maintenance")}))] == 0
+    assert samples[(held, frozenset({("kind", "quarantine")}))] == 0
+    assert not [key for key in samples if key[0] == "shepherd_reconcile_refusing"]
+
+    cause = "FLEET MISMATCH: 1 at the provider but not in the BMDB (dev-7f3a)"
+
+    def changes(tx: bmdb.Tx) -> None:
+        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "cabling", "alice")
+        bmdb.holds.put(tx, fleet.healthy, bmdb.holds.MAINTENANCE, "cabling", "alice")
+        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE, "ladder", "shepherd recovery")
+        bmdb.refusals.record(tx, "equinix", cause)
+
+    db.read(changes)
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    samples = parse(text)
+    assert value(samples, held, kind="maintenance") == 2
+    assert value(samples, held, kind="quarantine") == 1
+    assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "equinix")}))] == 1
+    assert "dev-7f3a" not in text and "cabling" not in text
+
+    # The configured provider's series exists while it does not refuse, as 0.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics.BMDBCollector(db, providers=("equinix", "static")))
+    samples = parse(generate_latest(registry).decode())
+    assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "equinix")}))] == 1
+    assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "static")}))] == 0
+    db.read(lambda tx: bmdb.refusals.clear(tx, "equinix"))
+    samples = parse(generate_latest(registry).decode())
+    assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "equinix")}))] == 0
+
+
 def test_provider_calls_of_this_process_show_on_the_endpoint(simulator: Simulator,
                                                              sqlite_url: str) -> None:
     with start_server(ServerConfig(bmdb_url=sqlite_url)) as server:

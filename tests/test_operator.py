@@ -138,6 +138,69 @@ def test_explain_reasons(db: bmdb.BMDB, fleet: Fleet) -> None:
     assert "no Provided" not in explained(fleet.stopped)["ShepherdAgentStart"].backlog
 
 
+def test_a_held_machine_is_in_no_backlog_and_explain_says_why(
+        db: bmdb.BMDB, session: bmdb.Session, fleet: Fleet) -> None:
+    """Maintenance and quarantine: in neither backlog (the claims agree), the hold is the
+    reason given for both processes, with who, why and the command that lifts it."""
+    put = operator.put_maintenance(session, fleet.new, "  swap the NIC ", "alice")
+    assert put.changed and (put.hold.reason, put.hold.actor) == ("swap the NIC", "alice")
+    session.transact(lambda tx: bmdb.holds.put(tx, fleet.quiet, bmdb.holds.QUARANTINE,
+                                               "ladder exhausted 3 times", "shepherd recovery"))
+    limits = guard.GuardLimits(max_share=1.0)
+    for machine_id, words in ((fleet.new, "in maintenance since"),
+                              (fleet.quiet, "quarantined since")):
+        found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds, limits))
+        assert [h.machine_id for h in found.holds] == [machine_id]
+        for p in found.processes:
+            assert not p.in_backlog and not p.claimable, p
+            assert p.backlog.startswith(words) and "held machines are in no backlog" in p.backlog
+    assert "(`shepherd maintenance off " in db.read(
+        lambda tx: operator.explain(tx, fleet.new, db.thresholds)).processes[0].backlog
+    with pytest.raises(bmdb.NotInBacklog, match="in maintenance since .* because swap the NIC "
+                                                r"\(by alice\)"):
+        operator.claim_for_handoff(session, bmdb.Process.AGENT_START, fleet.new, 30)
+    with pytest.raises(bmdb.NotInBacklog, match="quarantined since"):
+        operator.claim_for_handoff(session, bmdb.Process.RECOVERY, fleet.quiet, 30, limits)
+    listed = db.read(lambda tx: operator.list_machines(tx))
+    assert {m.id: m.holds for m in listed.machines if m.holds} == {
+        fleet.new: ["maintenance"], fleet.quiet: ["quarantine"]}
+    detail = db.read(lambda tx: operator.show_machine(tx, fleet.quiet))
+    assert [(h.kind, h.actor) for h in detail.holds] == [("quarantine", "shepherd recovery")]
+
+    lifted = operator.lift_maintenance(session, fleet.new, "alice", "done")
+    assert lifted.changed and lifted.remaining == []
+    assert not operator.lift_maintenance(session, fleet.new, "alice").changed
+    cleared = operator.clear_quarantine(session, fleet.quiet, "bob")
+    assert cleared.changed and cleared.hold.reason == "ladder exhausted 3 times"
+    for process in operator.BACKLOG_PROCESSES:
+        claimable = claimed_one_by_one(session, process, [fleet.new, fleet.quiet], limits)
+        assert claimable == {fleet.new if process is bmdb.Process.AGENT_START else fleet.quiet}
+
+
+def test_hold_arguments_are_checked_before_anything_changes(
+        db: bmdb.BMDB, session: bmdb.Session, fleet: Fleet) -> None:
+    with pytest.raises(operator.BadArgument, match="--reason is required"):
+        operator.put_maintenance(session, fleet.new, " \t", "alice")
+    with pytest.raises(operator.BadArgument, match="--by is required"):
+        operator.lift_maintenance(session, fleet.new, "")
+    with pytest.raises(operator.UnknownMachine):
+        operator.put_maintenance(session, uuid.uuid4(), "x", "alice")
+    assert db.read(lambda tx: bmdb.fleet.held_counts(tx)) == {"maintenance": 0,
+                                                              "quarantine": 0}
+
+
+def test_a_machine_its_provider_no_longer_lists_is_shown_as_gone(
+        db: bmdb.BMDB, fleet: Fleet) -> None:
+    db.read(lambda tx: bmdb.tags.set_provider_status(tx, [fleet.new],
+                                                     bmdb.ProviderStatus.MISSING))
+    found = db.read(lambda tx: operator.explain(tx, fleet.new, db.thresholds))
+    agent_start = found.processes[0]
+    assert not agent_start.in_backlog
+    assert agent_start.backlog.startswith("gone (no longer listed by test) since ")
+    assert operator.status_text("Missing", "static") == "gone (no longer listed by static)"
+    assert operator.status_text("Running", "static") == "Running"
+
+
 def test_show_lists_every_backoff_and_history_newest_first(db: bmdb.BMDB, fleet: Fleet) -> None:
     detail = db.read(lambda tx: operator.show_machine(tx, fleet.backing_off))
     assert [(b.process, b.active) for b in detail.backoffs] == [("ShepherdAgentStart", True)]

@@ -241,6 +241,50 @@ def test_the_machine_page_asks_the_callback_server_like_the_guard(
     db.close()
 
 
+def test_holds_gone_machines_and_refusals_are_shown(web, browse) -> None:
+    """Maintenance and quarantine on the list and the machine page (with who, why and
+    the command that lifts them), a machine the provider stopped listing as gone, and a
+    reconcile refusal with its advice above the list."""
+    server, db, fleet = web
+
+    def changes(tx: bmdb.Tx) -> None:
+        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "replacing a DIMM", "alice")
+        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE,
+                       "the reboot ladder was exhausted 3 times in a row", "shepherd recovery")
+        bmdb.tags.set_provider_status(tx, [fleet.stopped], bmdb.ProviderStatus.MISSING)
+        bmdb.refusals.record(tx, "equinix", "FLEET MISMATCH: 2 at the provider but not in "
+                                            "the BMDB; set SHEPHERD_ASSIMILATE=true")
+
+    db.read(changes)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert rows[str(fleet.new)].endswith("maintenance")
+    assert rows[str(fleet.silent)].endswith("quarantine")
+    assert rows[str(fleet.healthy)].endswith("—")
+    assert "gone (no longer listed by test)" in rows[str(fleet.stopped)]
+    assert "gone" in page.classes_of("data-machine", str(fleet.stopped))[3]
+    counts = page.by_id["tag-counts"]
+    assert "maintenance 1" in counts and "quarantine 1" in counts
+    refusal = page.by_id["refusal-equinix"]
+    assert refusal.startswith("RECONCILE REFUSING : reconcile of equinix REFUSING since")
+    assert refusal.endswith("set SHEPHERD_ASSIMILATE=true")
+
+    held = browse(f"{server.url}/machines/{fleet.new}")
+    hold = held.by_id["hold-maintenance"]
+    assert hold.startswith("HELD : in maintenance since")
+    assert "because replacing a DIMM (by alice)" in hold
+    assert f"shepherd maintenance off {fleet.new} lets it back" in hold
+    explain = {a["data-explain"]: t for a, t in held.rows_with("data-explain")}
+    assert "not in backlog: in maintenance since" in explain["ShepherdAgentStart"]
+    assert "held machines are in no backlog" in explain["ShepherdAgentStart"]
+    assert held.by_id["host-key"].startswith("none recorded")
+    quarantined = browse(f"{server.url}/machines/{fleet.silent}").by_id["hold-quarantine"]
+    assert "quarantined since" in quarantined and "(by shepherd recovery)" in quarantined
+    assert f"shepherd quarantine clear {fleet.silent}" in quarantined
+    gone = browse(f"{server.url}/machines/{fleet.stopped}")
+    assert gone.by_id["gone"] == "gone (no longer listed by test): left alone, never deleted"
+
+
 def test_unknown_and_malformed_machines_get_a_404_page(web, browse) -> None:
     server, _, _ = web
     missing = "00000000-0000-4000-8000-000000000000"

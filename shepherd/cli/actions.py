@@ -1,19 +1,27 @@
-"""The commands that change something: clear-backoff, start, reconcile, sweep.
+"""The commands that change something: clear-backoff, start, reconcile, sweep,
+maintenance, quarantine clear, host-key forget, ssh-key (``power`` is ``power.py``).
 
 ``start`` and ``reconcile`` go through the worker layer (``workers.py``); the CLI never
 runs a workflow itself, so every reboot or agent start happens in a worker, under its
-session, limits and provider budget.
+session, limits and provider budget. Holds and host keys are single BMDB transactions
+(``shepherd.operator``), each with its history row naming who did it (``--by``,
+default: the login name).
 """
 
 from __future__ import annotations
 
 import contextlib
+import getpass
+import os
+from pathlib import Path
 
 import bmdb
 from shepherd import operator
 from shepherd.cli import render
 from shepherd.cli.context import Context, Failed
 from shepherd.cli.workers import WorkerLayer
+from shepherd.providers import ssh_keys
+from shepherd.providers.base import ProviderError
 
 
 def clear_backoff(ctx: Context) -> int:
@@ -75,4 +83,75 @@ def reconcile(ctx: Context) -> int:
 def sweep(ctx: Context) -> int:
     result = ctx.db.sweep()
     ctx.emit(result, lambda: render.swept(result))
+    return 0
+
+
+# -- holds, host keys, the fleet's SSH key --------------------------------------------
+
+
+def actor(ctx: Context) -> str:
+    """Who is doing this, for history: ``--by``, else the login name."""
+    given = getattr(ctx.args, "by", None)
+    if given is not None:
+        return given
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container's bare uid)
+        return f"uid {os.getuid()}"
+
+
+def maintenance(ctx: Context) -> int:
+    machine_id = operator.parse_machine_id(ctx.args.machine)
+    session = ctx.runtime.session
+    if ctx.args.state == "on":
+        if ctx.args.reason is None:
+            raise operator.BadArgument("maintenance on needs --reason TEXT: say why (it is "
+                                       "shown to everyone and kept in history)")
+        change = operator.put_maintenance(session, machine_id, ctx.args.reason, actor(ctx))
+    else:
+        change = operator.lift_maintenance(session, machine_id, actor(ctx),
+                                           ctx.args.reason or "")
+    ctx.emit(change, lambda: render.hold_change(change))
+    return 0
+
+
+def quarantine(ctx: Context) -> int:
+    machine_id = operator.parse_machine_id(ctx.args.machine)
+    change = operator.clear_quarantine(ctx.runtime.session, machine_id, actor(ctx),
+                                       ctx.args.reason or "")
+    ctx.emit(change, lambda: render.hold_change(change))
+    return 0
+
+
+def host_key(ctx: Context) -> int:
+    """``host-key forget``: refused (exit 1) when the inventory itself pins the key, as
+    forgetting the BMDB's copy would change nothing."""
+    machine_id = operator.parse_machine_id(ctx.args.machine)
+    session = ctx.runtime.session
+    who = actor(ctx)
+    provided = operator.provided_at(session, machine_id)
+    if provided is not None and provided[0] == ctx.settings.provider == "static":
+        try:
+            pin = operator.inventory_pin(ctx.runtime.provider, provided[1])
+        except ProviderError as error:
+            raise Failed(f"machine {machine_id}: cannot read the inventory to see whether it "
+                         f"pins the host key: {error}") from None
+        if pin is not None:
+            raise Failed(f"machine {machine_id}: its host key ({pin.fingerprint}) is pinned "
+                         f"in {pin.where} (entry {pin.provider_id}): edit host_key there "
+                         "instead; nothing was forgotten")
+    forgotten = operator.forget_host_key(session, machine_id, who)
+    ctx.emit(forgotten, lambda: render.host_key_forgotten(forgotten))
+    return 0
+
+
+def ssh_key(ctx: Context) -> int:
+    """The fleet's SSH key (created if missing) and the line for ``authorized_keys``."""
+    path = Path(ctx.settings.ssh_key_path)
+    key = ssh_keys.load_or_create(path)
+    line = ssh_keys.public_key_openssh(key)
+    data = {"private_key": str(path.resolve()),
+            "public_key": str(ssh_keys.public_key_path(path).resolve()),
+            "authorized_keys": line}
+    ctx.emit(data, lambda: render.ssh_key(data))
     return 0

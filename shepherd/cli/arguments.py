@@ -17,6 +17,7 @@ from shepherd.cli.migrate import migrate
 EXIT_BAD_ARGUMENT = 2
 BMDB_URL_HELP = "BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)"
 JSON_HELP = "one JSON document on stdout, for scripts"
+BY_HELP = "who does this, for history (default: your login name)"
 
 USAGE = """\
 Operator commands (tables for people, --json for scripts):
@@ -29,15 +30,18 @@ Operator commands (tables for people, --json for scripts):
     shepherd start PROCESS MACHINE [--wait S]      PROCESS: agent-start | recovery
     shepherd reconcile
     shepherd sessions [--alive]
-    shepherd fleet | migrate [REV] | sweep | serve ... | simulator ... | up
+    shepherd fleet | migrate [REV] | sweep | serve ... | simulator ... | up [--racks]
+    shepherd inventory check FILE [--probe] [--timeout S]   (no BMDB; exit 1: a probe failed)
 
 Each takes --json (one JSON document on stdout; not up) and --bmdb-url URL, before
 or after its name. MACHINE is a BMDB machine id (UUID); PROCESS a full name
 (ShepherdRecovery) or a short one (recovery). Exit status: 0 done; 1 could not be
 done now (machine busy, in backoff or not in the backlog, Recovery paused, no worker
-took the work, BMDB unreadable); 2 a bad argument (malformed id, unknown machine,
-process, tag or revision, a BMDB URL that is not one), with one line on stderr
-saying which.
+took the work, a BMC that failed or did not change in time, a host key the inventory
+pins, BMDB unreadable); 2 a bad argument (malformed id, unknown machine, process, tag
+or revision, a missing --reason, a BMDB URL that is not one), with one line on stderr
+saying which. Changes are in the machine's history with who made them (--by NAME,
+default: your login name).
 
 start and reconcile hand the work to the Celery workers through the broker
 (SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.
@@ -66,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
     commands = _Commands(sub)
     _operator_commands(commands)
+    _inventory_commands(commands)
+    _machine_care_commands(commands)
     _up_command(commands.add("up", "run the whole control plane in the foreground", _up,
                              json=False))
     for name, (_, text) in DELEGATED.items():
@@ -149,6 +155,90 @@ def _operator_commands(commands: _Commands) -> None:
     commands.add("sweep", "release work of dead sessions now", actions.sweep)
 
 
+# -- holds, power, host keys, the SSH key ------------------------------------------
+
+
+def _machine_care_commands(commands: _Commands) -> None:
+    """Commands for machines of real racks. Their modules load on use (``power``
+    imports the BMC drivers)."""
+    maintenance = commands.add("maintenance", "put a machine into maintenance (no "
+                               "workflow touches it) or take it out", actions.maintenance)
+    maintenance.add_argument("state", choices=("on", "off"))
+    maintenance.add_argument("machine", metavar="MACHINE")
+    maintenance.add_argument("--reason", metavar="TEXT",
+                             help="why (required for on; shown everywhere, kept in history)")
+    maintenance.add_argument("--by", metavar="NAME", help=BY_HELP)
+
+    quarantine = commands.add("quarantine", "let a quarantined machine back into the "
+                              "backlogs", actions.quarantine)
+    quarantine.add_argument("action", choices=("clear",))
+    quarantine.add_argument("machine", metavar="MACHINE")
+    quarantine.add_argument("--reason", metavar="TEXT", help="why, for history")
+    quarantine.add_argument("--by", metavar="NAME", help=BY_HELP)
+
+    host_key = commands.add("host-key", "forget a machine's recorded SSH host key (after "
+                            "a reinstall)", actions.host_key)
+    host_key.add_argument("action", choices=("forget",))
+    host_key.add_argument("machine", metavar="MACHINE")
+    host_key.add_argument("--by", metavar="NAME", help=BY_HELP)
+
+    power = commands.add("power", "read or change a machine's power through its BMC "
+                         "(on/off/cycle: verified, under a BMDB claim)", _power)
+    power.add_argument("command", choices=("status", "on", "off", "cycle"))
+    power.add_argument("machine", metavar="MACHINE")
+    power.add_argument("--wait", type=float, metavar="SECONDS",
+                       help="how long each change may take to be seen (default: "
+                            "SHEPHERD_RUNG_TIMEOUT)")
+    power.add_argument("--by", metavar="NAME", help=BY_HELP)
+
+    commands.add("ssh-key", "the fleet's SSH key (created if missing) and the line for "
+                 "authorized_keys", actions.ssh_key)
+
+
+def _power(ctx: Any) -> int:
+    from shepherd.cli.power import power
+
+    return power(ctx)
+
+
+# -- shepherd inventory ---------------------------------------------------------------
+
+
+def _inventory_commands(commands: _Commands) -> None:
+    """``shepherd inventory check``; its module is imported only when run (it loads
+    the BMC drivers, which other commands need not wait for)."""
+    inventory = commands.sub.add_parser("inventory", help="check a static inventory file")
+    sub = inventory.add_subparsers(dest="inventory_command", required=True,
+                                   parser_class=Parser)
+    # --bmdb-url is accepted (as by every command) and unused: a file check needs no BMDB.
+    check = sub.add_parser("check", parents=[commands.url, commands.json],
+                           help="validate the file and list its machines; --probe asks "
+                                "every BMC and SSH endpoint")
+    check.add_argument("file", type=Path, metavar="FILE", help="inventory (TOML or .json)")
+    check.add_argument("--probe", action="store_true",
+                       help="read every BMC's power state and every SSH host key "
+                            "(in parallel; nothing is changed, nobody logs in)")
+    check.add_argument("--timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                       help="bound of each network step of a probe (default 10)")
+    check.set_defaults(run=_inventory_check)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 and at most 3600")
+    return value
+
+
+def _inventory_check(ctx: Any) -> int:
+    from shepherd.cli.inventory import check
+
+    return check(ctx)
+
+
 def _up_command(up: argparse.ArgumentParser) -> None:
     up.add_argument("--workdir", type=Path, default=None,
                     help="state directory: SQLite BMDB and broker, logs, keys (default "
@@ -169,6 +259,11 @@ def _up_command(up: argparse.ArgumentParser) -> None:
                     help="embedded broker when SHEPHERD_BROKER_URL is unset: SQLite under "
                          "the state directory (default; Flower sees no workers or events "
                          "on it), or a private redis-server (needs the binary)")
+    up.add_argument("--racks", action="store_true",
+                    help="run the simulated machines as your own racks: a static inventory "
+                         "(written under the state directory, host keys pinned), each "
+                         "machine behind an emulated Redfish BMC (sushy-emulator), so "
+                         "Recovery power-cycles a hung machine through its BMC")
 
 
 def port(text: str) -> int:

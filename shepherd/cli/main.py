@@ -15,6 +15,7 @@ from shepherd.cli.context import Context, Failed, safe_url
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer
 from shepherd.config import Settings, SettingsError
 from shepherd.operator import BadArgument
+from shepherd.providers.base import ProviderError
 
 EXIT_FAILED = 1
 
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace,
         return _fail(args, error, EXIT_BAD_ARGUMENT)
     except Failed as error:
         return _fail(args, error, EXIT_FAILED)
+    except ProviderError as error:  # the provider (an inventory file) read by a command
+        return _fail(args, f"provider: {error}", EXIT_FAILED)
     except sa.exc.SQLAlchemyError as error:
         reason = str(getattr(error, "orig", None) or error).splitlines()[0]
         where = safe_url(ctx.settings.bmdb_url) if ctx else "(unknown)"

@@ -9,9 +9,13 @@ from shepherd.cli.context import Context
 
 
 def fleet(ctx: Context) -> int:
+    """Counts (with held machines per kind) and any standing reconcile refusal, from one
+    read; ``--json`` adds ``refusals`` beside the counts."""
     db = ctx.db
-    counts = db.read(lambda tx: bmdb.fleet.fleet_counts(tx, db.thresholds))
-    ctx.emit(counts, lambda: render.fleet(counts))
+    counts, refusals = db.read(lambda tx: (bmdb.fleet.fleet_counts(tx, db.thresholds),
+                                           operator.refusals(tx)))
+    ctx.emit({**operator.jsonable(counts), "refusals": refusals},
+             lambda: render.fleet(counts, refusals))
     return 0
 
 

@@ -8,48 +8,64 @@ changed in one place.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from shepherd import operator, tables
 
 
-def fleet(c: Any) -> str:
-    """The counts as people read them: the fleet on one line, one row per process."""
+def fleet(c: Any, refusals: Sequence[Any] = ()) -> str:
+    """The counts as people read them: the fleet on one line, holds on the next, one
+    row per process, then any reconcile refusal with what resolves it."""
     rows = [(process, c.backlog.get(process), work, c.active_backoffs.get(process, 0))
             for process, work in c.active_work.items()]
-    return "\n".join([
+    held = "   ".join(f"{kind} {n}" for kind, n in c.held.items())
+    lines = [
         f"machines {c.machines}   provided {c.provided}   agent started "
-        f"{c.agent_started}   heartbeating {c.heartbeating}", "",
+        f"{c.agent_started}   heartbeating {c.heartbeating}",
+        f"held (in no backlog): {held or 'none'}", "",
         tables.table(["PROCESS", "BACKLOG", "WORK", "BACKOFFS"], rows),
         "(backlog: what a claim could take, held and backing-off machines excluded; "
         "the Recovery guard is not asked: `shepherd explain`)",
-    ])
+    ]
+    lines += [f"RECONCILE REFUSING: {operator.refusal_text(r)}" for r in refusals]
+    return "\n".join(lines)
 
 
 def machines(found: Any) -> str:
     counts = "  ".join(f"{tag}={n}" for tag, n in found.tag_counts.items())
-    rows = [(m.id, m.provider, m.provider_id, m.provider_status, m.address,
-             [operator.short_tag(t) for t in m.tags], m.work, m.backoffs)
+    rows = [(m.id, m.provider, m.provider_id,
+             operator.status_text(m.provider_status, m.provider), m.address,
+             [operator.short_tag(t) for t in m.tags], m.work, m.backoffs, m.holds)
             for m in found.machines]
     shown = (f"{len(found.machines)} of {found.matched} matching" if
              found.matched > len(found.machines) else f"{found.matched} matching")
     return "\n".join([
         f"fleet: {found.total} machines  {counts}",
         tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
-                      "WORK", "BACKOFF"], rows),
+                      "WORK", "BACKOFF", "HELD"], rows),
         f"({shown}; tags: {operator.TAG_LEGEND})",
     ])
 
 
 def show(d: Any) -> str:
     lines = [f"machine {d.id}  (created {tables.when(d.created_at)}; "
-             f"BMDB time {tables.when(d.now)} UTC)", "", "TAGS"]
+             f"BMDB time {tables.when(d.now)} UTC)"]
+    lines += _holds(d.holds)
+    lines += ["", "TAGS"]
     if not d.tags:
         lines.append("  (none)")
     for name, values in d.tags.items():
         shown = ", ".join(f"{k}={_value(v)}" for k, v in values.items()
                           if k not in ("agent_started", "heartbeat_seen"))
         lines.append(f"  {name}: {shown}")
+        if name == "Provided" and values.get("provider_status") == "Missing":
+            lines.append(f"    {operator.status_text('Missing', values.get('provider'))}: "
+                         "left alone, never deleted")
+    lines += ["", "HOST KEY"]
+    lines.append(f"  recorded at the first takeover: {d.host_key_fingerprint}" if d.host_key
+                 else "  none recorded (an inventory pin, if any, is in the file; else the "
+                      "next takeover records one)")
     lines += ["", "WORK"]
     if not d.work:
         lines.append("  (none)")
@@ -68,6 +84,12 @@ def show(d: Any) -> str:
     else:
         lines.append("  (none)")
     return "\n".join(lines)
+
+
+def _holds(holds: list[Any]) -> list[str]:
+    """HELD lines: why the machine is in no backlog, and how to let it back."""
+    return [f"HELD: {operator.hold_text(h)} — in no backlog; `{operator.lift_command(h)}`"
+            for h in holds]
 
 
 def _backoffs(d: Any) -> str:
@@ -99,6 +121,7 @@ def session_line(work: Any, now: Any) -> str:
 def explain(e: Any) -> str:
     lines = [f"machine {e.id}  tags: {', '.join(e.tags) or '(none)'}",
              f"BMDB time {tables.when(e.now)} UTC"]
+    lines += _holds(e.holds)
     for p in e.processes:
         lines += ["", f"{p.process}: {p.verdict}"]
         lines.append(f"  backlog: {'yes' if p.in_backlog else 'no'} — {p.backlog}")
@@ -154,3 +177,63 @@ def swept(result: Any) -> str:
     return (f"sweep: {result.abandoned} work of dead sessions released (Abandoned), "
             f"{result.unadopted} claims nobody adopted cancelled, "
             f"{result.sessions_deleted} dead sessions deleted")
+
+
+def hold_change(c: Any) -> str:
+    """What ``maintenance on|off`` or ``quarantine clear`` did, and what still applies."""
+    m = c.machine
+    if c.action == "on":
+        lines = [f"machine {m}: {'now' if c.changed else 'already'} "
+                 f"{operator.hold_text(c.hold)}"]
+    elif c.changed:
+        lines = [f"machine {m}: out of {c.kind} (was: {operator.hold_text(c.hold)})"]
+    else:
+        was = "in maintenance" if c.kind == "maintenance" else "quarantined"
+        lines = [f"machine {m} was not {was}; nothing changed"]
+    others = [h for h in c.remaining if h.kind != c.kind or c.action == "on"]
+    if c.action != "on" and others:
+        lines += [f"  still held: {operator.hold_text(h)} (`{operator.lift_command(h)}`)"
+                  for h in others]
+    elif c.action != "on" and c.changed:
+        lines.append("  back in the backlogs: AgentStart and Recovery may claim it again")
+    for w in c.work:
+        lines.append(f"  note: {w.process} work {w.id} holds it now; a hold stops new "
+                     "claims, not work under way")
+    if c.backoff is not None and c.action != "on":
+        lines.append(f"  note: Recovery backoff until {tables.when(c.backoff.until)} "
+                     f"(`shepherd clear-backoff {m} recovery` to retry sooner)")
+    return "\n".join(lines)
+
+
+def host_key_forgotten(f: Any) -> str:
+    if f.host_key is None:
+        return (f"machine {f.machine} had no recorded host key; nothing changed (the next "
+                "takeover records the key it meets)")
+    return (f"machine {f.machine}: forgot host key {f.fingerprint}; the next takeover "
+            "records the key it meets (trust on first use)")
+
+
+def ssh_key(k: dict[str, str]) -> str:
+    return "\n".join([
+        f"private key: {k['private_key']}",
+        f"public key:  {k['public_key']}",
+        "add this line to ~/.ssh/authorized_keys of each machine's SSH user "
+        "(inventory ssh_user, default root):",
+        k["authorized_keys"],
+    ])
+
+
+def power_status(s: Any) -> str:
+    return (f"machine {s.machine} ({s.provider} {s.provider_id}): power {s.power} "
+            f"(via {s.bmc})")
+
+
+def power_result(r: Any) -> str:
+    lines = [f"machine {r.machine}: power {r.command} verified after {r.seconds:.1f}s, "
+             f"power {r.power} (via {r.bmc}): {r.detail}",
+             f"  work {r.work}; history: Power, Finished"]
+    if r.command in ("off", "cycle") and not r.holds:
+        lines.append(f"  note: not in maintenance: if it runs an agent, Recovery powers it "
+                     f"back once the agent falls silent (`shepherd maintenance on {r.machine} "
+                     "--reason ...` first to keep it off)")
+    return "\n".join(lines)

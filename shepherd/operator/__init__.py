@@ -7,9 +7,15 @@ a named function of ``bmdb`` (mostly ``bmdb.inspection``). Every time shown is t
 BMDB's clock (``tx.now``), the same clock the backlog queries and backoffs use.
 
 Modules, one job each: ``arguments`` (parsing what people type), ``views`` (the
-records returned, ``jsonable``), ``reads`` (list/show/sessions), ``explain`` (why a
-machine is or is not claimable, and its wording), ``backoffs`` (clearing one),
-``handoff`` (claiming a machine for a worker and waiting for the adoption).
+records returned, ``jsonable``, the shared wording of holds and gone machines),
+``reads`` (list/show/sessions/refusals), ``explain`` (why a machine is or is not
+claimable, and its wording), ``backoffs`` (clearing one), ``handoff`` (claiming a
+machine for a worker and waiting for the adoption), ``holds`` (maintenance and
+quarantine), ``host_keys`` (forgetting a recorded host key), ``power`` (power
+status, on, off, cycle under a BMDB claim).
+
+``power`` loads the power drivers, so it is not imported here: ``from
+shepherd.operator import power``.
 """
 
 from __future__ import annotations
@@ -31,8 +37,30 @@ from shepherd.operator.arguments import (
 from shepherd.operator.backoffs import clear_backoff
 from shepherd.operator.explain import explain, explain_machine
 from shepherd.operator.handoff import RecoveryPaused, claim_for_handoff, wait_adopted
-from shepherd.operator.reads import list_machines, list_sessions, show_machine
-from shepherd.operator.views import Explanation, MachineDetail, ProcessExplanation, jsonable
+from shepherd.operator.holds import (
+    HoldChange,
+    clear_quarantine,
+    lift_maintenance,
+    put_maintenance,
+)
+from shepherd.operator.host_keys import (
+    HostKeyForgotten,
+    InventoryPin,
+    forget_host_key,
+    inventory_pin,
+    provided_at,
+)
+from shepherd.operator.reads import list_machines, list_sessions, refusals, show_machine
+from shepherd.operator.views import (
+    Explanation,
+    MachineDetail,
+    ProcessExplanation,
+    hold_text,
+    jsonable,
+    lift_command,
+    refusal_text,
+    status_text,
+)
 
 __all__ = [
     "BACKLOG_PROCESSES",
@@ -41,6 +69,9 @@ __all__ = [
     "TAG_LEGEND",
     "BadArgument",
     "Explanation",
+    "HoldChange",
+    "HostKeyForgotten",
+    "InventoryPin",
     "MachineDetail",
     "MachineFilter",
     "MachineList",
@@ -49,16 +80,27 @@ __all__ = [
     "UnknownMachine",
     "claim_for_handoff",
     "clear_backoff",
+    "clear_quarantine",
     "explain",
     "explain_machine",
+    "forget_host_key",
+    "hold_text",
+    "inventory_pin",
     "jsonable",
+    "lift_command",
+    "lift_maintenance",
     "list_machines",
     "list_sessions",
     "parse_machine_id",
     "parse_process",
     "parse_process_filter",
     "parse_tag",
+    "provided_at",
+    "put_maintenance",
+    "refusal_text",
+    "refusals",
     "short_tag",
     "show_machine",
+    "status_text",
     "wait_adopted",
 ]

@@ -17,7 +17,14 @@ import bmdb
 from bmdb import inspection
 from shepherd.operator.arguments import BACKLOG_PROCESSES
 from shepherd.operator.reads import require_machine
-from shepherd.operator.views import Explanation, ProcessExplanation, iso
+from shepherd.operator.views import (
+    Explanation,
+    ProcessExplanation,
+    hold_text,
+    iso,
+    lift_command,
+    status_text,
+)
 from shepherd.workflows import guard
 from shepherd.workflows.guard import CallbackCheck, GuardDecision, GuardLimits
 
@@ -40,20 +47,29 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
     when ``callback`` is None; ``explain_machine`` checks it)."""
     require_machine(tx, machine_id)
     tags = bmdb.queries.machine_tags(tx, machine_id)
+    holds = bmdb.holds.holds_of(tx, machine_id)
     decision = guard.decide(tx, thresholds, limits or GuardLimits(), callback)
     out = [explain_process(tx, process, machine_id, thresholds, tags,
-                           decision if process is bmdb.Process.RECOVERY else None)
+                           decision if process is bmdb.Process.RECOVERY else None, holds)
            for process in BACKLOG_PROCESSES]
-    return Explanation(now=tx.now, id=machine_id, tags=list(tags), processes=out)
+    return Explanation(now=tx.now, id=machine_id, tags=list(tags), processes=out,
+                       holds=holds)
 
 
 def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
                     thresholds: bmdb.Thresholds, tags: dict[str, dict[str, Any]],
-                    decision: GuardDecision | None = None) -> ProcessExplanation:
-    """One process of ``explain``; ``decision`` is the guard's, for a guarded process."""
+                    decision: GuardDecision | None = None,
+                    holds: list[bmdb.holds.Hold] | None = None) -> ProcessExplanation:
+    """One process of ``explain``; ``decision`` is the guard's, for a guarded process.
+    A hold (maintenance, quarantine) is the reason before any other: the backlog
+    queries leave held machines out whatever their tags say."""
     held = inspection.machine_work(tx, machine_id, bmdb.exclusion_group(process))
     backoffs = inspection.machine_backoffs(tx, machine_id, process)
-    if process is bmdb.Process.AGENT_START:
+    if holds is None:
+        holds = bmdb.holds.holds_of(tx, machine_id)
+    if holds:
+        reason = held_reason(holds)
+    elif process is bmdb.Process.AGENT_START:
         reason = _agent_start_reason(tags)
     else:
         reason = _recovery_reason(tags, tx.now, thresholds)
@@ -103,11 +119,21 @@ def why_not(db: bmdb.BMDB, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb
 # -- the wording -----------------------------------------------------------------------
 
 
+def held_reason(holds: list[bmdb.holds.Hold]) -> str:
+    """Why a held machine is in no backlog, and the command that lets it back."""
+    return "; ".join(f"{hold_text(h)}: held machines are in no backlog "
+                     f"(`{lift_command(h)}` lets it back)" for h in holds)
+
+
 def _agent_start_reason(tags: dict[str, dict[str, Any]]) -> str:
     provided = tags.get("Provided")
     if provided is None:
         return "no Provided tag: no provider has reported this machine"
     at = f"{provided['provider']} {provided['provider_id']}"
+    if provided["provider_status"] == bmdb.ProviderStatus.MISSING.value:
+        return (f"{status_text(provided['provider_status'], provided['provider'])} since "
+                f"{iso(provided['updated_at'])}, as {provided['provider_id']}: Shepherd "
+                "leaves it alone and never deletes it")
     if provided["provider_status"] != bmdb.ProviderStatus.RUNNING.value:
         return (f"provider status is {provided['provider_status']}, not Running "
                 f"({at}, updated {iso(provided['updated_at'])})")

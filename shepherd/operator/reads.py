@@ -1,5 +1,6 @@
-"""Operator reads: list machines, show one, list sessions. Each runs in the caller's
-transaction (``db.read``), so a page or a command shows one consistent moment."""
+"""Operator reads: list machines, show one, list sessions, reconcile refusals. Each
+runs in the caller's transaction (``db.read``), so a page or a command shows one
+consistent moment."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import uuid
 import bmdb
 from bmdb import inspection
 from bmdb.inspection import MachineFilter, MachineList, SessionInfo
+from bmdb.refusals import Refusal
 from shepherd.operator.arguments import UnknownMachine
 from shepherd.operator.views import MachineDetail
+from shepherd.remote import fingerprint
 
 
 def require_machine(tx: bmdb.Tx, machine_id: uuid.UUID) -> dt.datetime:
@@ -30,15 +33,24 @@ def list_machines(tx: bmdb.Tx, f: MachineFilter | None = None) -> MachineList:
 def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
                  ) -> MachineDetail:
     """Tags, current work with its session, every backoff (expired ones too), history
-    newest first."""
+    newest first, holds, and the host key recorded at the first takeover."""
     created = require_machine(tx, machine_id)
+    host_key = bmdb.host_keys.pinned(tx, machine_id)
     return MachineDetail(
         now=tx.now, id=machine_id, created_at=created,
         tags=bmdb.queries.machine_tags(tx, machine_id),
         work=inspection.machine_work(tx, machine_id),
         backoffs=inspection.machine_backoffs(tx, machine_id),
         history=bmdb.queries.history(tx, machine_id, limit=history_limit),
+        holds=bmdb.holds.holds_of(tx, machine_id),
+        host_key=host_key,
+        host_key_fingerprint=fingerprint(host_key) if host_key else None,
     )
+
+
+def refusals(tx: bmdb.Tx) -> list[Refusal]:
+    """Every provider whose last reconcile refused to act, with the advice it gave."""
+    return bmdb.refusals.current(tx)
 
 
 def list_sessions(tx: bmdb.Tx, include_dead: bool = True

@@ -1,7 +1,8 @@
 """What the operator functions return beyond the BMDB's own records
 (``bmdb.inspection``: machines, sessions, work, backoffs): the views composed from
-several reads (a machine's detail, an explanation) and ``jsonable`` for ``--json``.
-The CLI and the web view render them alike.
+several reads (a machine's detail, an explanation), ``jsonable`` for ``--json``, and
+the few phrases (a hold, a machine gone from its provider) that the CLI and the web
+view must word alike.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import bmdb
+from bmdb.holds import MAINTENANCE, Hold
 from bmdb.inspection import BackoffInfo, WorkInfo
+from bmdb.refusals import Refusal
 from shepherd.workflows.guard import PAUSED_PREFIX
+
+#: The command that lifts each kind of hold (``MACHINE`` is replaced by the id).
+LIFT_COMMAND = {"maintenance": "shepherd maintenance off MACHINE",
+                "quarantine": "shepherd quarantine clear MACHINE"}
 
 
 def jsonable(value: Any) -> Any:
@@ -39,6 +47,29 @@ def iso(value: dt.datetime) -> str:
     return value.isoformat(timespec="seconds")
 
 
+def hold_text(hold: Hold) -> str:
+    """A hold as operators read it: "in maintenance since ..., because ... (by ...)"."""
+    state = "in maintenance" if hold.kind == MAINTENANCE else "quarantined"
+    return f"{state} since {iso(hold.since)}, because {hold.reason} (by {hold.actor})"
+
+
+def lift_command(hold: Hold) -> str:
+    return LIFT_COMMAND[hold.kind].replace("MACHINE", str(hold.machine_id))
+
+
+def status_text(status: str | None, provider: str | None) -> str:
+    """A provider status for people: ``Missing`` means the provider stopped listing the
+    machine, which Shepherd leaves alone rather than deleting."""
+    if status == bmdb.ProviderStatus.MISSING.value:
+        return f"gone (no longer listed by {provider})"
+    return status or "—"
+
+
+def refusal_text(refusal: Refusal) -> str:
+    return (f"reconcile of {refusal.provider} REFUSING since {iso(refusal.since)} "
+            f"(last checked {iso(refusal.checked_at)}): {refusal.cause}")
+
+
 @dataclass(frozen=True)
 class MachineDetail:
     now: dt.datetime
@@ -48,6 +79,11 @@ class MachineDetail:
     work: list[WorkInfo]
     backoffs: list[BackoffInfo]
     history: list[dict[str, Any]]
+    #: Maintenance and quarantine, oldest first.
+    holds: list[Hold] = field(default_factory=list)
+    #: The host key recorded at the first takeover (an inventory pin is not here).
+    host_key: str | None = None
+    host_key_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,3 +159,5 @@ class Explanation:
     id: uuid.UUID
     tags: list[str]
     processes: list[ProcessExplanation]
+    #: Maintenance and quarantine: why the machine is in no backlog at all.
+    holds: list[Hold] = field(default_factory=list)

@@ -4,11 +4,13 @@ Server-rendered HTML (Flask + Jinja, no JavaScript), from the same ``shepherd.op
 reads as the CLI, so the page and ``shepherd show`` never disagree:
 
   GET /                      redirect to /machines
-  GET /machines              machines with tag columns, per-tag counts, filters by query
-                             string: tag=T (has, repeatable), without=T, provider=P,
-                             work=PROCESS|any, backoff=PROCESS|any, limit=N
-  GET /machines/<id>         tags, work and its session, backoffs (expired ones marked),
-                             why it is or is not in each backlog, history newest first
+  GET /machines              machines with tag columns, holds and gone ones marked,
+                             per-tag and per-hold counts, any reconcile refusal, filters
+                             by query string: tag=T (has, repeatable), without=T,
+                             provider=P, work=PROCESS|any, backoff=PROCESS|any, limit=N
+  GET /machines/<id>         holds, tags, host key, work and its session, backoffs
+                             (expired ones marked), why it is or is not in each backlog,
+                             history newest first
   GET /sessions              BMDB sessions, alive or dead, and the work each holds
 
 Read-only: nothing here changes the BMDB (the CLI does that), so the pages need no
@@ -69,6 +71,13 @@ def _short(value: Any) -> str:
     return str(value)[:8]
 
 
+# The shared wording (``shepherd.operator.views``), so the pages say what the CLI says.
+bp.add_app_template_filter(operator.hold_text, "hold")
+bp.add_app_template_filter(operator.lift_command, "lift_command")
+bp.add_app_template_filter(operator.refusal_text, "refusal")
+bp.add_app_template_filter(operator.status_text, "status")
+
+
 def _error(status: int, message: str) -> tuple[str, int]:
     return render_template("error.html", status=status, message=message), status
 
@@ -98,9 +107,10 @@ def machines() -> tuple[str, int] | str:
         )
     except operator.BadArgument as error:
         return _error(400, str(error))
-    found = _db().read(lambda tx: operator.list_machines(tx, f))
+    found, held, refusals = _db().read(lambda tx: (
+        operator.list_machines(tx, f), bmdb.fleet.held_counts(tx), operator.refusals(tx)))
     return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
-                           short_tags=operator.SHORT_TAGS,
+                           short_tags=operator.SHORT_TAGS, held=held, refusals=refusals,
                            processes=[p.value for p in bmdb.Process])
 
 
