@@ -1,7 +1,8 @@
 """Backlog query latency at 10k, 100k and 1M machines, all but a handful already done.
 
 "Done" means: Provided, AgentStarted and heartbeating recently. A handful are
-in each backlog (5 awaiting AgentStart, 5 gone quiet for Recovery). The figure
+in each backlog (5 awaiting AgentStart, 5 gone quiet for Recovery), and 1 % of the
+fleet is in maintenance (the backlogs' anti-join on the holds must stay a probe). The figure
 is the median time of the claim's candidate query (backlog minus busy and
 backing-off machines), which is what every idle sourcing poll pays.
 
@@ -39,6 +40,9 @@ SEED = [
     "WITH pick AS (SELECT machine_id FROM agent_heartbeat ORDER BY machine_id DESC LIMIT %(k)s) "
     "UPDATE agent_heartbeat SET last_heartbeat_at = now() - interval '1 hour' "
     "WHERE machine_id IN (SELECT * FROM pick)",
+    "INSERT INTO machine_holds (machine_id, kind, reason, actor, since) "
+    "SELECT machine_id, 'maintenance', 'bench', 'bench', now() FROM provided "
+    "WHERE agent_started ORDER BY machine_id OFFSET %(k)s LIMIT %(n)s / 100",
     "VACUUM ANALYZE",
 ]
 

@@ -169,6 +169,13 @@ def check_settings(settings: Settings) -> None:
     else:
         raise SettingsError(f"SHEPHERD_PROVIDER={settings.provider!r}: expected simulator, "
                             "equinix or static")
+    if settings.visibility_timeout <= settings.machine_task_time_limit:
+        # Redis would hand a running Recovery's message to a second worker.
+        raise SettingsError(
+            f"SHEPHERD_VISIBILITY_TIMEOUT={settings.visibility_timeout:g} must exceed a "
+            f"machine task's time limit, {settings.machine_task_time_limit:g}s (from the SSH "
+            "timeouts and the reboot ladder: SHEPHERD_RUNG_TIMEOUT, SHEPHERD_BOOT_WAIT, "
+            "SHEPHERD_BMC_TIMEOUT/ATTEMPTS/LOCK_WAIT)")
 
 
 def build_provider(settings: Settings) -> Provider:

@@ -12,7 +12,7 @@ import pytest
 
 import bmdb
 from shepherd import runtime
-from shepherd.config import Settings
+from shepherd.config import Settings, SettingsError
 from shepherd.power import ExclusivePower
 from shepherd.power.spec import BmcSpec
 from shepherd.providers.base import ProviderMachine
@@ -147,3 +147,13 @@ def test_ladder_and_bmc_settings_reach_what_workers_build(session: bmdb.Session)
     assert runtime.power_for(settings, None, session, without_bmc) is None  # type: ignore[arg-type]
     # The whole ladder fits in a machine task's time limit.
     assert settings.machine_task_soft_time_limit > 4 * 17 + 23 + 4 * (9 + 4 * 6)
+
+
+def test_a_ladder_longer_than_the_brokers_patience_is_refused() -> None:
+    """Redis hands an unacknowledged message to another worker after the visibility
+    timeout: a Recovery that may take longer would be run twice."""
+    settings = Settings.from_env({"SHEPHERD_RUNG_TIMEOUT": "900", "SHEPHERD_PROVIDER": "static",
+                                  "SHEPHERD_STATIC_INVENTORY": "x.toml"})
+    with pytest.raises(SettingsError, match="SHEPHERD_VISIBILITY_TIMEOUT=3600 must exceed"):
+        runtime.check_settings(settings)
+    runtime.check_settings(settings.with_overrides(visibility_timeout=7200.0))
