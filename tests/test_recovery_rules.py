@@ -13,6 +13,7 @@ import pytest
 import bmdb
 from shepherd import runtime
 from shepherd.config import Settings, SettingsError
+from shepherd.operator import explain
 from shepherd.power import ExclusivePower
 from shepherd.power.spec import BmcSpec
 from shepherd.providers.base import ProviderMachine
@@ -123,6 +124,10 @@ def test_a_machine_gone_from_the_provider_is_left_alone(session: bmdb.Session) -
     assert backlog_ids(session, bmdb.Process.RECOVERY) == {present}
     with pytest.raises(bmdb.NotInBacklog):
         session.claim_machine(bmdb.Process.RECOVERY, gone)
+    # explain says so, not "heartbeat stale".
+    explained = session.transact(lambda tx: explain(tx, gone, NOW_SILENT))
+    recovery = next(p for p in explained.processes if p.process == bmdb.Process.RECOVERY)
+    assert not recovery.in_backlog and recovery.backlog.startswith("gone (no longer listed")
 
 
 def test_ladder_and_bmc_settings_reach_what_workers_build(session: bmdb.Session) -> None:

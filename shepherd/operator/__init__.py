@@ -48,9 +48,14 @@ from shepherd.operator.host_keys import (
     InventoryPin,
     forget_host_key,
     inventory_pin,
-    provided_at,
 )
-from shepherd.operator.reads import list_machines, list_sessions, refusals, show_machine
+from shepherd.operator.reads import (
+    list_machines,
+    list_sessions,
+    provided_at,
+    refusals,
+    show_machine,
+)
 from shepherd.operator.views import (
     Explanation,
     MachineDetail,

@@ -125,15 +125,23 @@ def held_reason(holds: list[bmdb.holds.Hold]) -> str:
                      f"(`{lift_command(h)}` lets it back)" for h in holds)
 
 
+def _gone_reason(provided: dict[str, Any] | None) -> str | None:
+    """Why a machine its provider no longer lists is in no backlog, or None."""
+    if provided is None or provided["provider_status"] != bmdb.ProviderStatus.MISSING.value:
+        return None
+    return (f"{status_text(provided['provider_status'], provided['provider'])} since "
+            f"{iso(provided['updated_at'])}, as {provided['provider_id']}: Shepherd "
+            "leaves it alone and never deletes it")
+
+
 def _agent_start_reason(tags: dict[str, dict[str, Any]]) -> str:
     provided = tags.get("Provided")
     if provided is None:
         return "no Provided tag: no provider has reported this machine"
     at = f"{provided['provider']} {provided['provider_id']}"
-    if provided["provider_status"] == bmdb.ProviderStatus.MISSING.value:
-        return (f"{status_text(provided['provider_status'], provided['provider'])} since "
-                f"{iso(provided['updated_at'])}, as {provided['provider_id']}: Shepherd "
-                "leaves it alone and never deletes it")
+    gone = _gone_reason(provided)
+    if gone:
+        return gone
     if provided["provider_status"] != bmdb.ProviderStatus.RUNNING.value:
         return (f"provider status is {provided['provider_status']}, not Running "
                 f"({at}, updated {iso(provided['updated_at'])})")
@@ -148,6 +156,9 @@ def _recovery_reason(tags: dict[str, dict[str, Any]], now: dt.datetime,
     started = tags.get("AgentStarted")
     if started is None:
         return "no AgentStarted tag: no agent to recover"
+    gone = _gone_reason(tags.get("Provided"))
+    if gone:
+        return gone
     heartbeat = tags.get("AgentHeartbeat")
     if heartbeat is None:
         due = started["started_at"] + dt.timedelta(seconds=thresholds.first_heartbeat)

@@ -37,17 +37,6 @@ class InventoryPin:
     fingerprint: str
 
 
-def provided_at(session: bmdb.Session, machine_id: uuid.UUID) -> tuple[str, str] | None:
-    """(provider, provider id) of the machine's Provided tag, or None without one."""
-
-    def read(tx: bmdb.Tx) -> tuple[str, str] | None:
-        require_machine(tx, machine_id)
-        tag = bmdb.queries.machine_tag(tx, "Provided", machine_id)
-        return None if tag is None else (tag["provider"], tag["provider_id"])
-
-    return session.transact(read)
-
-
 def inventory_pin(provider: Provider, provider_id: str) -> InventoryPin | None:
     """The pin of ``provider``'s listing for the machine, if it has one.
 

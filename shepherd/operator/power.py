@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import bmdb
-from shepherd.operator.host_keys import provided_at
+from shepherd.operator.reads import provided_at
 from shepherd.power import PowerAction, PowerControl, PowerError, PowerState
 from shepherd.providers.base import NotFound, Provider, ProviderError, ProviderMachine
 from shepherd.workflows.ladder import Endpoint, LadderSettings, Watch

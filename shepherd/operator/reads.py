@@ -1,4 +1,5 @@
-"""Operator reads: list machines, show one, list sessions, reconcile refusals. Each
+"""Operator reads: list machines, show one, where one is provided, list sessions,
+reconcile refusals. Each
 runs in the caller's transaction (``db.read``), so a page or a command shows one
 consistent moment."""
 
@@ -22,6 +23,17 @@ def require_machine(tx: bmdb.Tx, machine_id: uuid.UUID) -> dt.datetime:
     if created is None:
         raise UnknownMachine(machine_id)
     return created
+
+
+def provided_at(session: bmdb.Session, machine_id: uuid.UUID) -> tuple[str, str] | None:
+    """(provider, provider id) of the machine's Provided tag, or None without one."""
+
+    def read(tx: bmdb.Tx) -> tuple[str, str] | None:
+        require_machine(tx, machine_id)
+        tag = bmdb.queries.machine_tag(tx, "Provided", machine_id)
+        return None if tag is None else (tag["provider"], tag["provider_id"])
+
+    return session.transact(read)
 
 
 def list_machines(tx: bmdb.Tx, f: MachineFilter | None = None) -> MachineList:

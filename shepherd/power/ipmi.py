@@ -37,8 +37,7 @@ from shepherd.power.base import (
     PowerError,
     PowerState,
 )
-from shepherd.power.retry import Transient, with_retries
-from shepherd.power.spec import BmcSpec
+from shepherd.power.driver import BmcDriver, Transient
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ OPERATIONS: dict[PowerAction, str] = {
 POWER_STATES = {"on": PowerState.ON, "off": PowerState.OFF}
 
 
-class IpmiPower:
+class IpmiPower(BmcDriver):
     """One machine's power through its IPMI BMC (``spec.driver == "ipmi"``, UDP ``spec.port``).
 
     ``timeout`` bounds each attempt (the child process is killed after it);
@@ -60,22 +59,7 @@ class IpmiPower:
     ``backoff`` seconds apart at first (doubling).
     """
 
-    reads_state = True
-
-    def __init__(self, spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3,
-                 backoff: float = 0.5) -> None:
-        if spec.driver != "ipmi":
-            raise ValueError(f"{spec.description}: not an IPMI BMC")
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
-        self.spec = spec
-        self.description = spec.description
-        self.timeout = timeout
-        self.attempts = attempts
-        self.backoff = backoff
-
-    def __repr__(self) -> str:
-        return f"IpmiPower({self.description})"
+    DRIVER = "ipmi"
 
     # -- PowerControl --------------------------------------------------------
 
@@ -99,8 +83,7 @@ class IpmiPower:
     # -- plumbing ----------------------------------------------------------------
 
     def _call(self, what: str, op: str) -> dict[str, Any]:
-        return with_retries(self.description, what, self.attempts, self.backoff,
-                            lambda: self._once(what, op))
+        return self.retried(what, lambda: self._once(what, op))
 
     def _once(self, what: str, op: str) -> dict[str, Any]:
         request = {"host": self.spec.address, "port": self.spec.port,

@@ -31,8 +31,7 @@ from shepherd.power.base import (
     PowerError,
     PowerState,
 )
-from shepherd.power.retry import Transient, with_retries
-from shepherd.power.spec import BmcSpec
+from shepherd.power.driver import BmcDriver, Transient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,7 +50,7 @@ POWER_STATES: dict[sushy.PowerState, PowerState] = {
 }
 
 
-class RedfishPower:
+class RedfishPower(BmcDriver):
     """One machine's power through its Redfish BMC (``spec.driver == "redfish"``).
 
     ``timeout`` bounds each HTTP request (connect and read); ``attempts`` how many
@@ -60,24 +59,14 @@ class RedfishPower:
     ``attempts * (a few requests * timeout) + backoff * 2**attempts``.
     """
 
-    reads_state = True
+    DRIVER = "redfish"
+    #: The system the BMC listed alone, once discovered (when ``spec.system`` is None).
+    discovered: str | None = None
 
-    def __init__(self, spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3,
-                 backoff: float = 0.5) -> None:
-        if spec.driver != "redfish":
-            raise ValueError(f"{spec.description}: not a Redfish BMC")
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
-        self.spec = spec
-        self.description = spec.description
-        self.timeout = timeout
-        self.attempts = attempts
-        self.backoff = backoff
-        #: The system's path, once known (configured, or discovered on first call).
-        self.system_path: str | None = spec.system
-
-    def __repr__(self) -> str:
-        return f"RedfishPower({self.description})"
+    @property
+    def system_path(self) -> str | None:
+        """The system's path, once known: configured, or discovered on the first call."""
+        return self.spec.system or self.discovered
 
     # -- PowerControl --------------------------------------------------------
 
@@ -113,8 +102,7 @@ class RedfishPower:
             return set()
 
     def _call(self, what: str, body: Callable[[Any], T]) -> T:
-        return with_retries(self.description, what, self.attempts, self.backoff,
-                            lambda: self._once(what, body))
+        return self.retried(what, lambda: self._once(what, body))
 
     def _once(self, what: str, body: Callable[[Any], T]) -> T:
         password = self.spec.read_password()
@@ -160,14 +148,15 @@ class RedfishPower:
 
     def _system(self, root: Any) -> str:
         """The system's path: configured, or the BMC's only one (discovered once)."""
-        if self.system_path is None:
+        path = self.system_path
+        if path is None:
             members = sorted(root.get_system_collection().members_identities)
             if len(members) != 1:
                 listed = f": {', '.join(members)}" if members else ""
                 raise PowerError(f"{self.description}: the BMC lists {len(members)} systems"
                                  f"{listed}; set bmc.system to the machine's")
-            self.system_path = members[0]
-        return self.system_path
+            path = self.discovered = members[0]
+        return path
 
 
 def _short(error: Exception, limit: int = 300) -> str:
