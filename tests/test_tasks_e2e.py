@@ -144,7 +144,12 @@ def test_killed_agent_is_recovered_and_heartbeats_again(control_plane) -> None:
 
 @slow
 def test_callback_server_outage_pauses_recovery(control_plane) -> None:
-    cp = control_plane(reservations=5)
+    # The pause under test is the callback server's. The allowance of one silent
+    # machine whatever the share (SHEPHERD_RECOVERY_MIN_SILENT, default 1) would let
+    # Recovery take the last agent to heartbeat again after the outage (as the share
+    # rule lets it take the last 10 % of a large fleet): set to 0, every straggler
+    # keeps the share above its limit, and any Recovery here is the pause failing.
+    cp = control_plane(reservations=5, SHEPHERD_RECOVERY_MIN_SILENT="0")
     cp.start_worker("w1")
     cp.start_beat()
     cp.wait_for(all_heartbeating(5), timeout=60, what="5 heartbeating")
