@@ -9,7 +9,11 @@ fail there. So every rung ends only when an observation confirms it, or when
 1. graceful restart;
 2. force restart;
    each verified by the power state leaving On and coming back, or by the SSH
-   banner going away (or being away already: a hung machine) and coming back;
+   banner going away (or being away already before the reset: a hung machine) and
+   coming back. The banner is looked at *before* the reset too, because a BMC may
+   cycle power faster than it is polled (sushy-emulator's fake driver can go Off
+   and On again within a millisecond; some real BMCs never report Off during a
+   warm reset): a hung machine answering after the reset is evidence enough;
 3. power off, verified Off; power on, verified On.
 
 A rung the BMC does not offer (IPMI has no graceful restart; an API reboot has no
@@ -121,10 +125,16 @@ class Watch:
             self.unreadable += 1
             return PowerState.UNKNOWN
 
-    def restarted(self, started: float) -> tuple[bool, str]:
+    def banner(self) -> bool:
+        """Whether the machine's SSH server answers with its banner right now."""
+        return ssh_banner(self.endpoint, self.settings.banner_timeout)
+
+    def restarted(self, started: float, banner_before: bool = True) -> tuple[bool, str]:
         """Wait for evidence of a restart: power left On and came back, or the SSH
-        banner was away and came back."""
-        power_left = banner_away = False
+        banner was away (after the reset, or already before it: ``banner_before``
+        False) and came back."""
+        power_left = False
+        banner_away = not banner_before
         seen: list[str] = []
         while True:
             state = self.state()
@@ -132,13 +142,14 @@ class Watch:
                 seen.append(state.value)
             if state in (PowerState.OFF, PowerState.TRANSITIONING):
                 power_left = True
-            banner = ssh_banner(self.endpoint, self.settings.banner_timeout)
+            banner = self.banner()
             banner_away = banner_away or not banner
             elapsed = self.clock() - started
             if power_left and state is PowerState.ON:
                 return True, f"power {' -> '.join(seen)}{self._unreadable()}"
             if banner_away and banner:
-                return True, f"SSH banner went away and came back (power {self._seen(seen)})"
+                went = "went away" if banner_before else "was away before the reset"
+                return True, f"SSH banner {went} and came back (power {self._seen(seen)})"
             if elapsed >= self.settings.rung_timeout:
                 banner_said = ("SSH banner never came back" if banner_away
                                else "SSH banner never went away")
@@ -161,7 +172,7 @@ class Watch:
     def banner_back(self) -> bool:
         """Wait up to ``boot_wait`` for the SSH banner."""
         started = self.clock()
-        while not ssh_banner(self.endpoint, self.settings.banner_timeout):
+        while not self.banner():
             if self.clock() - started >= self.settings.boot_wait:
                 return False
             self.sleep(self.settings.poll_interval)
@@ -203,12 +214,13 @@ def _restart(power: PowerControl, watch: Watch, rung: int, name: str,
              action: PowerAction) -> RungOutcome:
     if not power.supports(action):
         return _skipped(rung, name, power)
+    banner_before = watch.banner()
     started = watch.clock()
     try:
         power.act(action)
     except ActionUnsupported as error:
         return _skipped(rung, name, power, f" ({error})")
-    verified, detail = watch.restarted(started)
+    verified, detail = watch.restarted(started, banner_before)
     return RungOutcome(rung, name, verified, detail, watch.clock() - started)
 
 
