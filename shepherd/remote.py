@@ -2,8 +2,11 @@
 
 Why a wrapper: the initializer needs two separate time limits (reaching the
 machine vs. running the command) and errors it can classify for the BMDB
-backoff cause, neither of which Fabric gives directly. Host keys are accepted on
-first sight (freshly provisioned bare metal has no key we could know beforehand).
+backoff cause, neither of which Fabric gives directly. With a ``host_key`` pin,
+any other key is refused before authentication (``HostKeyMismatch``); without one
+the key is accepted and reported (``Remote.host_key``), so the initializer can pin
+it at the first takeover (freshly provisioned bare metal has no key we could know
+beforehand).
 """
 
 from __future__ import annotations
