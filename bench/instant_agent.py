@@ -3,7 +3,8 @@
 ``celery -A bench.instant_agent worker ...`` runs every shepherd task unchanged except
 the SSH takeover, chosen by ``BENCH_AGENT``:
 
-* ``instant``: no SSH at all; the "agent" answers with a fresh key at once. What is
+* ``instant``: no SSH at all; the "agent" answers with a fresh key at once (recorded
+  with a new nonce, as a real takeover's). What is
   left is the control plane itself: sourcing, the broker, adoption, the provider
   lookup, the BMDB commits.
 * ``instant-nolookup``: as ``instant``, and the provider lookup before it (one API
@@ -25,6 +26,7 @@ import uuid
 
 import bmdb
 import shepherd.workflows.initializer as initializer
+from shepherd.agent.protocol import new_nonce
 from shepherd.providers.base import Provider, ProviderMachine
 from shepherd.workflows.initializer import InitializerSettings
 from tasks import app
@@ -37,20 +39,23 @@ BENCH_HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBENCHBENCHBENCHBENCHBENCH
 
 def instant_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
                      settings: InitializerSettings,
-                     pin: initializer.HostKeyPin | None = None) -> initializer.Takeover:
-    return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY)
+                     pin: initializer.HostKeyPin | None = None, *, answer_key: str,
+                     current_key: bytes | None = None) -> initializer.Takeover:
+    """The same signature as ``initializer.take_over`` (its BMDB reads still happen)."""
+    return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY, new_nonce())
 
 
 def banner_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
                     settings: InitializerSettings,
-                    pin: initializer.HostKeyPin | None = None) -> initializer.Takeover:
+                    pin: initializer.HostKeyPin | None = None, *, answer_key: str,
+                    current_key: bytes | None = None) -> initializer.Takeover:
     assert machine.address is not None
     with socket.create_connection((machine.address, machine.ssh_port),
                                   timeout=settings.connect_timeout) as conn:
         conn.settimeout(settings.connect_timeout)
         if not conn.recv(64).startswith(b"SSH-"):
             raise initializer.WorkflowFailure("bench: no SSH banner")
-    return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY)
+    return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY, new_nonce())
 
 
 def known_machine(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff

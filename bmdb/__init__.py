@@ -24,7 +24,8 @@ Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer
 (what operators list and inspect), ``errors``, ``singletons`` (at most one holder
 fleet-wide, e.g. reconcile), ``capacity`` (cooldowns for capacity that failed to
 provision), ``holds`` (maintenance and quarantine), ``host_keys`` (pinned SSH host
-keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refusals).
+keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refusals),
+``server_keys`` (fleet-wide server secrets, e.g. the answer-signing key).
 
 Every SQL statement of Shepherd lives in this package, behind named functions:
 callers outside it never import ``schema`` or SQLAlchemy.
@@ -41,6 +42,7 @@ from bmdb import (
     queries,
     refusals,
     schema,
+    server_keys,
     singletons,
     tags,
     work,
@@ -98,6 +100,7 @@ __all__ = [
     "queries",
     "refusals",
     "schema",
+    "server_keys",
     "singletons",
     "tags",
     "work",

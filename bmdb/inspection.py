@@ -10,6 +10,7 @@ BMDB's clock (``tx.now``), the same clock the backlog queries and backoffs use.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,3 +261,57 @@ def list_sessions(tx: Tx, include_dead: bool = True) -> list[SessionInfo]:
                     alive=row.deadline > tx.now, work=row.work)
         for row in tx.execute(query)
     ]
+
+
+# -- a machine's tags, as stored -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredJSON:
+    """A JSON column's content as stored, not decoded (``machine_tags_as_stored``)."""
+
+    text: str
+
+
+def machine_tags_as_stored(tx: Tx, machine_id: uuid.UUID) -> dict[str, dict[str, Any]]:
+    """Every tag the machine has, as ``queries.machine_tags`` reads them, but with each
+    JSON column (reports, installation requests) as ``StoredJSON``: its text.
+
+    Why: the drivers decode a JSON column while fetching its row, so one stored
+    document that does not decode (nested deeper than the stack allows, or text that
+    is not JSON at all, which SQLite never checks) would fail the whole read, and with
+    it ``shepherd show``, ``explain`` and the machine's page. Operators' code decodes
+    the text itself, with bounds (``shepherd.operator.stored``). SQLite's column is
+    read as bytes, decoded with replacement: a value stored there as a BLOB need not
+    be UTF-8, and the driver would fail on it.
+    """
+    tags = {}
+    for name in TAG_TABLES:
+        row = tx.execute(_stored_query(tx.dialect, name), {"machine": machine_id}
+                         ).one_or_none()
+        if row is not None:
+            tags[name] = {key: _stored(value) if key in _JSON_COLUMNS[name] else value
+                          for key, value in row._mapping.items()}
+    return tags
+
+
+#: Tag name -> the names of its JSON columns.
+_JSON_COLUMNS = {name: frozenset(c.name for c in table.c if isinstance(c.type, sa.JSON))
+                 for name, table in TAG_TABLES.items()}
+
+
+@functools.cache
+def _stored_query(dialect: str, name: str) -> sa.Select:
+    """The tag's row without ``machine_id``, JSON columns cast to text (bytes on
+    SQLite), so that no driver decodes them. Built once per dialect and tag."""
+    table = TAG_TABLES[name]
+    raw = sa.LargeBinary if dialect == "sqlite" else sa.Text
+    columns = [sa.cast(c, raw).label(c.name) if c.name in _JSON_COLUMNS[name] else c
+               for c in table.c if c.name != "machine_id"]
+    return sa.select(*columns).where(table.c.machine_id == sa.bindparam("machine"))
+
+
+def _stored(value: str | bytes | None) -> StoredJSON | None:
+    if value is None:  # the columns are NOT NULL; SQL NULL is no document either way
+        return None
+    return StoredJSON(value.decode("utf-8", "replace") if isinstance(value, bytes) else value)

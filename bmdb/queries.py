@@ -134,7 +134,11 @@ def provided_machine_id(tx: Tx, provider: str, provider_id: str) -> uuid.UUID | 
 
 @dataclass(frozen=True)
 class AgentCredentials:
+    """What a heartbeat is checked against: the key and nonce of the machine's current
+    takeover, and the newest signed timestamp accepted since."""
+
     public_key: bytes
+    nonce: str
     last_signed_at: dt.datetime | None
 
 
@@ -143,7 +147,7 @@ def _credentials_statements() -> tuple[sa.Select, sa.Select]:
     lock = (sa.select(s.c.machine_id)
             .where(s.c.machine_id == sa.bindparam("machine"))
             .with_for_update(key_share=True))  # FOR NO KEY UPDATE on PostgreSQL
-    read = (sa.select(s.c.public_key, h.c.last_signed_at)
+    read = (sa.select(s.c.public_key, s.c.nonce, h.c.last_signed_at)
             .select_from(s.outerjoin(h, h.c.machine_id == s.c.machine_id))
             .where(s.c.machine_id == sa.bindparam("machine")))
     return lock, read
@@ -154,13 +158,25 @@ _LOCK_AGENT, _CREDENTIALS = _credentials_statements()
 
 
 def agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
-    """The key a heartbeat must be signed with, and the newest timestamp already accepted."""
+    """The key and nonce a heartbeat must be signed with, and the newest timestamp
+    already accepted."""
     row = tx.execute(_CREDENTIALS, {"machine": machine_id}).one_or_none()
-    return None if row is None else AgentCredentials(row.public_key, row.last_signed_at)
+    return None if row is None else AgentCredentials(bytes(row.public_key), row.nonce,
+                                                     row.last_signed_at)
 
 
 def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
-    """The machine's key and last accepted timestamp, with its heartbeats serialised.
+    """The machine's key, nonce and last accepted timestamp, with its heartbeats
+    serialised; one read, so the heartbeat's transaction pays no extra round trip
+    for the nonce.
+
+    No replay, ever (enforced here and in ``shepherd.server.heartbeat.accept``): a
+    signature verifies only against the machine's current AgentStarted (key,
+    nonce), and every takeover writes a fresh nonce the shepherd chose
+    (``tags.set_agent_started``), so nothing signed before a takeover verifies
+    after it, whatever the agent did with its key; Recovery deleting
+    ``last_signed_at`` does not reopen old requests. Within one takeover,
+    ``last_signed_at`` only grows: a request must be signed strictly after it.
 
     On PostgreSQL the machine's ``agent_started`` row is locked first (FOR NO KEY
     UPDATE) until ``tx`` ends. Two requests for one machine, say a replay racing the

@@ -98,6 +98,11 @@ agent_started = Table(
     _machine_key(),
     Column("started_at", UTCDateTime, nullable=False),
     Column("public_key", LargeBinary(32), nullable=False),
+    # The nonce the shepherd gave this agent at its takeover (base64 text): every
+    # heartbeat signature covers it, and every takeover writes a fresh one, so
+    # nothing signed for an earlier takeover verifies against this row
+    # (``queries.lock_agent_credentials`` states the no-replay invariant).
+    Column("nonce", String(64), nullable=False),
     # Marker: the machine has an AgentHeartbeat tag (see module docstring).
     Column("heartbeat_seen", Boolean, nullable=False, server_default=false()),
     Index(
@@ -269,6 +274,19 @@ creation_intents = Table(
     Column("provider", String(64), primary_key=True),
     Column("witness", String(128), primary_key=True),
     Column("capacity_id", String(128), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+server_keys = Table(
+    "server_keys",
+    metadata,
+    # Secrets of the whole fleet's servers, by name (``answer-signing``: the key
+    # the callback server signs heartbeat answers with). Created once, first
+    # writer wins (INSERT ... ON CONFLICT DO NOTHING, then read back), so every
+    # server process and worker of one BMDB agree without a shared volume. Bytes
+    # only: what they mean is the caller's (``shepherd.server.answers``).
+    Column("name", String(64), primary_key=True),
+    Column("private_key", LargeBinary, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
 )
 

@@ -7,9 +7,11 @@ markers (``provided.agent_started``, ``agent_started.heartbeat_seen``, see
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import enum
 import functools
+import secrets
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -19,6 +21,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from bmdb import schema
 from bmdb.database import Tx
+
+#: Bounds of an agent's nonce (base64 text; 44 characters for the 32 bytes
+#: ``shepherd.agent.protocol.new_nonce`` makes), within ``agent_started.nonce``.
+MIN_NONCE, MAX_NONCE = 16, 64
 
 
 class ProviderStatus(enum.StrEnum):
@@ -124,15 +130,28 @@ def delete_provided(tx: Tx, machine_id: uuid.UUID) -> None:
 
 
 def set_agent_started(
-    tx: Tx, machine_id: uuid.UUID, public_key: bytes, started_at: dt.datetime | None = None
+    tx: Tx, machine_id: uuid.UUID, public_key: bytes, nonce: str | None = None,
+    started_at: dt.datetime | None = None,
 ) -> None:
+    """Record the agent of a takeover: its key and the nonce it was given.
+
+    Invariant: every call writes a new nonce (the takeover's, or else a random
+    one no agent was given), never keeps the row's old one. Heartbeat signatures
+    cover the nonce, so nothing signed for an earlier takeover verifies after this
+    (see ``queries.lock_agent_credentials``).
+    """
     if len(public_key) != 32:
         raise ValueError(f"agent public key must be 32 bytes (ed25519), got {len(public_key)}")
+    if nonce is None:
+        nonce = base64.b64encode(secrets.token_bytes(32)).decode()
+    if not MIN_NONCE <= len(nonce) <= MAX_NONCE:
+        raise ValueError(f"agent nonce must be {MIN_NONCE}..{MAX_NONCE} characters, "
+                         f"got {len(nonce)}")
     upsert(
         tx,
         schema.agent_started,
         {"machine_id": machine_id},
-        {"started_at": started_at or tx.now, "public_key": public_key},
+        {"started_at": started_at or tx.now, "public_key": public_key, "nonce": nonce},
         markers=("heartbeat_seen",),
     )
     _mark(tx, schema.provided, machine_id, agent_started=True)

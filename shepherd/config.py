@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bmdb
+from shepherd.redaction import redact_url, url_problem
 
 
 class SettingsError(ValueError):
@@ -34,6 +35,16 @@ class SettingsError(ValueError):
 
 def _get(env: Mapping[str, str], name: str, default: str) -> str:
     return env.get(f"SHEPHERD_{name}", default)
+
+
+def _url(env: Mapping[str, str], name: str, default: str) -> str:
+    """A URL that kombu/Celery parse with ``urllib`` (broker, result backend): refused,
+    shown redacted, when they would misread its user info (and print part of it)."""
+    value = _get(env, name, default)
+    problem = url_problem(value)
+    if problem is not None:
+        raise SettingsError(f"SHEPHERD_{name}={redact_url(value)!r}: {problem}")
+    return value
 
 
 def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
@@ -192,6 +203,9 @@ class Settings:
     ssh_exec_timeout: float = 60.0
     # The agent: extra command-line arguments (e.g. a short --interval for demos).
     agent_args: tuple[str, ...] = ()
+    # Seconds between an agent's heartbeats, sent in its TakeoverInit (0: a tenth of
+    # heartbeat_timeout, see ``agent_interval``; an --interval in agent_args wins).
+    agent_heartbeat_interval: float = 0.0
     # Recovery: the verified reboot ladder (seconds), quarantine, BMC calls.
     rung_timeout: float = 300.0
     rung_poll_interval: float = 2.0
@@ -219,6 +233,19 @@ class Settings:
     serve_clock_window: float = 60.0
     serve_operator_views: bool = True
     serve_threads: int = 16
+    # The callback server's limits against clients on an open network (``shepherd.server.
+    # limits``): request head (header lines, bytes: 431 beyond), read deadlines for the
+    # head and the body (seconds), open connections, listen backlog, TLS handshake, idle
+    # keep-alive; and how long /metrics reuses one computation (seconds).
+    serve_max_headers: int = 100
+    serve_max_header_bytes: int = 16 * 1024
+    serve_header_timeout: float = 10.0
+    serve_body_timeout: float = 10.0
+    serve_max_connections: int = 1000
+    serve_backlog: int = 2048
+    serve_tls_handshake_timeout: float = 10.0
+    serve_idle_timeout: float = 5.0
+    metrics_cache: float = 10.0
     # How long ``shepherd reconcile`` waits for the worker's result.
     reconcile_wait: float = 300.0
     # The worker host's metrics endpoint (0 = none); needs prometheus_multiproc_dir.
@@ -253,6 +280,17 @@ class Settings:
         return self.machine_task_time_limit - 30.0
 
     @property
+    def agent_interval(self) -> float:
+        """Seconds between an agent's heartbeats: ``agent_heartbeat_interval``, or by
+        default a tenth of ``heartbeat_timeout`` (60 s with the defaults).
+
+        Why derived: silence is judged at ``heartbeat_timeout``, so ten heartbeats per
+        timeout ride out a few lost ones, and a fleet sends no more than that signal
+        needs (100k machines at 5 s would be 20,000 heartbeats/s; at 60 s, ~1,700/s).
+        """
+        return self.agent_heartbeat_interval or max(0.05, self.heartbeat_timeout / 10)
+
+    @property
     def thresholds(self) -> bmdb.Thresholds:
         return bmdb.Thresholds(
             first_heartbeat=self.first_heartbeat_timeout, heartbeat=self.heartbeat_timeout
@@ -268,8 +306,8 @@ class Settings:
         return cls(
             bmdb_url=_get(env, "BMDB_URL", d.bmdb_url),
             bmdb_pool_size=_int(env, "BMDB_POOL_SIZE", d.bmdb_pool_size, minimum=1),
-            broker_url=_get(env, "BROKER_URL", d.broker_url),
-            result_backend=_get(env, "RESULT_BACKEND", d.result_backend),
+            broker_url=_url(env, "BROKER_URL", d.broker_url),
+            result_backend=_url(env, "RESULT_BACKEND", d.result_backend),
             state_dir=Path(_get(env, "STATE_DIR", str(d.state_dir))),
             provider=_get(env, "PROVIDER", d.provider),
             provider_url=_get(env, "PROVIDER_URL", d.provider_url),
@@ -309,6 +347,8 @@ class Settings:
             ssh_connect_timeout=_float(env, "SSH_CONNECT_TIMEOUT", d.ssh_connect_timeout),
             ssh_exec_timeout=_float(env, "SSH_EXEC_TIMEOUT", d.ssh_exec_timeout),
             agent_args=_args(env, "AGENT_ARGS", d.agent_args),
+            agent_heartbeat_interval=_float(env, "AGENT_HEARTBEAT_INTERVAL",
+                                            d.agent_heartbeat_interval),
             rung_timeout=_float(env, "RUNG_TIMEOUT", d.rung_timeout, minimum=0.1),
             rung_poll_interval=_float(env, "RUNG_POLL_INTERVAL", d.rung_poll_interval,
                                       minimum=0.05),
@@ -332,6 +372,21 @@ class Settings:
             serve_clock_window=_float(env, "SERVE_CLOCK_WINDOW", d.serve_clock_window),
             serve_operator_views=_bool(env, "SERVE_OPERATOR_VIEWS", d.serve_operator_views),
             serve_threads=_int(env, "SERVE_THREADS", d.serve_threads, minimum=1),
+            serve_max_headers=_int(env, "SERVE_MAX_HEADERS", d.serve_max_headers, minimum=1),
+            serve_max_header_bytes=_int(env, "SERVE_MAX_HEADER_BYTES",
+                                        d.serve_max_header_bytes, minimum=256),
+            serve_header_timeout=_float(env, "SERVE_HEADER_TIMEOUT", d.serve_header_timeout,
+                                        minimum=0.1),
+            serve_body_timeout=_float(env, "SERVE_BODY_TIMEOUT", d.serve_body_timeout,
+                                      minimum=0.1),
+            serve_max_connections=_int(env, "SERVE_MAX_CONNECTIONS", d.serve_max_connections,
+                                       minimum=1),
+            serve_backlog=_int(env, "SERVE_BACKLOG", d.serve_backlog, minimum=1),
+            serve_tls_handshake_timeout=_float(env, "SERVE_TLS_HANDSHAKE_TIMEOUT",
+                                               d.serve_tls_handshake_timeout, minimum=0.1),
+            serve_idle_timeout=_float(env, "SERVE_IDLE_TIMEOUT", d.serve_idle_timeout,
+                                      minimum=0.1),
+            metrics_cache=_float(env, "METRICS_CACHE", d.metrics_cache),
             reconcile_wait=_float(env, "RECONCILE_WAIT", d.reconcile_wait),
             worker_metrics_port=_port(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
             worker_metrics_addr=_get(env, "WORKER_METRICS_ADDR", d.worker_metrics_addr),

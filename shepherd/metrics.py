@@ -10,7 +10,8 @@ Two kinds of source, and why each lives where it does:
   worker on every host in the same transaction as the outcome, so these numbers are
   fleet-wide and survive worker restarts, which in-process counters in Celery
   children are not. Any process with a BMDB handle can serve them; the callback
-  server does at ``/metrics``.
+  server does at ``/metrics`` on its operators' listener (never where only agents
+  should reach it: see ``shepherd.server.asgi``).
 * **In the process that calls the provider** (``PROVIDER_CALLS``,
   ``PROVIDER_LATENCY``): counted where the call happens (Celery worker children, or
   whoever uses ``EquinixClient``), labelled by endpoint template and outcome. A
@@ -23,8 +24,9 @@ Two kinds of source, and why each lives where it does:
   the environment, and the guard limits of ``server_registry`` are the caller's.
 
 Scrape cost: the BMDB collector counts whole tables (history included) once per
-scrape; at a 15-60 s scrape interval that is cheap up to millions of rows, and a
-failing BMDB yields ``shepherd_bmdb_up 0`` instead of an error page. The guard
+computation, and the server computes at most once per ``SHEPHERD_METRICS_CACHE``
+seconds however many scrape (``CachedExposition``); a failing BMDB yields
+``shepherd_bmdb_up 0`` instead of an error page. The guard
 gauges (``shepherd_recovery_*``, ``shepherd_callback_server_healthy``) add one short
 read and, when configured, one bounded ``/healthz`` GET; they are absent when the
 guard cannot be evaluated.
@@ -35,8 +37,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -341,6 +344,57 @@ def worker_registry(multiproc_dir: str | None) -> CollectorRegistry:
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     """The text format and its content type."""
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class CachedExposition:
+    """``exposition`` of one registry, computed at most once per ``max_age`` seconds and
+    by one thread at a time, whatever the number of scrapers (single flight).
+
+    Why: each computation counts whole BMDB tables. Before, 20 concurrent scrapes
+    took 2.6 s each and starved the server. Now a scraper arriving while a
+    computation runs waits for that one and gets its result; one arriving later gets
+    the cached text until it is ``max_age`` old (0: each scrape computes, still one
+    at a time). ``registry`` is a factory, called once at the first scrape, so that
+    nothing touches the BMDB before someone asks.
+    """
+
+    def __init__(self, registry: Callable[[], CollectorRegistry], max_age: float) -> None:
+        self._factory = registry
+        self._registry: CollectorRegistry | None = None
+        self.max_age = max_age
+        self._lock = threading.Condition()
+        self._computing = False
+        self._generation = 0
+        self._value: tuple[bytes, str] | None = None
+        self._at = 0.0
+        #: Computations done (what the tests count).
+        self.computed = 0
+
+    def get(self) -> tuple[bytes, str]:
+        with self._lock:
+            if self._value is not None and time.monotonic() - self._at < self.max_age:
+                return self._value
+            if self._computing:
+                generation = self._generation
+                while self._computing:
+                    self._lock.wait()
+                if self._generation != generation and self._value is not None:
+                    return self._value  # the computation we waited for
+            self._computing = True
+        value = None
+        try:
+            if self._registry is None:
+                self._registry = self._factory()
+            value = exposition(self._registry)
+            return value
+        finally:
+            with self._lock:
+                self._computing = False
+                if value is not None:
+                    self._value, self._at = value, time.monotonic()
+                    self._generation += 1
+                    self.computed += 1
+                self._lock.notify_all()
 
 
 def serve_worker_metrics(port: int, addr: str, multiproc_dir: str) -> Any:

@@ -1,24 +1,32 @@
-"""Thin helpers over Fabric for the initializer: connect, upload, run with stdin.
+"""Thin helpers over Fabric and paramiko for the initializer: connect, upload, run with stdin.
 
 Why a wrapper: the initializer needs two separate time limits (reaching the
-machine vs. running the command) and errors it can classify for the BMDB
-backoff cause, neither of which Fabric gives directly. With a ``host_key`` pin,
-any other key is refused before authentication (``HostKeyMismatch``); without one
-the key is accepted and reported (``Remote.host_key``), so the initializer can pin
-it at the first takeover (freshly provisioned bare metal has no key we could know
-beforehand).
+machine vs. working on it) and errors it can classify for the BMDB backoff cause,
+neither of which Fabric gives directly. With a ``host_key`` pin, any other key is
+refused before authentication (``HostKeyMismatch``); without one the key is
+accepted and reported (``Remote.host_key``), so the initializer can pin it at the
+first takeover (freshly provisioned bare metal has no key we could know beforehand).
+
+Fabric opens the connection; the upload and the command run on its paramiko
+transport directly, each under one deadline (``_Deadline``). Why not Fabric's
+``run``/``sftp``: paramiko waits without a timeout for the answer to an exec or
+subsystem request and for every SFTP reply, so a machine that stops answering
+mid-upload held the worker until Celery's hard limit; and invoke's runner keeps
+all output in memory (joining it again at every chunk). Here captured output is
+capped at ``OUTPUT_CAP`` bytes per stream: the rest is read and dropped, and the
+kept text ends with a note saying how much was dropped.
 """
 
 from __future__ import annotations
 
-import io
 import posixpath
+import select
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import fabric
-import invoke
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
@@ -44,6 +52,16 @@ class AuthenticationFailed(RemoteError):
 
 class ExecTimeout(RemoteError):
     """The command did not finish within the exec timeout."""
+
+
+class UploadTimeout(RemoteError):
+    """The SFTP upload did not finish within its timeout (the machine stopped answering)."""
+
+
+#: Bytes of stdout, and of stderr, kept from one command; the rest is read and dropped.
+OUTPUT_CAP = 1 << 20
+_CHUNK = 32768
+_POLL = 0.5  # seconds between looks at a channel that signalled nothing (a safety net)
 
 
 class HostKeyMismatch(RemoteError):
@@ -98,11 +116,14 @@ class Remote:
 
     def __init__(self, address: str, port: int, key_filename: Path | str, *,
                  user: str = "root", connect_timeout: float = 10.0,
-                 exec_timeout: float = 60.0, host_key: str | None = None) -> None:
+                 exec_timeout: float = 60.0, host_key: str | None = None,
+                 output_cap: int = OUTPUT_CAP) -> None:
         self.address = address
         self.port = port
         self.connect_timeout = connect_timeout
+        #: The limit of one command, and of one upload (``timeout`` overrides it per call).
         self.exec_timeout = exec_timeout
+        self.output_cap = output_cap
         config = fabric.Config(ssh_config=paramiko.SSHConfig(),
                                overrides={"load_ssh_configs": False})
         self.connection = fabric.Connection(
@@ -153,7 +174,7 @@ class Remote:
             raise self._classify(error, time.monotonic() - started) from error
 
     def _classify(self, error: Exception, elapsed: float) -> RemoteError:
-        where = f"{self.address}:{self.port}"
+        where = self.where
         if isinstance(error, NoValidConnectionsError | ConnectionRefusedError):
             return ConnectionRefused(f"{where}: connection refused")
         if isinstance(error, paramiko.AuthenticationException):
@@ -171,48 +192,76 @@ class Remote:
             return RemoteError(f"{where}: SSH failed: {error or type(error).__name__}")
         return RemoteError(f"{where}: unexpected {type(error).__name__}: {error}")
 
-    def upload(self, local: Path | str, remote: str, mode: int = 0o755) -> None:
-        """Put ``local`` at ``remote`` (parents created) with ``mode``, atomically.
+    @property
+    def where(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    def _transport(self) -> paramiko.Transport:
+        transport = self.connection.client.get_transport()
+        if transport is None or not transport.active:
+            raise RemoteError(f"{self.where}: the SSH session is gone")
+        return transport
+
+    def upload(self, local: Path | str, remote: str, mode: int = 0o755,
+               timeout: float | None = None) -> None:
+        """Put ``local`` at ``remote`` (parents created) with ``mode``, atomically, within
+        ``timeout`` (default: the exec timeout) or ``UploadTimeout``.
 
         Written to a temporary name and renamed, so a running copy of the old file
-        is never overwritten in place (ETXTBSY) and nobody sees a half-written one.
+        is never overwritten in place (ETXTBSY) and nobody sees a half-written one:
+        an upload cut off by its deadline leaves at most the temporary file.
         """
         self.connect()
+        limit = self.exec_timeout if timeout is None else timeout
         temp = f"{remote}.upload-tmp"
-        try:
-            sftp = self.connection.sftp()
-            _makedirs(sftp, posixpath.dirname(remote))
-            sftp.put(str(local), temp)
-            sftp.chmod(temp, mode)
-            sftp.posix_rename(temp, remote)
-        except (OSError, paramiko.SSHException, EOFError) as error:
-            raise RemoteError(f"{self.address}:{self.port}: upload to {remote} failed: "
-                              f"{error}") from error
+        transport = self._transport()
+        with _Deadline(transport, limit) as deadline:
+            try:
+                sftp = paramiko.SFTPClient.from_transport(transport)
+                if sftp is None:
+                    raise paramiko.SSHException("no SFTP channel")
+                with sftp:
+                    _makedirs(sftp, posixpath.dirname(remote))
+                    sftp.put(str(local), temp)
+                    sftp.chmod(temp, mode)
+                    sftp.posix_rename(temp, remote)
+            except (OSError, paramiko.SSHException, EOFError) as error:
+                if deadline.fired.is_set():
+                    raise UploadTimeout(f"{self.where}: upload to {remote} did not finish "
+                                        f"within {limit}s (SFTP stopped answering)") from error
+                raise RemoteError(f"{self.where}: upload to {remote} failed: "
+                                  f"{error or type(error).__name__}") from error
 
     def run(self, command: str, stdin: bytes | str | None = None,
             timeout: float | None = None) -> RunResult:
-        """Run ``command``, feeding ``stdin`` then EOF; never raises on a non-zero exit."""
+        """Run ``command``, feeding ``stdin`` then EOF; never raises on a non-zero exit.
+
+        ``ExecTimeout`` unless it exits within ``timeout`` (default: the exec timeout);
+        the SSH connection is then closed, which ends the command on a well-behaved
+        sshd (as a hang-up does). Each output stream is kept up to ``output_cap`` bytes.
+        """
         self.connect()
         limit = self.exec_timeout if timeout is None else timeout
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        try:
-            result = self.connection.run(
-                command, in_stream=io.BytesIO(data), hide=True, warn=True, pty=False,
-                timeout=limit,
-            )
-        except invoke.CommandTimedOut as error:
-            raise ExecTimeout(f"{self.address}:{self.port}: {command!r} did not finish "
-                              f"within {limit}s") from error
-        except invoke.ThreadException as error:
+        transport = self._transport()
+        with _Deadline(transport, limit) as deadline:
+            try:
+                done = _execute(transport, command, data, self.output_cap, self.connect_timeout)
+            except (OSError, paramiko.SSHException, EOFError) as error:
+                if deadline.fired.is_set():
+                    raise ExecTimeout(f"{self.where}: {command!r} did not finish within "
+                                      f"{limit}s") from error
+                raise RemoteError(f"{self.where}: running {command!r} failed: "
+                                  f"{error or type(error).__name__}") from error
+        if done.exit_code < 0 and deadline.fired.is_set():  # closed before any exit status
+            raise ExecTimeout(f"{self.where}: {command!r} did not finish within {limit}s")
+        if done.stdin_error is not None:
             # The command exited (or the channel closed) while its stdin was still
-            # being written: whatever it answered is lost.
-            found = "; ".join(f"{type(w.value).__name__}: {w.value}" for w in error.exceptions)
-            raise RemoteError(f"{self.address}:{self.port}: streams to {command!r} failed: "
-                              f"{found or 'unknown stream error'}") from error
-        except (OSError, paramiko.SSHException, EOFError) as error:
-            raise RemoteError(f"{self.address}:{self.port}: running {command!r} failed: "
-                              f"{error}") from error
-        return RunResult(result.exited, result.stdout, result.stderr)
+            # being written: whatever it answered is not an answer to what we sent.
+            error = done.stdin_error
+            raise RemoteError(f"{self.where}: streams to {command!r} failed: "
+                              f"{type(error).__name__}: {error}")
+        return RunResult(done.exit_code, done.stdout, done.stderr)
 
     def close(self) -> None:
         self.connection.close()
@@ -231,3 +280,102 @@ def _makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
         sftp.mkdir(directory)
     except OSError:
         sftp.stat(directory)  # created meanwhile is fine; anything else raises
+
+
+class _Deadline:
+    """Close the SSH transport once ``seconds`` have passed, unless left before.
+
+    Why closing the whole transport: it is the one action that wakes every paramiko
+    call blocked on this connection (an exec or subsystem request never answered,
+    an SFTP reply, a full send window); each then returns or raises at once, and
+    ``fired`` tells the caller it was the deadline. The connection is not reused
+    afterwards (``Remote.connect`` would open a new one).
+    """
+
+    def __init__(self, transport: paramiko.Transport, seconds: float) -> None:
+        self.fired = threading.Event()
+        self._transport = transport
+        self._timer = threading.Timer(max(seconds, 0.0), self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        self.fired.set()
+        self._transport.close()
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+class _Capture:
+    """At most ``cap`` bytes of one output stream; what is beyond is counted, not kept."""
+
+    def __init__(self, name: str, cap: int) -> None:
+        self.name = name
+        self.cap = cap
+        self.kept = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = max(self.cap - len(self.kept), 0)
+        self.kept += data[:room]
+        self.dropped += max(len(data) - room, 0)
+
+    def text(self) -> str:
+        text = self.kept.decode("utf-8", "replace")
+        if self.dropped:
+            text += (f"\n[shepherd: {self.dropped} more bytes of {self.name} dropped; "
+                     f"captured output is capped at {self.cap} bytes]\n")
+        return text
+
+
+class _Executed(NamedTuple):
+    exit_code: int  # -1: the channel closed without an exit status (as paramiko says)
+    stdout: str
+    stderr: str
+    stdin_error: BaseException | None
+
+
+def _execute(transport: paramiko.Transport, command: str, data: bytes, cap: int,
+             open_timeout: float) -> _Executed:
+    """Run ``command`` on a new session channel: ``data`` to its stdin (from a thread,
+    so a command that writes before it reads cannot deadlock us), its output read
+    until EOF, then its exit status. Unbounded by itself: the caller's ``_Deadline``
+    bounds it."""
+    channel = transport.open_session(timeout=open_timeout)
+    try:
+        wake = channel.fileno()  # readable when either output buffer has data or closes
+        channel.exec_command(command)
+        failures: list[BaseException] = []
+        feeder = threading.Thread(target=_feed, args=(channel, data, failures), daemon=True,
+                                  name="remote-stdin")
+        feeder.start()
+        out, err = _Capture("stdout", cap), _Capture("stderr", cap)
+        while True:
+            while channel.recv_ready():
+                out.add(channel.recv(_CHUNK))
+            while channel.recv_stderr_ready():
+                err.add(channel.recv_stderr(_CHUNK))
+            if channel.eof_received or channel.closed:
+                if not (channel.recv_ready() or channel.recv_stderr_ready()):
+                    break
+                continue
+            select.select([wake], [], [], _POLL)
+        channel.recv_exit_status()  # returns at the status, or when the channel closes
+        feeder.join()
+        return _Executed(channel.exit_status, out.text(), err.text(),
+                         failures[0] if failures else None)
+    finally:
+        channel.close()
+
+
+def _feed(channel: paramiko.Channel, data: bytes, failures: list[BaseException]) -> None:
+    try:
+        if data:
+            channel.sendall(data)
+        channel.shutdown_write()
+    except (OSError, EOFError, paramiko.SSHException) as error:
+        failures.append(error)

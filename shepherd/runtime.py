@@ -26,6 +26,7 @@ from shepherd import metrics
 from shepherd.config import Settings, SettingsError
 from shepherd.providers import Provider, ssh_keys
 from shepherd.providers.base import ProviderMachine, refuse_placeholder
+from shepherd.redaction import database_url_problem, redact_url
 from shepherd.workflows import InitializerSettings, RecovererSettings
 from shepherd.workflows.guard import GuardLimits
 
@@ -46,8 +47,8 @@ class Runtime:
     Why one object: the worker and the callback server each used to hold their own
     session holder and read their own settings, and disagreed (the server ignored
     the heartbeat thresholds). Everything here is built on first use, so a process
-    that never touches the provider never calls it, and is thread-safe (cheroot's
-    and Celery's thread pools share one). ``db`` and ``provider`` may be given (tests,
+    that never touches the provider never calls it, and is thread-safe (the callback
+    server's and Celery's thread pools share one). ``db`` and ``provider`` may be given (tests,
     embedded use); a given BMDB is not closed by ``close()``.
     """
 
@@ -148,9 +149,23 @@ def worker_component() -> str:
 def connect_bmdb(settings: Settings) -> bmdb.BMDB:
     """The BMDB with the configured silence thresholds and pool size (the schema is
     migrated elsewhere: ``shepherd migrate``, so that many workers starting at once do
-    not race on it)."""
+    not race on it). A URL SQLAlchemy would misread is refused before connecting
+    (``check_bmdb_url``)."""
+    check_bmdb_url(settings.bmdb_url)
     return bmdb.connect(settings.bmdb_url, thresholds=settings.thresholds,
                         pool_size=settings.bmdb_pool_size)
+
+
+def check_bmdb_url(url: str) -> None:
+    """``SettingsError`` for a BMDB URL whose user info SQLAlchemy would misread.
+
+    Why: with an unencoded '@' in the password, the rest of the password becomes the
+    host, and every connection error (worker logs, task results, the CLI) would
+    print it. The URL is shown through ``redact_url`` only.
+    """
+    problem = database_url_problem(url)
+    if problem is not None:
+        raise SettingsError(f"SHEPHERD_BMDB_URL={redact_url(url)!r}: {problem}")
 
 
 def check_settings(settings: Settings) -> None:
@@ -160,6 +175,7 @@ def check_settings(settings: Settings) -> None:
     provider call, so a placeholder prefix stops the worker with one clear line
     instead of failing (and backing off) every machine it is handed.
     """
+    check_bmdb_url(settings.bmdb_url)
     if settings.provider in HTTP_PROVIDERS:
         refuse_placeholder("SHEPHERD_DEVICE_PREFIX", settings.device_prefix)
         refuse_placeholder("SHEPHERD_SSH_KEY_LABEL", settings.ssh_key_label)
@@ -220,6 +236,7 @@ def initializer_settings(settings: Settings) -> InitializerSettings:
         ssh_key_path=settings.ssh_key_path, bmaas_endpoint=settings.bmaas_endpoint,
         ca_certificate=ca, connect_timeout=settings.ssh_connect_timeout,
         exec_timeout=settings.ssh_exec_timeout, agent_args=settings.agent_args,
+        heartbeat_interval=settings.agent_interval,
     )
 
 

@@ -36,6 +36,9 @@ from shepherd.agent.protocol import (
     HEADER_TIMESTAMP,
     HEARTBEAT_PATH,
     TakeoverInit,
+    TakeoverResponse,
+    new_nonce,
+    parse_takeover_response,
     signing_payload,
 )
 from shepherd.server import RunningServer, ServerConfig, start_server
@@ -70,25 +73,54 @@ def new_key() -> tuple[Ed25519PrivateKey, bytes]:
     return key, raw
 
 
-def add_machine(session: bmdb.Session, public_key: bytes | None) -> uuid.UUID:
-    """A machine with an AgentStarted tag for ``public_key`` (none if ``None``)."""
+#: machine id (text) -> the nonce its AgentStarted tag was last given by
+#: ``add_machine`` / ``record_takeover``: what ``signed_headers`` signs with by default,
+#: as the machine's agent would.
+NONCES: dict[str, str] = {}
+
+
+def add_machine(session: bmdb.Session, public_key: bytes | None,
+                nonce: str | None = None) -> uuid.UUID:
+    """A machine with an AgentStarted tag for ``public_key`` (none if ``None``) and a
+    takeover nonce (a new one unless given), as the initializer records them."""
     machine_id = uuid.uuid4()
 
     def body(tx: bmdb.Tx) -> None:
         bmdb.tags.create_machine(tx, machine_id)
-        if public_key is not None:
-            bmdb.tags.set_agent_started(tx, machine_id, public_key)
 
     session.transact(body)
+    if public_key is not None:
+        record_takeover(session, machine_id, public_key, nonce)
     return machine_id
+
+
+def record_takeover(session: bmdb.Session, machine_id: uuid.UUID, public_key: bytes,
+                    nonce: str | None = None) -> str:
+    """AgentStarted for ``public_key`` with a takeover nonce (a new one unless given), as
+    the initializer records it; returns the nonce (also kept in ``NONCES``)."""
+    nonce = nonce or new_nonce()
+    session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine_id, public_key, nonce))
+    NONCES[str(machine_id)] = nonce
+    return nonce
+
+
+def public_bytes(key: Ed25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw,
+                                         serialization.PublicFormat.Raw)
 
 
 def signed_headers(key: Ed25519PrivateKey, machine_id: uuid.UUID | str, body: bytes, *,
                    timestamp: float | None = None, path: str = HEARTBEAT_PATH,
-                   method: str = "POST") -> dict[str, str]:
-    """The headers the agent sends, built independently of the agent's own code."""
+                   method: str = "POST", nonce: str | None = None) -> dict[str, str]:
+    """The headers the agent sends, built independently of the agent's own code.
+
+    Signed over protocol v2's payload with ``nonce``, by default the one the machine
+    was last given here (``NONCES``; a random one for a machine never given one).
+    """
     stamp = f"{time.time() if timestamp is None else timestamp:.6f}"
-    signature = key.sign(signing_payload(method, path, stamp, body))
+    nonce = nonce or NONCES.get(str(machine_id)) or new_nonce()
+    signature = key.sign(signing_payload(machine_id, public_bytes(key), nonce, method, path,
+                                         stamp, body))
     return {
         "Content-Type": "application/json",
         HEADER_MACHINE: str(machine_id),
@@ -205,9 +237,8 @@ class AgentLauncher:
             self.pids.add(pid)
         return run
 
-    def takeover(self, machine_id: uuid.UUID, endpoint: str, ca: str | None = None,
-                 **kwargs: Any) -> AgentRun:
-        return self.run(TakeoverInit(machine_id, endpoint, ca).encode(), **kwargs)
+    def takeover(self, init: TakeoverInit, **kwargs: Any) -> AgentRun:
+        return self.run(init.encode(), **kwargs)
 
     def kill_all(self) -> None:
         for pid in self.pids:
@@ -217,11 +248,55 @@ class AgentLauncher:
                 os.kill(pid, signal.SIGKILL)
 
 
+def takeover_init(machine_id: uuid.UUID, endpoint: str, ca: str | None = None, *,
+                  answer_key: str | None = None, nonce: str | None = None,
+                  interval: float = 60.0) -> TakeoverInit:
+    """A protocol v2 TakeoverInit as the initializer makes it: a new nonce, and the
+    servers' ``answer_key`` (a random key's, for tests that talk to no server)."""
+    return TakeoverInit(machine_id, endpoint, ca, nonce=nonce or new_nonce(),
+                        answer_key=answer_key or base64.b64encode(new_key()[1]).decode(),
+                        heartbeat_interval=interval)
+
+
+@pytest.fixture
+def answer_key(db: bmdb.BMDB) -> str:
+    """The public half of the test BMDB's answer key, which its servers sign with."""
+    from shepherd.server.answers import AnswerKey
+
+    return AnswerKey.from_bmdb(db).public_b64
+
+
 @pytest.fixture
 def agents(tmp_path: Path) -> Iterator[AgentLauncher]:
     launcher = AgentLauncher(tmp_path / "sandbox")
     yield launcher
     launcher.kill_all()
+
+
+def take_over(agents: AgentLauncher, machine_id: uuid.UUID, endpoint: str,
+              ca: str | None = None, *, answer_key: str | None = None,
+              **kwargs: Any) -> tuple[TakeoverResponse, AgentRun]:
+    """Run the agent's takeover and validate its answer as the initializer will."""
+    init = takeover_init(machine_id, endpoint, ca, answer_key=answer_key)
+    run = agents.takeover(init, **kwargs)
+    return parse_takeover_response(run.completed.stdout, init), run
+
+
+def start_agent(agents: AgentLauncher, session: bmdb.Session, endpoint: str,
+                ca: str | None = None, *, answer_key: str,
+                **kwargs: Any) -> tuple[uuid.UUID, TakeoverResponse, AgentRun]:
+    """Takeover, then record AgentStarted with the agent's key and the nonce it was
+    given, as the initializer does."""
+    machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
+    response, run = take_over(agents, machine, endpoint, ca, answer_key=answer_key, **kwargs)
+    assert response.ok, response.error
+    assert response.key is not None and response.init_message is not None
+    record_takeover(session, machine, response.key, response.init_message.nonce)
+    return machine, response, run
+
+
+def heartbeat_at(db: bmdb.BMDB, machine: uuid.UUID) -> dt.datetime | None:
+    return tags_of(db, machine).get("AgentHeartbeat", {}).get("last_signed_at")
 
 
 def alive(pid: int) -> bool:

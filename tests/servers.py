@@ -9,7 +9,9 @@ skip, since they cannot restart someone else's).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import glob
+import ipaddress
 import os
 import pwd
 import shutil
@@ -18,6 +20,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 INSTALL_HINT = "apt-get install -y postgresql redis-server"
 
@@ -41,6 +48,27 @@ def wait_for_port(host: str, port: int, timeout: float = 30.0) -> None:
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+
+
+def self_signed(directory: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (its own CA) and its key, as files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shepherd-test")])
+    now = dt.datetime.now(dt.UTC)
+    certificate = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(
+            ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "server.crt", directory / "server.key"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
 
 
 def _postgres_bindir() -> Path:

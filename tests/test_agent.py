@@ -35,51 +35,33 @@ from shepherd.agent import AGENT_PATH
 from shepherd.agent.protocol import (
     ProtocolError,
     TakeoverInit,
-    TakeoverResponse,
     parse_takeover_response,
 )
 from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.server.answers import AnswerKey
 from tests.agent_fixtures import (
     CLOCK_WINDOW,
     AgentLauncher,
     AgentRun,
     agents,
     alive,
+    answer_key,
     callback_server,
+    heartbeat_at,
+    new_key,
+    start_agent,
     tags_of,
+    take_over,
+    takeover_init,
     wait_for,
 )
 from tests.servers import free_port
 
-__all__ = ["agents", "callback_server"]  # fixtures, imported for pytest to find
-
-
-def take_over(agents: AgentLauncher, machine_id: uuid.UUID, endpoint: str,
-              ca: str | None = None, **kwargs: Any) -> tuple[TakeoverResponse, AgentRun]:
-    """Run the agent's takeover and validate its answer as the initializer will."""
-    init = TakeoverInit(machine_id, endpoint, ca)
-    run = agents.run(init.encode(), **kwargs)
-    return parse_takeover_response(run.completed.stdout, init), run
-
-
-def start_agent(agents: AgentLauncher, session: bmdb.Session, endpoint: str,
-                ca: str | None = None,
-                **kwargs: Any) -> tuple[uuid.UUID, TakeoverResponse, AgentRun]:
-    """Takeover, then record AgentStarted with the agent's key, as the initializer does."""
-    machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
-    response, run = take_over(agents, machine, endpoint, ca, **kwargs)
-    assert response.ok, response.error
-    assert response.key is not None
-    session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, response.key))
-    return machine, response, run
+__all__ = ["agents", "answer_key", "callback_server"]  # fixtures, for pytest to find
 
 
 def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def heartbeat_at(db: bmdb.BMDB, machine: uuid.UUID) -> dt.datetime | None:
-    return tags_of(db, machine).get("AgentHeartbeat", {}).get("last_signed_at")
 
 
 # -- the real agent against the real server -----------------------------------------
@@ -87,22 +69,26 @@ def heartbeat_at(db: bmdb.BMDB, machine: uuid.UUID) -> dt.datetime | None:
 
 def test_takeover_answers_detaches_and_heartbeats_land(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
-    agents: AgentLauncher,
+    agents: AgentLauncher, answer_key: str,
 ) -> None:
-    machine, response, run = start_agent(agents, session, callback_server.url)
+    machine, response, run = start_agent(agents, session, callback_server.url,
+                                         answer_key=answer_key)
 
     # What the agent printed, not what the parser hands back (that is ``sent`` itself).
+    assert response.init_message is not None
     assert run.answer["success"]["init_message"] == {
         "machine_id": str(machine), "bmaas_endpoint": callback_server.url,
-        "ca_certificate": None}
+        "ca_certificate": None, "nonce": response.init_message.nonce,
+        "answer_key": answer_key, "heartbeat_interval": 60.0}
     assert len(response.key or b"") == 32
     assert run.completed.returncode == 0 and run.elapsed < 5
     pid = run.pid()
     assert pid is not None and alive(pid), run.completed.stderr
     assert os.getsid(pid) != os.getsid(0), "the agent should run in a session of its own"
     assert parent_of(pid) != os.getpid(), "the agent should not be our child"
-    key_file = run.state_dir / "agent_key.pem"
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    # The private key lives in the agent's memory only: nothing in its state directory.
+    assert {path.name for path in run.state_dir.iterdir()} == {"agent.pid", "agent.log"}
+    assert stat.S_IMODE(run.state_dir.stat().st_mode) == 0o700
     assert b"PRIVATE" not in run.completed.stdout
 
     first = wait_for(lambda: heartbeat_at(db, machine), what="a first heartbeat")
@@ -144,9 +130,9 @@ def assert_report_describes_this_machine(report: dict[str, Any]) -> None:
 
 def test_an_installation_request_reaches_the_agent_and_its_report_returns(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
-    agents: AgentLauncher,
+    agents: AgentLauncher, answer_key: str,
 ) -> None:
-    machine, _, _ = start_agent(agents, session, callback_server.url)
+    machine, _, _ = start_agent(agents, session, callback_server.url, answer_key=answer_key)
     wait_for(lambda: heartbeat_at(db, machine), what="a first heartbeat")
 
     for generation in (5, 6):
@@ -178,10 +164,11 @@ def failures_in(log: str) -> list[tuple[int, dt.datetime]]:
 
 def test_agent_without_a_recorded_key_is_refused_and_backs_off(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
-    agents: AgentLauncher,
+    agents: AgentLauncher, answer_key: str,
 ) -> None:
     machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
-    response, run = take_over(agents, machine, callback_server.url, interval=BACKOFF_INTERVAL,
+    response, run = take_over(agents, machine, callback_server.url, answer_key=answer_key,
+                              interval=BACKOFF_INTERVAL,
                               env={"SHEPHERD_AGENT_MAX_BACKOFF": str(MAX_BACKOFF)})
     assert response.ok
     failures = wait_for(lambda: len(f := failures_in(run.log())) >= 6 and f, timeout=15,
@@ -214,7 +201,7 @@ def large_machine(root: Path, interfaces: int = 40) -> Path:
 
 def test_reports_the_server_refuses_are_dropped_so_heartbeats_go_on(
     db: bmdb.BMDB, session: bmdb.Session, agents: AgentLauncher, agent_module: ModuleType,
-    tmp_path: Path,
+    tmp_path: Path, answer_key: str,
 ) -> None:
     """A server whose body limit a plain heartbeat fits but the reports do not (413)."""
     root = large_machine(tmp_path / "machine")
@@ -222,7 +209,7 @@ def test_reports_the_server_refuses_are_dropped_so_heartbeats_go_on(
     config = ServerConfig(bmdb_url=db.url, max_body=SMALL_BODY, clock_window=CLOCK_WINDOW,
                           session_interval=2)
     with start_server(config, db=db, threads=8) as server:
-        machine, _, run = start_agent(agents, session, server.url,
+        machine, _, run = start_agent(agents, session, server.url, answer_key=answer_key,
                                       env={"SHEPHERD_AGENT_SYS_ROOT": str(root)})
 
         wait_for(lambda: heartbeat_at(db, machine), what="a heartbeat without the report")
@@ -288,9 +275,11 @@ def test_heartbeats_over_tls_verify_the_given_ca(sqlite_db: bmdb.BMDB, tmp_path:
             sqlite_db.start_session("test", interval=2) as session:
         assert server.url.startswith("https://")
         trusting, doubting = AgentLauncher(tmp_path / "a"), AgentLauncher(tmp_path / "b")
+        key = AnswerKey.from_bmdb(sqlite_db).public_b64
         try:
-            machine, _, _ = start_agent(trusting, session, server.url, ca)
-            other, _, run = start_agent(doubting, session, server.url, stranger_ca)
+            machine, _, _ = start_agent(trusting, session, server.url, ca, answer_key=key)
+            other, _, run = start_agent(doubting, session, server.url, stranger_ca,
+                                        answer_key=key)
             wait_for(lambda: heartbeat_at(sqlite_db, machine), what="a heartbeat over TLS")
             wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in run.log(), what="a refused cert")
             assert heartbeat_at(sqlite_db, other) is None
@@ -302,20 +291,26 @@ def test_heartbeats_over_tls_verify_the_given_ca(sqlite_db: bmdb.BMDB, tmp_path:
 # -- takeover details ---------------------------------------------------------------------
 
 
-def test_a_second_takeover_reuses_the_key_and_replaces_the_running_agent(
+def test_a_second_takeover_makes_a_fresh_key_and_replaces_the_running_agent(
     agents: AgentLauncher,
 ) -> None:
     machine, endpoint = uuid.uuid4(), f"http://127.0.0.1:{free_port()}"
     first, first_run = take_over(agents, machine, endpoint)
     old_pid = first_run.pid()
     assert old_pid is not None and alive(old_pid)
+    # An agent before protocol v2 left its key here: the takeover removes it.
+    old_key_file = first_run.state_dir / "agent_key.pem"
+    old_key_file.write_bytes(b"an old agent's key")
 
     # Run it as an executable (its shell prologue finds python3 on PATH).
     path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
     second, second_run = take_over(agents, machine, endpoint,
                                    argv=[str(agents.sandbox / "agent.py")], env={"PATH": path})
 
-    assert second.ok and second.key == first.key
+    assert second.ok and first.key is not None and second.key is not None
+    assert second.key != first.key, "every takeover must make a fresh key"
+    assert not old_key_file.exists()
+    assert any("removed the old agent key" in warning for warning in second.warnings)
     assert second_run.pid() not in (None, old_pid)
     wait_for(lambda: not alive(old_pid), timeout=5, what="the old agent to stop")
     assert alive(second_run.pid() or 0)
@@ -324,7 +319,7 @@ def test_a_second_takeover_reuses_the_key_and_replaces_the_running_agent(
 def test_takeover_does_not_wait_for_stdin_to_close(agents: AgentLauncher, tmp_path: Path) -> None:
     """An SSH client may keep the agent's stdin open: one JSON document is enough."""
     agent = agents.upload()
-    init = TakeoverInit(uuid.uuid4(), f"http://127.0.0.1:{free_port()}")
+    init = takeover_init(uuid.uuid4(), f"http://127.0.0.1:{free_port()}")
     env = {"PATH": os.environ.get("PATH", ""), "SHEPHERD_AGENT_STATE_DIR": str(tmp_path / "s")}
     with subprocess.Popen([sys.executable, str(agent)], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, env=env, cwd=agents.sandbox) as process:
@@ -342,8 +337,7 @@ def test_takeover_does_not_wait_for_stdin_to_close(agents: AgentLauncher, tmp_pa
     assert answer.ok
 
 
-GOOD_INIT = {"machine_id": str(uuid.uuid4()), "bmaas_endpoint": "http://127.0.0.1:1",
-             "ca_certificate": None}
+GOOD_INIT = takeover_init(uuid.uuid4(), "http://127.0.0.1:1").to_json()
 
 
 @pytest.mark.parametrize(("case", "stdin", "argv_kind", "expected"), [
@@ -355,6 +349,16 @@ GOOD_INIT = {"machine_id": str(uuid.uuid4()), "bmaas_endpoint": "http://127.0.0.
     ("bad ca", json.dumps({**GOOD_INIT, "bmaas_endpoint": "https://127.0.0.1:1",
                            "ca_certificate": "not a certificate"}).encode(),
      "python", "ca_certificate"),
+    ("no nonce", json.dumps({**GOOD_INIT, "nonce": None}).encode(), "python", "nonce"),
+    ("short nonce", json.dumps({**GOOD_INIT, "nonce": "abc"}).encode(), "python", "nonce"),
+    ("bad answer key", json.dumps({**GOOD_INIT, "answer_key": "AAAA"}).encode(), "python",
+     "answer_key"),
+    ("no answer key", json.dumps({**GOOD_INIT, "answer_key": None}).encode(), "python",
+     "answer_key"),
+    ("zero interval", json.dumps({**GOOD_INIT, "heartbeat_interval": 0}).encode(), "python",
+     "heartbeat_interval"),
+    ("text interval", json.dumps({**GOOD_INIT, "heartbeat_interval": "5"}).encode(), "python",
+     "heartbeat_interval"),
     ("no cryptography", json.dumps(GOOD_INIT).encode(), "python -S", "cryptography"),
     ("no python3", json.dumps(GOOD_INIT).encode(), "sh", "python3 is not installed"),
 ])
@@ -368,7 +372,8 @@ def test_takeover_failures_answer_an_error_and_leave_nothing_running(
 
     run = agents.run(stdin, argv=argv, env=env)
 
-    answer = parse_takeover_response(run.completed.stdout, TakeoverInit(uuid.uuid4(), "http://x"))
+    answer = parse_takeover_response(run.completed.stdout,
+                                     takeover_init(uuid.uuid4(), "http://x"))
     assert not answer.ok and expected in (answer.error or ""), answer.error
     assert run.completed.returncode == 1
     assert run.pid() is None
@@ -466,18 +471,27 @@ def test_cores_fall_back_to_logical_cpus_without_topology(
 # -- protocol validation (the initializer's side) ------------------------------------------
 
 
-INIT = TakeoverInit(uuid.uuid4(), "https://shepherd.example:8470", "PEM")
-KEY = base64.b64encode(bytes(32)).decode()
+INIT = takeover_init(uuid.uuid4(), "https://shepherd.example:8470", "PEM")
+AGENT_KEY, AGENT_PUBLIC = new_key()
+KEY = base64.b64encode(AGENT_PUBLIC).decode()
+
+
+def proof(key: Any = AGENT_KEY, machine: uuid.UUID = INIT.machine_id, nonce: str = INIT.nonce,
+          key_b64: str = KEY) -> str:
+    """A takeover proof as the agent makes it, built here independently of its code."""
+    payload = f"shepherd-takeover-v2\n{machine}\n{nonce}\n{key_b64}".encode()
+    return base64.b64encode(key.sign(payload)).decode()
 
 
 def success(**overrides: Any) -> str:
-    body = {"init_message": INIT.to_json(), "key": KEY, "warnings": ["w"], **overrides}
+    body = {"init_message": INIT.to_json(), "key": KEY, "proof": proof(), "warnings": ["w"],
+            **overrides}
     return json.dumps({"success": body})
 
 
 def test_protocol_accepts_success_and_error() -> None:
     answer = parse_takeover_response(success(), INIT)
-    assert (answer.ok, answer.key, answer.warnings) == (True, bytes(32), ("w",))
+    assert (answer.ok, answer.key, answer.warnings) == (True, AGENT_PUBLIC, ("w",))
     failed = parse_takeover_response('{"error": {"message": "boom"}}', INIT)
     assert (failed.ok, failed.error) == (False, "boom")
     assert TakeoverInit.from_json(json.loads(INIT.encode())) == INIT
@@ -488,6 +502,9 @@ def test_protocol_accepts_success_and_error() -> None:
     '{"error": {"message": 1}}', '{"other": 1}',
     success(init_message={**INIT.to_json(), "machine_id": str(uuid.uuid4())}),
     success(init_message={**INIT.to_json(), "ca_certificate": None}),
+    success(init_message={**INIT.to_json(), "nonce": takeover_init(uuid.uuid4(), "http://x")
+                          .nonce}),
+    success(init_message={**INIT.to_json(), "heartbeat_interval": 5.0}),
     success(key=base64.b64encode(bytes(31)).decode()),
     success(key=base64.b64encode(bytes(33)).decode()),
     success(key="%%%"), success(key=None), success(warnings="w"), success(extra=1),
@@ -497,8 +514,41 @@ def test_protocol_rejects_garbage(raw: str) -> None:
         parse_takeover_response(raw, INIT)
 
 
-def test_takeover_init_validates() -> None:
+OTHER_KEY = new_key()[0]
+
+
+@pytest.mark.parametrize("bad_proof", [
+    pytest.param(None, id="missing"),
+    pytest.param("not base64!", id="garbled"),
+    pytest.param(proof(key=OTHER_KEY), id="signed-by-another-key"),
+    pytest.param(proof(nonce=takeover_init(uuid.uuid4(), "http://x").nonce),
+                 id="for-another-nonce"),
+    pytest.param(proof(machine=uuid.uuid4()), id="for-another-machine"),
+    pytest.param(proof(key_b64=base64.b64encode(bytes(32)).decode()), id="for-another-key"),
+])
+def test_a_wrong_proof_is_refused(bad_proof: str | None) -> None:
+    """The proof shows the agent holds its key's private half and got this takeover's
+    nonce: a key copied from elsewhere, or an answer to another takeover, is refused."""
+    with pytest.raises(ProtocolError, match="proof"):
+        parse_takeover_response(success(proof=bad_proof), INIT)
+
+
+def test_an_agent_answering_with_the_machines_current_key_is_refused() -> None:
+    """Every takeover must make a fresh key: the one AgentStarted holds is refused, even
+    with a valid proof (an agent that kept its key across takeovers)."""
+    with pytest.raises(ProtocolError, match="fresh key"):
+        parse_takeover_response(success(), INIT, current_key=AGENT_PUBLIC)
+    assert parse_takeover_response(success(), INIT, current_key=new_key()[1]).ok
+
+
+@pytest.mark.parametrize("change", [
+    {"bmaas_endpoint": "ftp://host"}, {"nonce": "short"}, {"nonce": "not base64!" * 3},
+    {"answer_key": base64.b64encode(bytes(31)).decode()}, {"heartbeat_interval": 0},
+    {"heartbeat_interval": float("nan")}, {"heartbeat_interval": True},
+    {"heartbeat_interval": "60"},
+])
+def test_takeover_init_validates(change: dict[str, Any]) -> None:
     with pytest.raises(ProtocolError):
-        TakeoverInit(uuid.uuid4(), "ftp://host")
+        TakeoverInit.from_json({**INIT.to_json(), **change})
     with pytest.raises(ProtocolError):
         TakeoverInit.from_json({"machine_id": "x", "bmaas_endpoint": "http://h"})

@@ -20,7 +20,7 @@ import requests
 import sqlalchemy as sa
 
 import bmdb
-from shepherd.agent.protocol import HEADER_SIGNATURE, HEARTBEAT_PATH
+from shepherd.agent.protocol import HEADER_SIGNATURE, HEARTBEAT_PATH, new_nonce
 from shepherd.server import RunningServer, ServerConfig, start_server
 from shepherd.server.serve import parse_listen
 from tests.agent_fixtures import (
@@ -152,6 +152,12 @@ def refusal_cases() -> dict[str, Callable[[dict[str, Any]], Built]]:
         headers = signed_headers(f["key"], f["machine"], body)
         return heartbeat_body(f["machine"], hardware_report={}), headers  # changed after signing
 
+    def signed_for_another_takeover(f: dict[str, Any]) -> Built:
+        # The right key, but not this takeover's nonce: what an agent of an earlier
+        # takeover that kept its key would send.
+        body = heartbeat_body(f["machine"])
+        return body, signed_headers(f["key"], f["machine"], body, nonce=new_nonce())
+
     def signature_for_another_path(f: dict[str, Any]) -> Built:
         body = heartbeat_body(f["machine"])
         return body, signed_headers(f["key"], f["machine"], body, path="/healthz")
@@ -186,7 +192,8 @@ def refusal_cases() -> dict[str, Callable[[dict[str, Any]], Built]]:
 
     return {f.__name__: f for f in (
         wrong_key, other_machines_id, body_names_another_machine, unknown_machine,
-        bad_signature, signature_for_another_path, garbled_signature, no_headers,
+        bad_signature, signed_for_another_takeover, signature_for_another_path,
+        garbled_signature, no_headers,
         stale_timestamp, stale_timestamp_before_any_heartbeat, future_timestamp,
         unauthenticated_garbage,
     )}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -58,6 +59,7 @@ import pytest  # noqa: E402
 import bmdb  # noqa: E402
 from shepherd import cli  # noqa: E402
 from shepherd.config import Settings  # noqa: E402
+from shepherd.redaction import database_url_problem, redact_url  # noqa: E402
 from tests.operator_fixtures import (  # noqa: E402
     THRESHOLD_ENV,
     Fleet,
@@ -515,6 +517,61 @@ def test_unusable_bmdb_url_from_the_environment(capsys, monkeypatch) -> None:
     assert "SHEPHERD_BMDB_URL" in line and "'postgresql://***@db:x/y'" in line
 
 
+#: BMDB URLs whose password (or user name) holds what must be percent-encoded; each
+#: piece of the credentials says SEKRIT, so any piece shown is found. Port 1: nothing
+#: listens, a connection attempt would fail with an error naming the host it tried.
+MISWRITTEN_BMDB_URLS = [
+    "postgresql+psycopg2://shepherd:SEKRIT1@SEKRIT2@127.0.0.1:1/shepherd",
+    "postgresql+psycopg2://shepherd:SEKRIT1@SEKRIT2/SEKRIT3@127.0.0.1:1/shepherd",
+    "postgresql+psycopg2://shepherd:SEKRIT1/SEKRIT2@SEKRIT3@127.0.0.1:1/shepherd",
+    "postgresql+psycopg2://she/SEKRIT0:SEKRIT1@127.0.0.1:1/shepherd",
+]
+
+
+@pytest.mark.parametrize("url", MISWRITTEN_BMDB_URLS)
+def test_redact_a_miswritten_bmdb_url_in_cli_errors(capsys, monkeypatch, url: str) -> None:
+    """An unencoded '@' (or '/' in the user name) made SQLAlchemy read the rest of the
+    password as the host and database: the CLI printed them, in its own line and in
+    the driver's "could not translate host name" error. Now such a URL is refused
+    before any connection, shown with all its user info hidden."""
+    status, out, err = run(capsys, "--bmdb-url", url, "machines")
+    line = one_line_error(err, status)
+    assert "SEKRIT" not in out + err
+    assert line.startswith("shepherd machines: the BMDB URL from --bmdb-url, "
+                           "'postgresql+psycopg2://***@127.0.0.1:1/shepherd': ")
+    assert "percent-encoded: '@' as %40" in line
+    monkeypatch.setenv("SHEPHERD_BMDB_URL", url)
+    status, out, err = run(capsys, "sessions")
+    assert "SHEPHERD_BMDB_URL" in one_line_error(err, status) and "SEKRIT" not in out + err
+
+
+@pytest.mark.parametrize("url, shown, refused", [
+    ("postgresql://shepherd:p@ss/word@db/shepherd", "postgresql://***@db/shepherd", True),
+    ("postgresql://she/pherd:hunter2@db/x", "postgresql://***@db/x", True),
+    ("postgresql://shepherd:pa/ss@db:5432/x", "postgresql://shepherd:***@db:5432/x", False),
+    ("postgresql://shepherd:hunter2/1:2?3#4@db/x", "postgresql://shepherd:***@db/x", False),
+    ("postgresql://u:hunter2@db:notaport/y", "postgresql://***@db:notaport/y", False),
+    ("postgresql://us%40er:hunter2@db/x", "postgresql://***@db/x", False),
+    ("https://hunter2@api.example.com/v1", "https://***@api.example.com/v1", False),
+    ("redis://:hunter2@redis:6379/0", "redis://***@redis:6379/0", False),
+    ("postgres:/shepherd:hunter2@db/shepherd", "***@db/shepherd", False),
+    ("postgresql://u@db/x?sslmode=require&password=hunter2",
+     "postgresql://***@db/x?sslmode=require&password=***", False),
+    ("postgresql://db/x?PGPASSWORD=hunter2", "postgresql://db/x?PGPASSWORD=***", False),
+    ("sqlite:////var/lib/shepherd/bmdb.sqlite", "sqlite:////var/lib/shepherd/bmdb.sqlite",
+     False),
+    ("not a url", "not a url", False),
+])
+def test_redact_url_hides_all_user_info_when_in_doubt(url: str, shown: str,
+                                                      refused: bool) -> None:
+    """``redact_url`` is what every URL printer shows; ``database_url_problem`` refuses
+    only what SQLAlchemy would misread ('/', ':', '?', '#' in a password it reads
+    right)."""
+    assert redact_url(url) == shown
+    assert "hunter2" not in shown and "ss/word" not in shown
+    assert (database_url_problem(url) is not None) == refused
+
+
 # -- --json for the commands that change things ----------------------------------------
 
 
@@ -554,3 +611,49 @@ def test_sweep_json(fleet: Fleet, capsys) -> None:
     assert status == 0 and json.loads(out)["abandoned"] == 1
     status, out, _ = run(capsys, "sweep")
     assert "sweep: 0 work of dead sessions released" in out
+
+
+# -- show and show --json, whatever a document column holds ------------------------------
+
+from tests.garbage_fixtures import DOCUMENTS, seed_garbage  # noqa: E402
+
+#: What a terminal line may hold: printable text (no escape sequences, no lone surrogates).
+UNPRINTABLE = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def strict_json(text: str) -> Any:
+    """``text`` as strict JSON: NaN and Infinity are not JSON."""
+    def refuse(constant: str) -> NoReturn:
+        raise AssertionError(f"{constant} in --json output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_show_and_show_json_whatever_a_document_holds(db: bmdb.BMDB, session: bmdb.Session,
+                                                      db_url: str, capsys) -> None:
+    """Garbage written past every check (tests/garbage_fixtures.py): a 900-deep report
+    made ``show --json`` fail, NaN made it print invalid JSON, escapes reached the
+    terminal, a 5 MiB string was printed whole."""
+    for name, machine_id in seed_garbage(db, session).items():
+        status, out, err = run(capsys, "show", str(machine_id), "--bmdb-url", db_url)
+        assert status == 0, (name, err)
+        assert not UNPRINTABLE.search(out), name
+        assert len(out) < 100_000, name
+        status, out, err = run(capsys, "show", str(machine_id), "--json", "--bmdb-url", db_url)
+        assert status == 0, (name, err)
+        shown = strict_json(out)
+        assert set(DOCUMENTS) <= set(shown["tags"]), name
+        assert len(out) < 100_000, name
+
+
+@pytest.mark.parametrize("garbage", ["900 deep, objects", "terminal escapes"])
+def test_show_json_of_garbage_in_a_real_process(db: bmdb.BMDB, session: bmdb.Session,
+                                                db_url: str, garbage: str) -> None:
+    machine_id = seed_garbage(db, session)[garbage]
+    result = shepherd("show", str(machine_id), "--json", "--bmdb-url", db_url)
+    assert result.returncode == 0, result.stderr
+    report = strict_json(result.stdout)["tags"]["HardwareReport"]["report"]
+    assert isinstance(report, str | dict)
+    result = shepherd("show", str(machine_id), "--bmdb-url", db_url)
+    assert result.returncode == 0, result.stderr
+    assert not UNPRINTABLE.search(result.stdout)

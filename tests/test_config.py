@@ -57,6 +57,11 @@ def test_secret_from_file_stays_out_of_repr(tmp_path):
     ("SHEPHERD_RECONCILE_WAIT", "-1", "SHEPHERD_RECONCILE_WAIT='-1' must not be negative"),
     ("SHEPHERD_WORKER_METRICS_PORT", "70000", "SHEPHERD_WORKER_METRICS_PORT='70000' must be"),
     ("SHEPHERD_WORKER_METRICS_PORT", "http", "SHEPHERD_WORKER_METRICS_PORT='http' is not"),
+    # kombu would read 'hun' as the port and quote it in its error (redaction, issue 13).
+    ("SHEPHERD_BROKER_URL", "redis://:hun/ter2@redis:6379/0",
+     r"^SHEPHERD_BROKER_URL='redis://\*\*\*@redis:6379/0': its user info holds '/'"),
+    ("SHEPHERD_RESULT_BACKEND", "redis://u:hun@ter2@redis/1",
+     r"^SHEPHERD_RESULT_BACKEND='redis://\*\*\*@redis/1': its user info holds '@'"),
 ])
 def test_bad_values_name_the_variable(name, value, message):
     with pytest.raises(SettingsError, match=message):
@@ -88,6 +93,29 @@ def test_server_worker_and_pool_settings():
     assert settings.reconcile_wait == 12.5
     assert (settings.worker_metrics_port, settings.worker_metrics_addr,
             settings.prometheus_multiproc_dir) == (9101, "0.0.0.0", "/run/prom")
+
+
+def test_server_limit_settings():
+    """The callback server's limits (shepherd.server.limits): defaults, and each read."""
+    d = Settings.from_env({})
+    assert (d.serve_max_headers, d.serve_max_header_bytes, d.serve_header_timeout,
+            d.serve_body_timeout, d.serve_max_connections, d.serve_backlog,
+            d.serve_tls_handshake_timeout, d.serve_idle_timeout, d.metrics_cache) == (
+        100, 16384, 10.0, 10.0, 1000, 2048, 10.0, 5.0, 10.0)
+    s = Settings.from_env({
+        "SHEPHERD_SERVE_MAX_HEADERS": "20", "SHEPHERD_SERVE_MAX_HEADER_BYTES": "4096",
+        "SHEPHERD_SERVE_HEADER_TIMEOUT": "3", "SHEPHERD_SERVE_BODY_TIMEOUT": "4",
+        "SHEPHERD_SERVE_MAX_CONNECTIONS": "50", "SHEPHERD_SERVE_BACKLOG": "4096",
+        "SHEPHERD_SERVE_TLS_HANDSHAKE_TIMEOUT": "2.5", "SHEPHERD_SERVE_IDLE_TIMEOUT": "1",
+        "SHEPHERD_METRICS_CACHE": "0"})
+    assert (s.serve_max_headers, s.serve_max_header_bytes, s.serve_header_timeout,
+            s.serve_body_timeout, s.serve_max_connections, s.serve_backlog,
+            s.serve_tls_handshake_timeout, s.serve_idle_timeout, s.metrics_cache) == (
+        20, 4096, 3.0, 4.0, 50, 4096, 2.5, 1.0, 0.0)
+    for name, value in (("SERVE_HEADER_TIMEOUT", "0"), ("SERVE_MAX_CONNECTIONS", "0"),
+                        ("SERVE_MAX_HEADER_BYTES", "100"), ("METRICS_CACHE", "-1")):
+        with pytest.raises(SettingsError, match=f"SHEPHERD_{name}="):
+            Settings.from_env({f"SHEPHERD_{name}": value})
 
 
 def test_environ_is_a_copy(monkeypatch):

@@ -228,6 +228,10 @@ def test_server_role_answers_health_and_keeps_the_view_apart(env, tmp_path):
         assert answer.json() == {"status": "ok"}
         assert requests.get(f"http://127.0.0.1:{port}/machines", timeout=10).status_code == 404
         assert requests.get(f"http://127.0.0.1:{views}/machines", timeout=10).status_code == 200
+        # The fleet's metrics are the operators' too.
+        assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 404
+        scraped = requests.get(f"http://127.0.0.1:{views}/metrics", timeout=10)
+        assert scraped.status_code == 200 and "shepherd_bmdb_up 1.0" in scraped.text
 
 
 def test_simulator_role_answers(env, tmp_path):

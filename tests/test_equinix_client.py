@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import requests
@@ -38,6 +41,7 @@ from shepherd.providers.equinix import (
     provider_status,
     public_ipv4,
 )
+from shepherd.redaction import scrub
 from shepherd.simulator import Simulator
 from tests.simulator_fixtures import (
     TOKEN,
@@ -368,6 +372,70 @@ def test_errors_never_contain_the_token(simulator: Simulator) -> None:
             assert request is None or TOKEN not in str(getattr(request, "headers", "")), \
                 repr(link)
     assert TOKEN not in repr(client) and TOKEN not in repr(client.config)
+
+
+def test_an_api_echoing_the_token_never_gets_it_into_errors_or_logs(
+        provider: EquinixProvider, simulator: Simulator,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The simulator's error texts quote the token each request carried (the
+    ``api_echo_token`` fault), as some APIs do: the errors the client and the provider
+    raise, the errors those chain to (a traceback shows them) and the client's log
+    lines hold none of it; the API's text itself is kept."""
+    caplog.set_level(logging.DEBUG)
+    simulator.faults.set(api_echo_token=True)
+    client = provider.client
+    errors: list[ProviderError] = []
+
+    def fails(action: Callable[[], object]) -> ProviderError:
+        with pytest.raises(ProviderError) as caught:
+            action()
+        errors.append(caught.value)
+        return caught.value
+
+    key_id = client.create_ssh_key("l", "ssh-ed25519 AAAA x")["id"]
+    refused = fails(lambda: client.update_ssh_key(key_id, key="not a key"))   # handler's 422
+    assert "OpenSSH public key" in str(refused) and "with token ***" in str(refused)
+    simulator.faults.fail_next(1, 403)
+    fails(provider.list_machines)                                             # injected 403
+    other = "another-configured-token-8d1f"
+    wrong = fails(lambda: fast_client(simulator, token=other).list_devices())  # 401
+    assert other not in str(wrong) and "with token ***" in str(wrong)
+    simulator.faults.fail_next(2, 500)
+    simulator.faults.fail_next(1, 422, method="POST")
+    fails(lambda: client.create_ssh_key("l2", "ssh-ed25519 AAAA y"))          # 5xx, then 422
+    # A race lost while handling the API's 422: RaceLost chains to that 422's text.
+    reservation = simulator.state.project_reservations()[0]
+    original = client.get_reservation
+
+    def sneaky(reservation_id: str, include_device: bool = True) -> dict:
+        answer = original(reservation_id, include_device)
+        if not simulator.devices:
+            simulator.create_foreign_device(reservation_id)
+        return answer
+
+    client.get_reservation = sneaky  # type: ignore[method-assign]
+    lost = fails(lambda: provider.create_machine(Capacity(
+        reservation.id, reservation.facility, reservation.plan, {"metro": reservation.metro})))
+    assert isinstance(lost, RaceLost)
+    assert any(isinstance(link, PermanentError) and "HTTP 422" in str(link)
+               and "with token ***" in str(link) for link in _chain(lost)[1:])
+    for error in errors:
+        for link in _chain(error):
+            for secret in (TOKEN, other, TOKEN[:12], TOKEN[-12:]):
+                assert secret not in str(link) and secret not in repr(link), repr(link)
+    assert TOKEN not in caplog.text and other not in caplog.text
+
+
+def test_scrub_hides_a_token_whole_encoded_or_cut_short() -> None:
+    token = "tok/en+Secret=42abcdef"
+    text = (f"bad token {token}; as sent: {quote(token, safe='')}; in JSON: "
+            f"{json.dumps(token)}; cut: {token[:10]}...; tail: ...{token[-9:]}")
+    cleaned = scrub(text, token)
+    for piece in (token, quote(token, safe=""), token[:10], token[-9:], "Secret"):
+        assert piece not in cleaned, cleaned
+    assert cleaned.startswith("bad token ***; as sent: ***; in JSON: ")
+    assert scrub("nothing to hide here", token) == "nothing to hide here"
+    assert scrub("short key k3y and k3y", "k3y") == "short key *** and ***"
 
 
 class _Recorder(BaseHTTPRequestHandler):

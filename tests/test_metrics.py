@@ -7,13 +7,17 @@ the simulator in this process; multiprocess mode across real processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,7 +26,9 @@ from shepherd import metrics
 from shepherd.providers import NotFound, TransientExhausted
 from shepherd.server import ServerConfig, start_server
 from shepherd.simulator import Simulator
+from tests.agent_fixtures import wait_for
 from tests.operator_fixtures import Fleet, seed_fleet
+from tests.servers import wait_for_port
 from tests.simulator_fixtures import TOKEN, fast_client, free_port, simulator
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +54,8 @@ def scrape(url: str) -> Samples:
 @pytest.fixture
 def server_and_fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str):
     fleet = seed_fleet(db, session)
-    with start_server(ServerConfig(bmdb_url=db_url), db=db) as server:
+    # No cache: these tests change the BMDB between scrapes (the cache has its own tests).
+    with start_server(ServerConfig(bmdb_url=db_url, metrics_cache=0), db=db) as server:
         yield server, fleet
 
 
@@ -114,7 +121,7 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
 
 def test_provider_calls_of_this_process_show_on_the_endpoint(simulator: Simulator,
                                                              sqlite_url: str) -> None:
-    with start_server(ServerConfig(bmdb_url=sqlite_url)) as server:
+    with start_server(ServerConfig(bmdb_url=sqlite_url, metrics_cache=0)) as server:
         before = scrape(server.url)
         client = fast_client(simulator, observer=metrics.provider_call)
         client.list_devices()
@@ -194,3 +201,92 @@ def test_multiprocess_mode_aggregates_worker_children(tmp_path: Path) -> None:
     samples = parse(result.stdout)
     assert value(samples, "shepherd_provider_api_calls_total", provider="equinix",
                  endpoint="GET /devices/{id}", outcome="ok") == 6
+
+
+# -- the cache: one computation per interval, whatever the scrapers -------------------
+
+
+def scrape_all(url: str, count: int) -> list[str]:
+    """``count`` scrapes at once, each on a connection of its own; their bodies."""
+    def get(_: int) -> requests.Response:
+        with requests.Session() as client:
+            client.trust_env = False
+            return client.get(f"{url}/metrics", timeout=60)
+
+    with ThreadPoolExecutor(count) as pool:
+        answers = list(pool.map(get, range(count)))
+    assert [a.status_code for a in answers] == [200] * count
+    return [a.text for a in answers]
+
+
+def test_concurrent_scrapes_share_one_computation_until_it_is_old(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    """20 scrapers at once get one computation (identical bodies: each computation
+    times itself in ``shepherd_bmdb_scrape_seconds``), and a change to the fleet shows
+    only once the cached one is ``metrics_cache`` seconds old."""
+    seed_fleet(db, session)
+    config = ServerConfig(bmdb_url=db_url, metrics_cache=3600)
+    with start_server(config, db=db) as server:
+        bodies = scrape_all(server.url, 20)
+        assert len(set(bodies)) == 1
+        assert value(parse(bodies[0]), "shepherd_fleet_machines") == 9
+        session.transact(lambda tx: bmdb.tags.create_machine(tx, uuid.uuid4()))
+        assert scrape_all(server.url, 3) == bodies[:3]  # cached: the tenth is not counted
+    with start_server(ServerConfig(bmdb_url=db_url, metrics_cache=0.5), db=db) as server:
+        first = scrape_all(server.url, 1)[0]
+        assert value(parse(first), "shepherd_fleet_machines") == 10
+        wait_for(lambda: scrape_all(server.url, 1)[0] != first, timeout=20,
+                 what="a new computation once the cached one is 0.5 s old")
+
+
+@pytest.mark.timeout(120)
+def test_scrapes_blocked_in_the_bmdb_never_make_healthz_fail(pg_url: str) -> None:
+    """20 scrapes stuck behind a lock on the machines table: /healthz still answers 200
+    at once (its own threads), and the scrapes answer once the lock goes. Before, they
+    took every server thread and 10 of 60 health checks failed."""
+    db = bmdb.connect(pg_url)
+    with db.start_session("test", interval=2) as session:
+        seed_fleet(db, session)
+    config = ServerConfig(bmdb_url=pg_url, metrics_cache=0)
+    locker = sa.create_engine(pg_url)
+    with start_server(config, db=db) as server, locker.connect() as conn, \
+            ThreadPoolExecutor(20) as pool:
+        conn.begin()
+        conn.exec_driver_sql("LOCK TABLE machines IN ACCESS EXCLUSIVE MODE")
+        scrapes = pool.submit(scrape_all, server.url, 20)
+        waiting = sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                          "'Lock' AND query ILIKE :machines")
+        with locker.connect().execution_options(isolation_level="AUTOCOMMIT") as watcher:
+            wait_for(lambda: watcher.execute(waiting, {"machines": "%machines%"}).scalar(),
+                     timeout=30, what="a scrape to wait for the lock")
+        with requests.Session() as client:
+            client.trust_env = False
+            health = [client.get(f"{server.url}/healthz", timeout=5) for _ in range(10)]
+        assert [answer.status_code for answer in health] == [200] * 10
+        conn.rollback()
+        assert value(parse(scrapes.result(timeout=60)[0]), "shepherd_fleet_machines") == 9
+    locker.dispose()
+    db.close()
+
+
+def test_serve_computes_metrics_as_often_as_configured(pg_url: str, tmp_path: Path) -> None:
+    """``shepherd serve`` with SHEPHERD_METRICS_CACHE=0 computes at every scrape (the
+    default, 10 s, would show the same count twice)."""
+    db = bmdb.connect(pg_url)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    env.update(SHEPHERD_BMDB_URL=pg_url, SHEPHERD_SERVE_LISTEN=f"127.0.0.1:{port}",
+               SHEPHERD_METRICS_CACHE="0")
+    with open(tmp_path / "serve.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "shepherd.cli", "serve"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port("127.0.0.1", port, timeout=30)
+        url = f"http://127.0.0.1:{port}"
+        assert value(parse(scrape_all(url, 1)[0]), "shepherd_fleet_machines") == 0
+        db.read(lambda tx: bmdb.tags.create_machine(tx, uuid.uuid4()))
+        assert value(parse(scrape_all(url, 1)[0]), "shepherd_fleet_machines") == 1
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+        db.close()

@@ -3,15 +3,20 @@ handoff) against a seeded BMDB, on PostgreSQL and SQLite."""
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 
 import pytest
+import requests
 
 import bmdb
 from shepherd import operator
+from shepherd.agent import agent
+from shepherd.operator.explain import why_not
 from shepherd.workflows import guard
 from tests.bmdb_helpers import backlog_ids
+from tests.garbage_fixtures import DOCUMENTS, assert_plain, seed_garbage
 from tests.operator_fixtures import Fleet, healthy_callback_server, seed_fleet
 
 
@@ -208,6 +213,103 @@ def test_show_lists_every_backoff_and_history_newest_first(db: bmdb.BMDB, fleet:
     assert detail.history[0]["cause"] == "ssh: connection refused"
     with pytest.raises(operator.UnknownMachine):
         db.read(lambda tx: operator.show_machine(tx, uuid.uuid4()))
+
+
+# -- stored documents: whatever a row holds, show, explain and the page work -----------
+
+
+def test_whatever_a_document_holds_show_and_explain_work(db: bmdb.BMDB,
+                                                         session: bmdb.Session) -> None:
+    """Garbage written past every check (tests/garbage_fixtures.py): ``show_machine``
+    gives plain, bounded documents that JSON and terminals take, and ``explain`` (which
+    needs no document) works too."""
+    for name, machine_id in seed_garbage(db, session).items():
+        detail = db.read(lambda tx, m=machine_id: operator.show_machine(tx, m))
+        for tag, (_, column) in DOCUMENTS.items():
+            assert_plain(detail.tags[tag][column], f"{name}: {tag}")
+        json.dumps(operator.jsonable(detail), allow_nan=False)
+        found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds))
+        assert set(DOCUMENTS) <= set(found.tags), name
+        assert why_not(db, bmdb.Process.RECOVERY, machine_id), name
+
+
+def test_what_garbage_is_shown_as(db: bmdb.BMDB, session: bmdb.Session) -> None:
+    machines = seed_garbage(db, session)
+
+    def report(name: str) -> object:
+        return db.read(lambda tx: operator.show_machine(tx, machines[name])
+                       ).tags["HardwareReport"]["report"]
+
+    assert report("900 deep, objects").startswith(
+        "(not readable as JSON: recursion limit exceeded")
+    deep = report("100 deep")
+    for _ in range(14):
+        deep = deep["a"]
+    assert deep == {"a": "… (nested deeper than 16 levels)"}
+    assert report("a float beyond doubles") == {"x": "Infinity"}
+    assert report("an integer beyond int64") == {"x": str(2**70)}
+    assert report("a 5 MiB string")["s"].endswith(f"… ({(5 << 20) - 16384} more characters)")
+    assert report("100,000 items")[-1] == f"… ({100_000 - 4096} more items)"
+    assert report("a number") == 42 and report("null") is None
+    if db.url.startswith("sqlite"):
+        assert report("NaN and Infinity") == {"x": "NaN", "y": "-Infinity", "z": ["Infinity"]}
+        assert report("not JSON").startswith("(not readable as JSON:")
+        assert report("a BLOB, not UTF-8").startswith("(not readable as JSON:")
+
+
+def test_an_honest_report_is_shown_as_sent(db: bmdb.BMDB, session: bmdb.Session) -> None:
+    report = agent.hardware_report()
+    result = agent.install_os({"kind": "debian-12"})
+
+    def store(tx: bmdb.Tx) -> uuid.UUID:
+        machine_id = bmdb.tags.create_machine(tx)
+        bmdb.tags.set_hardware_report(tx, machine_id, report)
+        bmdb.tags.set_os_installation_report(tx, machine_id, 3, result)
+        return machine_id
+
+    machine_id = session.transact(store)
+    tags = db.read(lambda tx: operator.show_machine(tx, machine_id)).tags
+    assert tags["HardwareReport"]["report"] == report
+    assert (tags["OSInstallationReport"]["generation"],
+            tags["OSInstallationReport"]["result"]) == (3, result)
+
+
+def machine_pages(db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> dict[str, str]:
+    """Garbage name -> the machine page of a machine holding it, from a real server (whose
+    threads have a deeper stack than the CLI: 900 levels failed there even to decode)."""
+    from shepherd.server import ServerConfig, start_server
+
+    machines = seed_garbage(db, session)
+    pages = {}
+    with (start_server(ServerConfig(bmdb_url=db_url), db=db) as server,
+          requests.Session() as http):
+        http.trust_env = False
+        assert server.operator_url
+        for name, machine_id in machines.items():
+            page = http.get(f"{server.operator_url}/machines/{machine_id}", timeout=30)
+            assert page.status_code == 200, name
+            pages[name] = page.text
+    return pages
+
+
+def test_the_machine_page_renders_whatever_a_document_holds(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    pages = machine_pages(db, session, db_url)
+    for name, page in pages.items():
+        assert len(page) < 200_000, name
+        assert "<script>alert" not in page, name
+    # Objects are shown as JSON: their control characters escaped.
+    assert '"\\u001b[2J\\u001b]0;pwned' in pages["terminal escapes"]
+
+
+def test_the_machine_page_shows_control_characters_rather_than_sending_them(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    """Plain values (a document that is a bare string, say) go through
+    ``operator.printable``, which web.py registers as the ``printable`` filter."""
+    pages = machine_pages(db, session, db_url)
+    for name, page in pages.items():
+        assert "\x1b" not in page and "\x07" not in page, name
+    assert "\\x1b[2J\\x1b]0;pwned\\x07" in pages["a string of escapes"]
 
 
 def test_sessions(db: bmdb.BMDB, session: bmdb.Session, fleet: Fleet) -> None:

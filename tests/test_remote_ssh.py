@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,14 @@ from shepherd.processes import marked_processes as find_processes
 from shepherd.providers import ssh_keys
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.remote import (
+    OUTPUT_CAP,
     AuthenticationFailed,
     ConnectionRefused,
     ConnectTimeout,
     ExecTimeout,
     Remote,
     RemoteError,
+    UploadTimeout,
 )
 from shepherd.simulator import Simulator
 from shepherd.simulator.ssh import MARKER
@@ -126,6 +130,76 @@ def test_long_command_times_out_on_exec(provider: EquinixProvider, simulator: Si
         elapsed = time.monotonic() - started
     assert 0.6 <= elapsed < 3.0, elapsed
     _wait_until(lambda: not find_processes(MARKER, device), "sleep was not killed")
+
+
+def _outcome(action: Callable[[], object], within: float) -> BaseException | None:
+    """What ``action`` raised (None: it returned), failing the test if it is still
+    running after ``within`` seconds (a bound for the test, not a figure checked)."""
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            action()
+            outcome.append(None)
+        except BaseException as error:  # handed back to the test
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert outcome, f"still running after {within}s: no timeout ended it"
+    return outcome[0]
+
+
+def test_a_stalled_sftp_upload_ends_with_a_clear_error(
+        provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path,
+        tmp_path: Path) -> None:
+    """The machine takes the file, then never answers: the upload ends at its timeout
+    (the exec timeout) with ``UploadTimeout``, and nothing is left at the target."""
+    payload = tmp_path / "agent"
+    payload.write_bytes(os.urandom(200_000))
+    simulator.faults.set(device_id=device, sftp_stall=True)
+    remote = _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=1)
+    try:
+        error = _outcome(lambda: remote.upload(payload, "opt/shepherd/agent"), within=20)
+    finally:
+        remote.close()
+        simulator.faults.set(device_id=device, sftp_stall=False)
+    assert isinstance(error, UploadTimeout), repr(error)
+    assert "upload to opt/shepherd/agent did not finish within 1s" in str(error)
+    assert not (simulator.sandbox(device) / "opt/shepherd/agent").exists()
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as again:
+        again.upload(payload, "opt/shepherd/agent")
+    assert (simulator.sandbox(device) / "opt/shepherd/agent").read_bytes() == \
+        payload.read_bytes()
+
+
+def test_an_unanswered_command_ends_at_the_exec_timeout(
+        provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path) -> None:
+    simulator.faults.set(device_id=device, ssh_exec_hang=True)
+    remote = _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=1)
+    try:
+        error = _outcome(lambda: remote.run("echo never", stdin=b"x" * 100_000), within=20)
+    finally:
+        remote.close()
+    assert isinstance(error, ExecTimeout), repr(error)
+
+
+def test_captured_output_is_capped_per_stream(provider: EquinixProvider, device: str,
+                                              ssh_key: Path) -> None:
+    """3 MiB on stdout and 2 MiB on stderr: 1 MiB of each is kept, the rest dropped
+    with a note saying how much, and the exit status still comes back."""
+    command = ("head -c 3145728 /dev/zero | tr '\\0' o; "
+               "head -c 2097152 /dev/zero | tr '\\0' e >&2; exit 4")
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=30) as remote:
+        result = remote.run(command)
+    assert result.exit_code == 4
+    for text, char, total, name in ((result.stdout, "o", 3 << 20, "stdout"),
+                                    (result.stderr, "e", 2 << 20, "stderr")):
+        kept, _, note = text.partition("\n")
+        assert kept == char * OUTPUT_CAP
+        assert note == (f"[shepherd: {total - OUTPUT_CAP} more bytes of {name} dropped; "
+                        f"captured output is capped at {OUTPUT_CAP} bytes]\n")
 
 
 def test_refused_ssh(provider: EquinixProvider, simulator: Simulator, device: str,

@@ -68,6 +68,8 @@ RECOVERED = E2E + "test_killed_agent_is_recovered_and_heartbeats_again"
 RACKS_QUARANTINE = ("tests/test_racks_e2e.py::"
                     "test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off")
 RULES = "tests/test_recovery_rules.py::test_ladder_and_bmc_settings_reach_what_workers_build"
+#: ``shepherd serve`` run with small limits in its environment, under attack.
+ATTACKS = "tests/test_server_attacks.py::"
 
 #: Setting -> {entry point: where it is shown to be honoured}.
 HONOURED_BY: dict[str, dict[str, str]] = {
@@ -115,6 +117,8 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "ssh_connect_timeout": {W: E2E + "test_refused_ssh_fails_with_the_backoff_then_succeeds"},
     "ssh_exec_timeout": {W: THIRTY},
     "agent_args": {W: THIRTY},
+    "agent_heartbeat_interval": {W: "tests/test_protocol_v2.py::"
+                                 "test_the_agent_heartbeats_at_the_interval_settings_give_it"},
     "rung_timeout": {W: RACKS_QUARANTINE},
     "rung_poll_interval": {W: RULES},
     "boot_wait": {W: RACKS_QUARANTINE},
@@ -141,6 +145,17 @@ HONOURED_BY: dict[str, dict[str, str]] = {
                               "test_the_newcomer_is_accepted_within_the_clock_window"},
     "serve_operator_views": {S: "tests/test_web.py::test_operator_views_can_be_turned_off"},
     "serve_threads": {S: "tests/test_callback_server.py::test_serve_main_runs_until_sigterm"},
+    "serve_max_headers": {S: ATTACKS + "test_many_header_lines_get_431"},
+    "serve_max_header_bytes": {S: ATTACKS + "test_a_huge_header_gets_431_before_it_is_read_whole"},
+    "serve_header_timeout": {S: ATTACKS + "test_slow_headers_get_408_while_honest_heartbeats_pass"},
+    "serve_body_timeout": {S: ATTACKS + "test_a_slow_body_gets_408"},
+    "serve_max_connections": {S: ATTACKS + "test_a_connection_flood_cannot_lock_honest_agents_out"},
+    "serve_backlog": {S: ATTACKS + "test_a_burst_fits_the_listen_backlog"},
+    "serve_tls_handshake_timeout": {S: ATTACKS + "test_idle_tcp_connections_to_the_tls_listener"
+                                           "_delay_no_one"},
+    "serve_idle_timeout": {S: ATTACKS + "test_an_idle_keep_alive_connection_is_closed"},
+    "metrics_cache": {S: "tests/test_metrics.py::"
+                         "test_serve_computes_metrics_as_often_as_configured"},
     "reconcile_wait": {C: "tests/test_cli_workers.py::"
                        "test_reconcile_without_a_worker_fails_in_bounded_time"},
     "worker_metrics_port": {W: UP},

@@ -223,6 +223,26 @@ def test_admin_endpoints(simulator: Simulator) -> None:
         == {}
 
 
+def test_echo_token_fault_quotes_the_request_token_in_error_texts(
+        simulator: Simulator) -> None:
+    """``api_echo_token`` (set through the admin endpoint, as for a simulator run as its
+    own process): every error text quotes the token the request carried; successful
+    answers are unchanged; per device, only that device's errors."""
+    device = _create(simulator)
+    assert _api(simulator, "POST", "/_admin/faults", json={"api_echo_token": True}
+                ).json()["global"]["api_echo_token"] is True
+    unauthorized = _api(simulator, "GET", "/devices/nope", token="the-wrong-one")
+    assert unauthorized.status_code == 401
+    assert unauthorized.json()["error"].endswith("(request made with token the-wrong-one)")
+    missing = _api(simulator, "GET", "/devices/nope")
+    assert missing.json() == {"errors": [f"Not found (request made with token {TOKEN})"]}
+    assert TOKEN not in _api(simulator, "GET", f"/devices/{device['id']}").text
+    simulator.faults.clear()
+    simulator.faults.set(device_id=device["id"], api_echo_token=True, api_error_rate=1.0)
+    assert TOKEN in _api(simulator, "GET", f"/devices/{device['id']}").text
+    assert TOKEN not in _api(simulator, "GET", "/devices/nope").text
+
+
 def test_stop_ends_threads_and_sockets(tmp_path) -> None:  # type: ignore[no-untyped-def]
     before = {t.ident for t in threading.enumerate()}
     sim = Simulator(reservations=2, token=TOKEN, ssh_port=free_port(), provision_delay=0.0,

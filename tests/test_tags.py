@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 
+import pytest
 import sqlalchemy as sa
 
 import bmdb
@@ -140,3 +141,20 @@ def test_history_outlives_a_deleted_machine(db, session):
     assert db.read(lambda tx: bmdb.queries.machine_tags(tx, machine)) == {}
     events = [row["event"] for row in db.read(lambda tx: bmdb.queries.history(tx, machine))]
     assert events == ["Finished", "Started"]
+
+
+def test_every_agent_start_writes_a_new_nonce_even_for_the_same_key(db, session):
+    """What no-replay rests on (``bmdb.queries.lock_agent_credentials``): a takeover's
+    nonce replaces the last one, also when an agent answered with the same key, and a
+    caller that names none still gets a new one, never the old."""
+    (machine,) = seed_provided(session, 1)
+    given = "n" * 44
+    session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, KEY, given))
+    nonces = [db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine)).nonce]
+    for _ in range(2):
+        session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, KEY))
+        nonces.append(db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine)).nonce)
+    assert nonces[0] == given and len(set(nonces)) == 3
+    for bad in ("short", "x" * 65):
+        with pytest.raises(ValueError, match="nonce"):
+            session.transact(lambda tx, b=bad: bmdb.tags.set_agent_started(tx, machine, KEY, b))

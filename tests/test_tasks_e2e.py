@@ -112,7 +112,7 @@ def test_killed_agent_is_recovered_and_heartbeats_again(control_plane) -> None:
     cp.wait_for(all_heartbeating(5), timeout=60, what="5 heartbeating")
     victim = cp.machine_ids()[0]
     provider_id = cp.provider_id(victim)
-    first_key = cp.tags(victim)["AgentStarted"]["public_key"]
+    first = cp.tags(victim)["AgentStarted"]
 
     assert cp.simulator.kill_agent(provider_id) >= 1
 
@@ -130,8 +130,9 @@ def test_killed_agent_is_recovered_and_heartbeats_again(control_plane) -> None:
 
     wait_until(heard_again, 60, "heartbeats from the restarted agent", cp)
     cp.wait_for(all_heartbeating(5), timeout=10, what="the whole fleet heartbeating")
-    # The agent keeps its key on disk: the new one is recorded in place of the old.
-    assert cp.tags(victim)["AgentStarted"]["public_key"] == first_key
+    # Every takeover makes a fresh key and gets a fresh nonce: both replace the old.
+    now = cp.tags(victim)["AgentStarted"]
+    assert now["public_key"] != first["public_key"] and now["nonce"] != first["nonce"]
     rungs = [h["cause"] for h in cp.history()
              if h["machine_id"] == victim and h["event"] == "Rung"]
     assert len(rungs) == 1 and rungs[0].startswith("rung 0 (agent restart): verified")

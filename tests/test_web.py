@@ -318,6 +318,34 @@ def test_the_web_view_can_have_a_listener_of_its_own(sqlite_url: str) -> None:
         assert requests.post(f"{server.url}{heartbeat}", timeout=10).status_code == 401
         for url in (server.url, server.operator_url):
             assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
+        # The fleet's metrics are operators' data too.
+        assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 404
+        assert requests.get(f"{server.operator_url}/metrics", timeout=10).status_code == 200
+        assert server.metrics_url == f"{server.operator_url}/metrics"
+
+
+def test_agents_listener_off_loopback_keeps_only_heartbeats_and_healthz(sqlite_url: str
+                                                                        ) -> None:
+    """Bound where machines reach it, with no operator listener: no view, no metrics
+    (and a warning says where they should go); heartbeats and /healthz stay."""
+    with start_server(ServerConfig(bmdb_url=sqlite_url), host="0.0.0.0") as server:
+        local = f"http://127.0.0.1:{server.port}"
+        assert server.operator_url is None and server.metrics_url is None
+        for path in ("/machines", "/metrics", "/sessions", "/"):
+            assert requests.get(f"{local}{path}", timeout=10).status_code == 404, path
+        assert requests.get(f"{local}/healthz", timeout=10).status_code == 200
+        assert requests.post(f"{local}/agent/v1/heartbeat", timeout=10).status_code == 401
+
+
+def test_with_the_view_off_the_operator_listener_still_serves_metrics(sqlite_url: str
+                                                                       ) -> None:
+    config = ServerConfig(bmdb_url=sqlite_url, operator_views=False)
+    with start_server(config, operator_listen=("127.0.0.1", free_port())) as server:
+        assert server.operator_url is None and server.metrics_url is not None
+        operators = server.metrics_url.removesuffix("/metrics")
+        assert requests.get(f"{operators}/machines", timeout=10).status_code == 404
+        assert requests.get(server.metrics_url, timeout=10).status_code == 200
+        assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 404
 
 
 @pytest.mark.parametrize(("host", "operator_listen", "expected"), [

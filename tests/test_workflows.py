@@ -192,8 +192,8 @@ def test_recovery_reboots_and_returns_the_machine_to_agent_start(
     simulator.wait_for_state(provider_id, "active", timeout=5)
     simulator.wait_for_ssh(provider_id, timeout=5)
     assert initialize(again, provider, settings).ok
-    # The agent keeps its key on disk across reboots; it is recorded again and heard again.
-    assert tags_of(db, machine_id)["AgentStarted"]["public_key"] == first_key
+    # Every takeover makes a fresh key: the new one is recorded, and heard.
+    assert tags_of(db, machine_id)["AgentStarted"]["public_key"] != first_key
     wait_for(lambda: "AgentHeartbeat" in tags_of(db, machine_id), timeout=8,
              what="a heartbeat from the restarted agent")
 

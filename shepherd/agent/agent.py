@@ -9,25 +9,34 @@ The Shepherd agent: one file, uploaded to a machine and run there over SSH.
 The lines above make this file a shell script as well, so that a machine without
 python3 still answers a TakeoverResponse (run it as ``./agent.py`` or ``sh agent.py``).
 
-Takeover: read one TakeoverInit JSON on stdin, create (or reuse) the machine's
-ed25519 key (private part mode 0600, never sent), detach into the background, and
-answer one TakeoverResponse JSON on stdout; the SSH session ends right after.
-Exit status 0 on success, 1 when the answer is an error.
+Takeover (protocol v2): read one TakeoverInit JSON on stdin, make a FRESH ed25519
+key (every takeover: kept in memory only, never written or sent), detach into the
+background, and answer one TakeoverResponse JSON on stdout with the public key and
+a proof (the key's signature over the machine, the init's nonce and the key); the
+SSH session ends right after. Exit status 0 on success, 1 when the answer is an
+error.
 
-Then heartbeat to the shepherd's callback server every few seconds, signed with
-that key, the first one with a hardware report; answer OS installation requests.
-A report the server refuses with a 4xx other than 401 or 429 (a body over its size
-limit, say) is dropped with a warning, so that plain heartbeats still go through.
+Then heartbeat to the shepherd's callback server every ``heartbeat_interval``
+seconds (the init's, unless --interval says otherwise), each signed with that key
+over the machine, the key, the nonce, the method, the path, the timestamp and the
+body; the first one carries a hardware report. Every answer must carry the
+server's signature (X-Shepherd-Answer-Signature) made with the init's
+``answer_key`` over this request's machine and timestamp, the status and the body:
+an unsigned or badly signed answer is logged with why, counts as a failed
+heartbeat, and nothing in it is acted on (no installation, no dropped report).
+Signed answers carry OS installation requests. A report the server refuses with a
+signed 4xx other than 401 or 429 (a body over its size limit, say) is dropped with
+a warning, so that plain heartbeats still go through.
 
 Only the standard library and ``cryptography`` (imported lazily, so that its
 absence is reported instead of crashing). Kept to Python 3.8 syntax, since it runs
 on whatever python3 the machine has. It must not import the shepherd package.
 
 Configuration (flag, else environment variable, else default):
-  --state-dir  SHEPHERD_AGENT_STATE_DIR   key, pid file and log; default
+  --state-dir  SHEPHERD_AGENT_STATE_DIR   pid file and log; default
                $SHEPHERD_SIM_SANDBOX/shepherd-agent, else shepherd-agent.d beside this file
-  --key        SHEPHERD_AGENT_KEY         private key file; default <state-dir>/agent_key.pem
-  --interval   SHEPHERD_AGENT_HEARTBEAT_INTERVAL   seconds between heartbeats; default 5
+  --interval   SHEPHERD_AGENT_HEARTBEAT_INTERVAL   seconds between heartbeats; default
+               the TakeoverInit's heartbeat_interval
   --max-backoff SHEPHERD_AGENT_MAX_BACKOFF  longest wait after failures; default 60
   --sys-root   SHEPHERD_AGENT_SYS_ROOT    where /proc and /sys are read from; default /
   --foreground                            do not detach (debugging)
@@ -56,6 +65,13 @@ from typing import Any
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
 PID_FILE = "agent.pid"
 LOG_FILE = "agent.log"
+#: Where agents before protocol v2 kept their key: removed at takeover.
+OLD_KEY_FILE = "agent_key.pem"
+HEADER_MACHINE = "X-Shepherd-Machine"
+HEADER_TIMESTAMP = "X-Shepherd-Timestamp"
+HEADER_SIGNATURE = "X-Shepherd-Signature"
+HEADER_ANSWER_SIGNATURE = "X-Shepherd-Answer-Signature"
+ANSWER_HEADER_CLIP = 64
 REQUEST_TIMEOUT = 10.0
 MAX_ANSWER = 1 << 20
 
@@ -67,11 +83,15 @@ class TakeoverFailed(Exception):
 
 
 class Refused(RuntimeError):
-    """The server answered a heartbeat with an HTTP error; ``code`` says which."""
+    """The server answered a heartbeat with a (signed) HTTP error; ``code`` says which."""
 
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(f"server answered {code} {reason}")
         self.code = code
+
+
+class BadAnswer(RuntimeError):
+    """An answer without a valid server signature: nothing in it is acted on."""
 
 
 # -- configuration ---------------------------------------------------------
@@ -85,23 +105,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(description="Shepherd agent")
     parser.add_argument("--state-dir", default=env("SHEPHERD_AGENT_STATE_DIR", default_state))
-    parser.add_argument("--key", default=env("SHEPHERD_AGENT_KEY"))
+    interval = env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL")
     parser.add_argument("--interval", type=float,
-                        default=float(env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "5")))
+                        default=float(interval) if interval else None)
     parser.add_argument("--max-backoff", type=float,
                         default=float(env("SHEPHERD_AGENT_MAX_BACKOFF", "60")))
     parser.add_argument("--sys-root", default=env("SHEPHERD_AGENT_SYS_ROOT", "/"))
     parser.add_argument("--foreground", action="store_true")
     args = parser.parse_args(argv)
     args.state_dir = os.path.abspath(args.state_dir)
-    args.key = os.path.abspath(args.key or os.path.join(args.state_dir, "agent_key.pem"))
-    args.interval = max(0.05, args.interval)
-    args.max_backoff = max(args.interval, args.max_backoff)
     return args
 
 
+def set_interval(args: argparse.Namespace, init_interval: float) -> None:
+    """The flag (or environment) wins over the init's interval; backoff never below it."""
+    interval = init_interval if args.interval is None else args.interval
+    args.interval = max(0.05, interval)
+    args.max_backoff = max(args.interval, args.max_backoff)
+
+
 def read_init(raw: str) -> tuple:
-    """Parse and check the TakeoverInit; returns (the object as sent, machine id, endpoint, CA)."""
+    """Parse and check the TakeoverInit; returns (the object as sent, machine id, endpoint,
+    CA, nonce, the server's answer key, the heartbeat interval)."""
     try:
         init = json.loads(raw)
     except ValueError as error:
@@ -119,7 +144,21 @@ def read_init(raw: str) -> tuple:
     ca = init.get("ca_certificate")
     if ca is not None and not isinstance(ca, str):
         raise TakeoverFailed("TakeoverInit.ca_certificate must be a PEM string or null")
-    return init, machine_id, endpoint.rstrip("/"), ca
+    nonce = init.get("nonce")
+    if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64 or not nonce.isascii() or (
+            not nonce.isprintable()):
+        raise TakeoverFailed("TakeoverInit.nonce must be a string of 16..64 printable characters")
+    try:
+        answer_key = base64.b64decode(str(init.get("answer_key")), validate=True)
+    except ValueError as error:
+        raise TakeoverFailed("TakeoverInit.answer_key is not base64") from error
+    if len(answer_key) != 32:
+        raise TakeoverFailed("TakeoverInit.answer_key must be 32 bytes (ed25519)")
+    interval = init.get("heartbeat_interval")
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+            0 < interval < float("inf")):
+        raise TakeoverFailed("TakeoverInit.heartbeat_interval must be a positive number")
+    return init, machine_id, endpoint.rstrip("/"), ca, nonce, answer_key, float(interval)
 
 
 def ssl_context(endpoint: str, ca: str | None) -> ssl.SSLContext | None:
@@ -135,49 +174,39 @@ def ssl_context(endpoint: str, ca: str | None) -> ssl.SSLContext | None:
 # -- the key -----------------------------------------------------------------
 
 
-def load_or_create_key(path: str, warnings: list[str]) -> Any:
-    """The machine's ed25519 key: reused if present, so a repeated takeover keeps it."""
+def new_key() -> Any:
+    """A fresh ed25519 key for this takeover: never reused, never written to disk.
+
+    Why fresh: the shepherd records it with this takeover's nonce and refuses the
+    key it had before, so that nothing signed for an earlier takeover (or by an
+    earlier agent on this machine) is accepted after this one.
+    """
     try:
-        from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError as error:
         raise TakeoverFailed(
             f"the python3 package 'cryptography' is not installed on this machine ({error})"
         ) from error
-    if os.path.exists(path):
-        fix_mode(path, warnings)
-        with open(path, "rb") as handle:
-            try:
-                key = serialization.load_pem_private_key(handle.read(), password=None)
-            except ValueError as error:
-                raise TakeoverFailed(f"existing key {path} is unreadable: {error}") from error
-        if not isinstance(key, ed25519.Ed25519PrivateKey):
-            raise TakeoverFailed(f"existing key {path} is not an ed25519 key")
-        return key
-    key = ed25519.Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
-    write_private(path, pem)
-    return key
+    return ed25519.Ed25519PrivateKey.generate()
 
 
-def fix_mode(path: str, warnings: list[str]) -> None:
-    mode = os.stat(path).st_mode & 0o777
-    if mode != 0o600:
-        os.chmod(path, 0o600)
-        warnings.append(f"key {path} had mode {mode:o}; set it to 600")
+def load_public_key(raw: bytes) -> Any:
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    return ed25519.Ed25519PublicKey.from_public_bytes(raw)
 
 
-def write_private(path: str, data: bytes) -> None:
-    """Write a file that is mode 0600 from its first byte, atomically."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+def remove_old_key(state_dir: str, warnings: list[str]) -> None:
+    """An agent before protocol v2 kept its key on disk: it is of no use any more."""
+    path = os.path.join(state_dir, OLD_KEY_FILE)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        warnings.append(f"cannot remove the old key {path}: {error}")
+        return
+    warnings.append(f"removed the old agent key {path}: every takeover makes a fresh one")
 
 
 def raw_public_key(key: Any) -> bytes:
@@ -185,6 +214,28 @@ def raw_public_key(key: Any) -> bytes:
 
     return key.public_key().public_bytes(serialization.Encoding.Raw,
                                          serialization.PublicFormat.Raw)
+
+
+# -- what is signed (the shepherd's copy: shepherd/agent/protocol.py) ---------------
+
+
+def proof_payload(machine_id: str, nonce: str, key_b64: str) -> bytes:
+    return f"shepherd-takeover-v2\n{machine_id}\n{nonce}\n{key_b64}".encode()
+
+
+def signing_payload(machine_id: str, public_key: bytes, nonce: str, method: str, path: str,
+                    timestamp: str, body: bytes) -> bytes:
+    return "\n".join([
+        "shepherd-heartbeat-v2", machine_id, hashlib.sha256(public_key).hexdigest(), nonce,
+        method.upper(), path, timestamp, hashlib.sha256(body).hexdigest(),
+    ]).encode()
+
+
+def answer_payload(machine: str, timestamp: str, status: int, body: bytes) -> bytes:
+    return "\n".join([
+        "shepherd-answer-v2", machine[:ANSWER_HEADER_CLIP], timestamp[:ANSWER_HEADER_CLIP],
+        str(int(status)), hashlib.sha256(body).hexdigest(),
+    ]).encode("utf-8", "replace")
 
 
 # -- detaching -----------------------------------------------------------------
@@ -375,11 +426,14 @@ def read_network_interfaces(root: str, warnings: list[str]) -> list[dict[str, st
 
 
 class Heartbeater:
-    """Sends signed heartbeats and carries out what the answers ask for."""
+    """Sends signed heartbeats and carries out what the (signed) answers ask for."""
 
-    def __init__(self, key: Any, machine_id: str, endpoint: str,
-                 context: ssl.SSLContext | None, args: argparse.Namespace) -> None:
-        self.key = key
+    def __init__(self, taken: Taken, args: argparse.Namespace) -> None:
+        self.key = taken.key
+        self.public_key = raw_public_key(taken.key)
+        self.nonce = taken.nonce
+        self.answer_key = taken.answer_key
+        machine_id, endpoint, context = taken.machine_id, taken.endpoint, taken.context
         self.machine_id = machine_id
         self.url = endpoint + HEARTBEAT_PATH
         self.path = urllib.parse.urlsplit(self.url).path
@@ -473,21 +527,55 @@ class Heartbeater:
                                     "result": install_os(request.get("request"))}
 
     def post(self, body: bytes) -> Any:
+        """Send one signed heartbeat; the answer's JSON once its signature verifies.
+
+        Raises ``Refused`` for a signed HTTP error and ``BadAnswer`` for any answer
+        (success or error) whose signature is missing or wrong: the caller acts on
+        neither kind's content but the status of a signed one.
+        """
         timestamp = f"{time.time():.6f}"
-        digest = hashlib.sha256(body).hexdigest()
-        payload = "\n".join(["POST", self.path, timestamp, digest]).encode()
+        payload = signing_payload(self.machine_id, self.public_key, self.nonce, "POST",
+                                  self.path, timestamp, body)
         headers = {
             "Content-Type": "application/json",
-            "X-Shepherd-Machine": self.machine_id,
-            "X-Shepherd-Timestamp": timestamp,
-            "X-Shepherd-Signature": base64.b64encode(self.key.sign(payload)).decode(),
+            HEADER_MACHINE: self.machine_id,
+            HEADER_TIMESTAMP: timestamp,
+            HEADER_SIGNATURE: base64.b64encode(self.key.sign(payload)).decode(),
         }
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
-                return json.loads(response.read(MAX_ANSWER) or b"{}")
+                status, answer = response.status, response.read(MAX_ANSWER + 1)
+                signature = response.headers.get(HEADER_ANSWER_SIGNATURE)
         except urllib.error.HTTPError as error:
+            try:
+                answer = error.read(MAX_ANSWER + 1)
+            except OSError:  # an error without a readable body: the check says so
+                answer = b""
+            finally:
+                error.close()
+            self.check_answer(timestamp, error.code, answer,
+                              error.headers.get(HEADER_ANSWER_SIGNATURE))
             raise Refused(error.code, str(error.reason)) from error
+        self.check_answer(timestamp, status, answer, signature)
+        return json.loads(answer or b"{}")
+
+    def check_answer(self, timestamp: str, status: int, answer: bytes,
+                     signature: str | None) -> None:
+        """Raise ``BadAnswer`` (saying why) unless the server signed this answer to this
+        request with the key the takeover named."""
+        if len(answer) > MAX_ANSWER:
+            raise BadAnswer(f"answer {status} refused: larger than {MAX_ANSWER} bytes")
+        if not signature:
+            raise BadAnswer(f"answer {status} refused: not signed (no {HEADER_ANSWER_SIGNATURE});"
+                            " nothing in it is acted on")
+        try:
+            self.answer_key.verify(base64.b64decode(signature, validate=True),
+                                   answer_payload(self.machine_id, timestamp, status, answer))
+        except Exception as error:  # InvalidSignature, binascii.Error: both mean "not ours"
+            raise BadAnswer(
+                f"answer {status} refused: its signature does not verify with the server's "
+                f"answer key ({type(error).__name__}); nothing in it is acted on") from error
 
 
 def refuses_the_body(code: int) -> bool:
@@ -506,18 +594,36 @@ def install_os(request: Any) -> dict[str, Any]:
 # -- main --------------------------------------------------------------------
 
 
-def takeover(args: argparse.Namespace, raw_init: str) -> tuple:
+class Taken:
+    """What a takeover gives the daemon."""
+
+    def __init__(self, init: dict[str, Any], machine_id: str, endpoint: str,
+                 context: ssl.SSLContext | None, key: Any, nonce: str, answer_key: Any,
+                 warnings: list[str]) -> None:
+        self.init, self.machine_id, self.endpoint, self.context = (init, machine_id, endpoint,
+                                                                   context)
+        self.key, self.nonce, self.answer_key, self.warnings = key, nonce, answer_key, warnings
+
+
+def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
     """Everything that can fail before the answer; returns what the daemon needs."""
-    init, machine_id, endpoint, ca = read_init(raw_init)
+    init, machine_id, endpoint, ca, nonce, answer_key, interval = read_init(raw_init)
+    set_interval(args, interval)
     context = ssl_context(endpoint, ca)
+    key = new_key()
+    try:
+        answer_public = load_public_key(answer_key)
+    except ValueError as error:
+        raise TakeoverFailed(f"TakeoverInit.answer_key is not an ed25519 key: {error}") from error
     warnings = []
     try:
         os.makedirs(args.state_dir, mode=0o700, exist_ok=True)
-        key = load_or_create_key(args.key, warnings)
     except OSError as error:
-        raise TakeoverFailed(f"cannot keep the agent's key at {args.key}: {error}") from error
+        raise TakeoverFailed(f"cannot make the state directory {args.state_dir}: {error}"
+                             ) from error
+    remove_old_key(args.state_dir, warnings)
     setup_logging(args.state_dir)
-    return init, machine_id, endpoint, context, key, warnings
+    return Taken(init, machine_id, endpoint, context, key, nonce, answer_public, warnings)
 
 
 def read_stdin(fd: int = 0, limit: int = 1 << 20) -> str:
@@ -552,13 +658,13 @@ def main(argv: list[str] | None = None) -> int:
         answer({"error": {"message": f"bad agent arguments or environment: {error}"}})
         return 1
     try:
-        init, machine_id, endpoint, context, key, warnings = takeover(args, read_stdin())
-        heartbeater = Heartbeater(key, machine_id, endpoint, context, args)
+        taken = takeover(args, read_stdin())
+        heartbeater = Heartbeater(taken, args)
         pid_path = os.path.join(args.state_dir, PID_FILE)
         if args.foreground:
             write_pid(pid_path)
         elif not detach(pid_path):
-            answer(success(init, key, warnings + heartbeater.hardware["warnings"]))
+            answer(success(taken, heartbeater.hardware["warnings"]))
             return 0
     except TakeoverFailed as error:
         answer({"error": {"message": str(error)}})
@@ -567,10 +673,10 @@ def main(argv: list[str] | None = None) -> int:
         answer({"error": {"message": f"agent failed: {error!r}"}})
         return 1
     if args.foreground:
-        answer(success(init, key, warnings + heartbeater.hardware["warnings"]))
+        answer(success(taken, heartbeater.hardware["warnings"]))
     signal.signal(signal.SIGTERM, lambda *_: heartbeater.stop.set())
     log.info("agent %d started for machine %s, heartbeats to %s every %.2fs",
-             os.getpid(), machine_id, heartbeater.url, args.interval)
+             os.getpid(), taken.machine_id, heartbeater.url, args.interval)
     try:
         heartbeater.run(pid_path)
     finally:
@@ -579,10 +685,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def success(init: dict[str, Any], key: Any, warnings: list[str]) -> dict[str, Any]:
-    return {"success": {"init_message": init,
-                        "key": base64.b64encode(raw_public_key(key)).decode(),
-                        "warnings": warnings}}
+def success(taken: Taken, more_warnings: list[str]) -> dict[str, Any]:
+    """The answer: the init echoed, the fresh public key, and the proof that we hold its
+    private half and got this takeover's nonce."""
+    key_b64 = base64.b64encode(raw_public_key(taken.key)).decode()
+    proof = taken.key.sign(proof_payload(taken.machine_id, taken.nonce, key_b64))
+    return {"success": {"init_message": taken.init, "key": key_b64,
+                        "proof": base64.b64encode(proof).decode(),
+                        "warnings": taken.warnings + more_warnings}}
 
 
 if __name__ == "__main__":

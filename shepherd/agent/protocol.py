@@ -1,14 +1,25 @@
-"""The messages between the shepherd and its agent, validated on the shepherd's side.
+"""The messages between the shepherd and its agent (protocol v2), validated on the shepherd's side.
 
-Takeover (over SSH, once): the initializer writes one ``TakeoverInit`` JSON to the
-agent's stdin; the agent answers one ``TakeoverResponse`` JSON on stdout::
+Takeover (over SSH, once per takeover): the initializer writes one ``TakeoverInit``
+JSON to the agent's stdin; the agent makes a fresh ed25519 key and answers one
+``TakeoverResponse`` JSON on stdout::
 
-    {"machine_id": "<uuid>", "bmaas_endpoint": "https://host:port", "ca_certificate": "<PEM>"|null}
-    {"success": {"init_message": <the init, echoed>, "key": "<base64, 32 bytes>", "warnings": []}}
+    {"machine_id": "<uuid>", "bmaas_endpoint": "https://host:port",
+     "ca_certificate": "<PEM>"|null, "nonce": "<base64, 32 random bytes>",
+     "answer_key": "<base64, 32 bytes>", "heartbeat_interval": 60.0}
+    {"success": {"init_message": <the init, echoed>, "key": "<base64, 32 bytes>",
+                 "proof": "<base64 signature, see takeover_proof_payload>", "warnings": []}}
     {"error": {"message": "..."}}
 
-Heartbeat (over HTTP(S), every few seconds): ``POST /agent/v1/heartbeat`` with a JSON
-body, signed with the agent's ed25519 key; see ``signing_payload``.
+The ``nonce`` is the shepherd's, new at every takeover; the agent signs every
+heartbeat with it (``signing_payload``), so nothing signed for one takeover verifies
+after the next. The ``proof`` shows the agent holds the private half of ``key`` and
+answers this takeover's nonce. ``answer_key`` is the public half of the servers'
+answer-signing key (``shepherd.server.answers``): the agent acts on no heartbeat
+answer whose ``HEADER_ANSWER_SIGNATURE`` does not verify (``answer_payload``).
+
+Heartbeat (over HTTP(S), every ``heartbeat_interval`` seconds): ``POST
+/agent/v1/heartbeat`` with a JSON body, signed with the agent's key.
 
 ``agent.py`` does not import this module: it is uploaded to machines alone, so it
 carries its own copy of the wire format. The tests run the real agent against the
@@ -21,20 +32,35 @@ import base64
 import binascii
 import hashlib
 import json
+import math
+import secrets
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
 HEADER_MACHINE = "X-Shepherd-Machine"
 HEADER_TIMESTAMP = "X-Shepherd-Timestamp"
 HEADER_SIGNATURE = "X-Shepherd-Signature"
+HEADER_ANSWER_SIGNATURE = "X-Shepherd-Answer-Signature"
 KEY_BYTES = 32
+NONCE_BYTES = 32
+#: Longest machine or timestamp header value an answer signature covers (longer
+#: ones are clipped): the server signs whatever a request sent, honest or not.
+ANSWER_HEADER_CLIP = 64
 
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol; the text says what is wrong with it."""
+
+
+def new_nonce() -> str:
+    """A takeover's nonce: 32 random bytes, base64."""
+    return base64.b64encode(secrets.token_bytes(NONCE_BYTES)).decode()
 
 
 @dataclass(frozen=True)
@@ -44,6 +70,10 @@ class TakeoverInit:
     machine_id: uuid.UUID
     bmaas_endpoint: str
     ca_certificate: str | None = None
+    _: KW_ONLY
+    nonce: str
+    answer_key: str
+    heartbeat_interval: float
 
     def __post_init__(self) -> None:
         if not isinstance(self.machine_id, uuid.UUID):
@@ -51,12 +81,21 @@ class TakeoverInit:
         _check_endpoint(self.bmaas_endpoint)
         if self.ca_certificate is not None and not isinstance(self.ca_certificate, str):
             raise ProtocolError("ca_certificate must be a PEM string or null")
+        _check_nonce(self.nonce)
+        _base64(self.answer_key, "answer_key", KEY_BYTES)
+        interval = self.heartbeat_interval
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
+                math.isfinite(interval) and interval > 0):
+            raise ProtocolError(f"heartbeat_interval must be a positive number: {interval!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {
             "machine_id": str(self.machine_id),
             "bmaas_endpoint": self.bmaas_endpoint,
             "ca_certificate": self.ca_certificate,
+            "nonce": self.nonce,
+            "answer_key": self.answer_key,
+            "heartbeat_interval": float(self.heartbeat_interval),
         }
 
     def encode(self) -> bytes:
@@ -65,13 +104,16 @@ class TakeoverInit:
 
     @classmethod
     def from_json(cls, value: Any) -> TakeoverInit:
-        obj = _object(value, "TakeoverInit", {"machine_id", "bmaas_endpoint", "ca_certificate"})
+        obj = _object(value, "TakeoverInit", {"machine_id", "bmaas_endpoint", "ca_certificate",
+                                               "nonce", "answer_key", "heartbeat_interval"})
         try:
             machine_id = uuid.UUID(_string(obj.get("machine_id"), "machine_id"))
         except ValueError as error:
             raise ProtocolError(f"machine_id is not a UUID: {obj.get('machine_id')!r}") from error
         return cls(machine_id, _string(obj.get("bmaas_endpoint"), "bmaas_endpoint"),
-                   obj.get("ca_certificate"))
+                   obj.get("ca_certificate"), nonce=_string(obj.get("nonce"), "nonce"),
+                   answer_key=_string(obj.get("answer_key"), "answer_key"),
+                   heartbeat_interval=obj.get("heartbeat_interval"))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -108,13 +150,18 @@ class TakeoverResponse:
         }}
 
 
-def parse_takeover_response(raw: bytes | str, sent: TakeoverInit) -> TakeoverResponse:
+def parse_takeover_response(raw: bytes | str, sent: TakeoverInit,
+                            current_key: bytes | None = None) -> TakeoverResponse:
     """Validate what the agent printed against what was sent to it.
 
     Raises ``ProtocolError`` for anything but a well-formed answer to *this* init
     message: not JSON, not exactly one of success/error, an echo that differs from
-    ``sent`` (a stale or foreign agent answered), or a key that is not 32 bytes.
-    An agent-reported error is a valid answer: it comes back with ``error`` set.
+    ``sent`` (a stale or foreign agent answered), a key that is not 32 bytes, a
+    ``proof`` that is not the key's signature of this takeover
+    (``takeover_proof_payload``), or the key ``current_key`` (the machine's
+    recorded one: every takeover must make a fresh key, so an agent that kept its
+    old one is refused). An agent-reported error is a valid answer: it comes back
+    with ``error`` set.
     """
     try:
         document = json.loads(raw)
@@ -127,17 +174,80 @@ def parse_takeover_response(raw: bytes | str, sent: TakeoverInit) -> TakeoverRes
     if "error" in document:
         body = _object(document["error"], "error", {"message"})
         return TakeoverResponse(error=_string(body.get("message"), "error.message"))
-    body = _object(document["success"], "success", {"init_message", "key", "warnings"})
+    body = _object(document["success"], "success", {"init_message", "key", "proof", "warnings"})
     if body.get("init_message") != sent.to_json():
         raise ProtocolError("agent echoed a different init message than the one sent")
-    return TakeoverResponse(init_message=sent, key=_key(body.get("key")),
+    key = _key(body.get("key"))
+    _check_proof(key, body.get("proof"), sent)
+    if current_key is not None and key == current_key:
+        raise ProtocolError("agent answered with the key the machine already has: "
+                            "every takeover must make a fresh key")
+    return TakeoverResponse(init_message=sent, key=key,
                             warnings=_warnings(body.get("warnings", [])))
 
 
-def signing_payload(method: str, path: str, timestamp: str, body: bytes) -> bytes:
-    """What a heartbeat's signature covers: method, path, timestamp and the body's hash."""
-    digest = hashlib.sha256(body).hexdigest()
-    return "\n".join([method.upper(), path, timestamp, digest]).encode()
+def takeover_proof_payload(machine_id: uuid.UUID | str, nonce: str, key_b64: str) -> bytes:
+    """What the agent's takeover ``proof`` signs, with the key it announces."""
+    return f"shepherd-takeover-v2\n{_machine(machine_id)}\n{nonce}\n{key_b64}".encode()
+
+
+def signing_payload(machine_id: uuid.UUID | str, public_key: bytes, nonce: str, method: str,
+                    path: str, timestamp: str, body: bytes) -> bytes:
+    """What a heartbeat's signature covers: the machine, the key (its hash), the
+    takeover's nonce, the method, the path, the timestamp and the body's hash.
+
+    The nonce is what makes a request die with its takeover: see
+    ``bmdb.queries.lock_agent_credentials`` for the no-replay invariant.
+    """
+    return "\n".join([
+        "shepherd-heartbeat-v2", _machine(machine_id), hashlib.sha256(public_key).hexdigest(),
+        nonce, method.upper(), path, timestamp, hashlib.sha256(body).hexdigest(),
+    ]).encode()
+
+
+def answer_payload(machine: str, timestamp: str, status: int, body: bytes) -> bytes:
+    """What a heartbeat answer's signature covers (``shepherd.server.answers``): the
+    request's machine and timestamp headers as sent (clipped to
+    ``ANSWER_HEADER_CLIP`` characters), the status and the answer body's hash."""
+    return "\n".join([
+        "shepherd-answer-v2", machine[:ANSWER_HEADER_CLIP], timestamp[:ANSWER_HEADER_CLIP],
+        str(int(status)), hashlib.sha256(body).hexdigest(),
+    ]).encode("utf-8", "replace")
+
+
+def _machine(machine_id: uuid.UUID | str) -> str:
+    """The canonical (lowercase, hyphenated) text of a machine id, as signed."""
+    try:
+        return str(uuid.UUID(str(machine_id)))
+    except ValueError:
+        return str(machine_id)
+
+
+def _check_proof(key: bytes, proof: Any, sent: TakeoverInit) -> None:
+    signature = _base64(proof, "proof")
+    payload = takeover_proof_payload(sent.machine_id, sent.nonce,
+                                     base64.b64encode(key).decode())
+    try:
+        Ed25519PublicKey.from_public_bytes(key).verify(signature, payload)
+    except (InvalidSignature, ValueError) as error:
+        raise ProtocolError("agent's proof is not its key's signature of this takeover's "
+                            "nonce") from error
+
+
+def _check_nonce(nonce: Any) -> None:
+    raw = _base64(nonce, "nonce")
+    if not 16 <= len(raw) <= 48:
+        raise ProtocolError(f"nonce must be 16..48 bytes, got {len(raw)}")
+
+
+def _base64(value: Any, what: str, size: int | None = None) -> bytes:
+    try:
+        raw = base64.b64decode(_string(value, what), validate=True)
+    except binascii.Error as error:
+        raise ProtocolError(f"{what} is not valid base64") from error
+    if size is not None and len(raw) != size:
+        raise ProtocolError(f"{what} must be {size} bytes, got {len(raw)}")
+    return raw
 
 
 def _check_endpoint(endpoint: Any) -> None:
@@ -162,13 +272,7 @@ def _string(value: Any, what: str) -> str:
 
 
 def _key(value: Any) -> bytes:
-    try:
-        key = base64.b64decode(_string(value, "key"), validate=True)
-    except binascii.Error as error:
-        raise ProtocolError("agent key is not valid base64") from error
-    if len(key) != KEY_BYTES:
-        raise ProtocolError(f"agent key must be {KEY_BYTES} bytes, got {len(key)}")
-    return key
+    return _base64(value, "agent key", KEY_BYTES)
 
 
 def _warnings(value: Any) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import bmdb
 from shepherd import operator
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer
 from shepherd.config import Settings
+from shepherd.redaction import database_url_problem, redact_url
 from shepherd.runtime import Runtime
 from shepherd.workflows.guard import GuardLimits
 
@@ -94,15 +95,20 @@ def check_bmdb_url(text: str, source: str) -> None:
     """Raise ``BadArgument`` naming what is wrong with the BMDB URL.
 
     Why before connecting: SQLAlchemy's errors for a bad URL read like a schema problem
-    (and were answered with "is it migrated?"), and a URL that does not parse cannot
-    be shown with its password hidden: ``redacted`` hides everything before its ``@``.
+    (and were answered with "is it migrated?"), and a URL whose user info SQLAlchemy
+    would read differently (an unencoded '@' in the password) would be answered with
+    a connection error naming part of the password as the host. Every message shows
+    the URL through ``redact_url`` only.
     """
+    shown = redact_url(text)
+    problem = database_url_problem(text)
+    if problem is not None:
+        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}: {problem}")
     try:
         url = sa.make_url(text)
     except (sa.exc.ArgumentError, ValueError):
-        raise operator.BadArgument(f"the BMDB URL from {source}, {redacted(text)!r}, is not "
+        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}, is not "
                                    f"a database URL ({URL_SHAPE})") from None
-    shown = url.render_as_string(hide_password=True)
     try:
         url.get_dialect().import_dbapi()
     except sa.exc.NoSuchModuleError:
@@ -114,17 +120,5 @@ def check_bmdb_url(text: str, source: str) -> None:
                                    ) from None
 
 
-def redacted(text: str) -> str:
-    """An unparsable URL without what may be credentials (all before the last ``@``)."""
-    if "@" not in text:
-        return text
-    scheme, sep, _ = text.partition("://")
-    host = text.rsplit("@", 1)[1]
-    return f"{scheme}://***@{host}" if sep else f"***@{host}"
-
-
-def safe_url(text: str) -> str:
-    try:
-        return sa.make_url(text).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return "(unparsable URL)"
+#: What ``shepherd.cli.main`` shows a BMDB URL with: the one redaction function.
+safe_url = redact_url

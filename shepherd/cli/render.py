@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shepherd import operator, tables
+from shepherd.operator.stored import printable
 
 
 def fleet(c: Any, refusals: Sequence[Any] = ()) -> str:
@@ -79,7 +80,7 @@ def show(d: Any) -> str:
     if d.history:
         lines.append(tables.table(
             ["AT", "PROCESS", "EVENT", "SESSION", "CAUSE"],
-            [(h["at"], h["process"], h["event"], h["session_id"], h["cause"])
+            [(h["at"], h["process"], h["event"], h["session_id"], _safe(h["cause"]))
              for h in d.history], max_width=80))
     else:
         lines.append("  (none)")
@@ -98,15 +99,23 @@ def _backoffs(d: Any) -> str:
     return tables.table(
         ["PROCESS", "UNTIL", "STATE", "INTERVAL", "CAUSE"],
         [(b.process, b.until, "active, " + tables.relative(b.until, d.now) if b.active
-          else "expired", tables.duration(b.interval_s), b.cause) for b in d.backoffs])
+          else "expired", tables.duration(b.interval_s), _safe(b.cause)) for b in d.backoffs])
 
 
 def _value(value: Any) -> str:
+    """A tag's value on one terminal line. Documents (reports) come bounded from
+    ``show_machine``; as JSON they are ASCII, their control characters escaped."""
     if isinstance(value, bytes):
         return value.hex()[:16] + "…"
     if hasattr(value, "astimezone"):
         return tables.when(value)
-    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+    return json.dumps(value) if isinstance(value, dict | list) else printable(value)
+
+
+def _safe(value: Any) -> Any:
+    """Text from outside (a provider's error, say) with its control characters shown,
+    not acted on by the terminal."""
+    return printable(value) if isinstance(value, str) else value
 
 
 def session_line(work: Any, now: Any) -> str:

@@ -56,6 +56,7 @@ from shepherd.operator.reads import (
     refusals,
     show_machine,
 )
+from shepherd.operator.stored import printable
 from shepherd.operator.views import (
     Explanation,
     MachineDetail,
@@ -100,6 +101,7 @@ __all__ = [
     "parse_process",
     "parse_process_filter",
     "parse_tag",
+    "printable",
     "provided_at",
     "put_maintenance",
     "refusal_text",

@@ -46,7 +46,8 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
     and the callback server's health as ``guard.check_callback`` found it: not checked
     when ``callback`` is None; ``explain_machine`` checks it)."""
     require_machine(tx, machine_id)
-    tags = bmdb.queries.machine_tags(tx, machine_id)
+    # As stored: no document is decoded, so none that is undecodable can fail this.
+    tags = inspection.machine_tags_as_stored(tx, machine_id)
     holds = bmdb.holds.holds_of(tx, machine_id)
     decision = guard.decide(tx, thresholds, limits or GuardLimits(), callback)
     out = [explain_process(tx, process, machine_id, thresholds, tags,
@@ -100,7 +101,7 @@ def why_not(db: bmdb.BMDB, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb
 
     def read(tx: bmdb.Tx) -> ProcessExplanation:
         require_machine(tx, machine_id)
-        tags = bmdb.queries.machine_tags(tx, machine_id)
+        tags = inspection.machine_tags_as_stored(tx, machine_id)
         return explain_process(tx, process, machine_id, db.thresholds, tags)
 
     mine = db.read(read)

@@ -12,6 +12,7 @@ import bmdb
 from bmdb import inspection
 from bmdb.inspection import MachineFilter, MachineList, SessionInfo
 from bmdb.refusals import Refusal
+from shepherd.operator import stored
 from shepherd.operator.arguments import UnknownMachine
 from shepherd.operator.views import MachineDetail
 from shepherd.remote import fingerprint
@@ -45,12 +46,18 @@ def list_machines(tx: bmdb.Tx, f: MachineFilter | None = None) -> MachineList:
 def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
                  ) -> MachineDetail:
     """Tags, current work with its session, every backoff (expired ones too), history
-    newest first, holds, and the host key recorded at the first takeover."""
+    newest first, holds, and the host key recorded at the first takeover.
+
+    The tags' documents (reports, installation requests) are decoded here, with
+    bounds, from their stored text (``shepherd.operator.stored``): whatever a row
+    holds, this read and the renderings of its result do not fail.
+    """
     created = require_machine(tx, machine_id)
     host_key = bmdb.host_keys.pinned(tx, machine_id)
+    tags = {name: {key: stored.displayable(value) for key, value in columns.items()}
+            for name, columns in inspection.machine_tags_as_stored(tx, machine_id).items()}
     return MachineDetail(
-        now=tx.now, id=machine_id, created_at=created,
-        tags=bmdb.queries.machine_tags(tx, machine_id),
+        now=tx.now, id=machine_id, created_at=created, tags=tags,
         work=inspection.machine_work(tx, machine_id),
         backoffs=inspection.machine_backoffs(tx, machine_id),
         history=bmdb.queries.history(tx, machine_id, limit=history_limit),

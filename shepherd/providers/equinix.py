@@ -12,6 +12,11 @@ Why the client looks the way it does (the Equinix Metal API as it was documented
   request object holding the token.
 * Redirects are never followed: ``requests`` keeps ``X-Auth-Token`` on a redirect to
   another host, so a 3xx would hand the token to whoever it points at.
+* The API's own error text is the one part of an error the API writes, and an API may
+  echo the token in it. The token is removed from it before it is shortened, and
+  every error leaving the client or the provider (with the errors it chains to) is
+  scrubbed once more (``EquinixClient.scrubbed``), so task results, history causes
+  and logs never hold it, whatever a future message quotes.
 * Device creation is not idempotent server-side. We use the hardware reservation
   as the lock and a unique witness tag per creation intent: each attempt first
   looks at the reservation; a device there with our witness is ours (an earlier
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import functools
 import logging
 import threading
 import time
@@ -48,6 +54,7 @@ from shepherd.providers.base import (
     refuse_placeholder,
 )
 from shepherd.providers.ssh_keys import ensure_registered, same_key
+from shepherd.redaction import redact_url, scrub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -185,7 +192,22 @@ class EquinixClient:
         self._local = threading.local()
 
     def __repr__(self) -> str:
-        return f"EquinixClient({self.base_url!r}, project={self.config.project_id!r})"
+        return (f"EquinixClient({redact_url(self.base_url)!r}, "
+                f"project={self.config.project_id!r})")
+
+    def scrub(self, text: str) -> str:
+        """``text`` without the configured token (see ``shepherd.redaction.scrub``)."""
+        return scrub(text, self.config.token)
+
+    @contextlib.contextmanager
+    def scrubbed(self) -> Iterator[None]:
+        """Let no ``ProviderError`` out with the token in its text, nor in the text of
+        the exceptions it chains to (a traceback shows those too)."""
+        try:
+            yield
+        except ProviderError as error:
+            _scrub_chain(error, self.scrub)
+            raise
 
     @property
     def _session(self) -> requests.Session:
@@ -215,7 +237,8 @@ class EquinixClient:
         if status == 404:
             raise NotFound(f"{what}: not found")
         if status >= 400:
-            raise PermanentError(f"{what}: HTTP {status}: {_error_text(response)}", status)
+            raise PermanentError(f"{what}: HTTP {status}: "
+                                 f"{_error_text(response, self.scrub)}", status)
         if not response.content:
             return None
         try:
@@ -266,15 +289,17 @@ class EquinixClient:
             stop=tenacity.stop_after_attempt(self.config.retries + 1),
             wait=wait,
             before_sleep=lambda s: log.info("Equinix %s: %s; retry %d", what,
-                                            s.outcome.exception(), s.attempt_number),
+                                            self.scrub(str(s.outcome.exception())),
+                                            s.attempt_number),
             reraise=True,
         )
-        try:
-            return retrying(call)
-        except _Transient as error:
-            last = str(error)
-        raise TransientExhausted(f"{what}: gave up after {self.config.retries + 1} "
-                                 f"attempts: {last}")
+        with self.scrubbed():
+            try:
+                return retrying(call)
+            except _Transient as error:
+                last = str(error)
+            raise TransientExhausted(f"{what}: gave up after {self.config.retries + 1} "
+                                     f"attempts: {last}")
 
     def request(self, method: str, path: str, params: dict[str, Any] | None = None,
                 body: Any = None) -> Any:
@@ -463,16 +488,35 @@ def _retry_after(response: requests.Response) -> float | None:
     return None
 
 
-def _error_text(response: requests.Response) -> str:
-    """The API's own error text (``errors`` or ``error``), shortened."""
+def _error_text(response: requests.Response, clean: Callable[[str], str]) -> str:
+    """The API's own error text (``errors`` or ``error``), ``clean``-ed (the token
+    removed) and then shortened: a cut first could leave a piece of the token too
+    short to be recognised."""
     try:
         body = response.json()
     except ValueError:
-        return response.reason or ""
+        return clean(response.reason or "")[:200]
     if isinstance(body, dict):
         errors = body.get("errors") or ([body["error"]] if body.get("error") else [])
-        return "; ".join(str(e) for e in errors)[:500]
+        return clean("; ".join(str(e) for e in errors))[:500]
     return ""
+
+
+def _scrub_chain(error: BaseException, clean: Callable[[str], str]) -> None:
+    """Replace the text of ``error`` and of every exception it chains to by ``clean``'s."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.args:
+            text = str(current)
+            cleaned = clean(text)
+            if cleaned != text:
+                current.args = (cleaned,)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
 
 
 # -- provider ----------------------------------------------------------------------
@@ -487,6 +531,21 @@ class ProviderConfig:
     operating_system: str = "ubuntu_22_04"
     ssh_port: int = 22
     name: str = "equinix"
+
+
+P = TypeVar("P", bound=Callable[..., Any])
+
+
+def _scrubbing(method: P) -> P:
+    """Run a provider method inside its client's ``scrubbed()``: no error it raises,
+    whatever built it (``ensure_registered`` quotes API ids), carries the token."""
+
+    @functools.wraps(method)
+    def wrapper(self: EquinixProvider, *args: Any, **kwargs: Any) -> Any:
+        with self.client.scrubbed():
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class EquinixProvider:
@@ -509,6 +568,7 @@ class EquinixProvider:
     def authoritative(self) -> bool:
         return False  # a project's devices without our record may be someone else's
 
+    @_scrubbing
     def ensure_ssh_key(self, public_key: str, *, replace: bool = False) -> str:
         """Register our public key under the configured label; new devices get only it.
         ``replace``: rotate a different key registered under that label (see
@@ -532,14 +592,17 @@ class EquinixProvider:
             witness=_witness(device),
         )
 
+    @_scrubbing
     def list_machines(self) -> list[ProviderMachine]:
         prefix = self.config.device_prefix
         return [self.machine(d) for d in self.client.list_devices()
                 if str(d.get("hostname") or "").startswith(prefix)]
 
+    @_scrubbing
     def get_machine(self, provider_id: str) -> ProviderMachine:
         return self.machine(self.client.get_device(provider_id))
 
+    @_scrubbing
     def list_capacity(self) -> list[Capacity]:
         """Reservations we could provision now: provisionable, empty, not in service."""
         out = []
@@ -556,6 +619,7 @@ class EquinixProvider:
             ))
         return out
 
+    @_scrubbing
     def create_machine(self, capacity: Capacity) -> ProviderMachine:
         """Create the device, at most once per ``capacity.request_id`` (its witness tag).
 
@@ -581,6 +645,7 @@ class EquinixProvider:
                                            WITNESS_PREFIX + capacity.request_id)
         return self.machine(device)
 
+    @_scrubbing
     def reboot(self, provider_id: str) -> None:
         self.client.reboot_device(provider_id)
 

@@ -1,5 +1,9 @@
 """Authenticating agent heartbeats: ed25519 signatures, a clock window, no replays.
 
+A signature covers the machine, the agent's key, its takeover's nonce, the method,
+the path, the timestamp and the body (``shepherd.agent.protocol.signing_payload``);
+``bmdb.queries.lock_agent_credentials`` states why that means no replay, ever.
+
 Every way a request can fail authentication raises the same ``Unauthorized``, and
 the server answers all of them with one constant 401: a caller must not learn
 whether a machine exists, has an agent, or what key it has. The reason is kept
@@ -26,9 +30,10 @@ from shepherd.agent.protocol import (
     signing_payload,
 )
 
-# Verifying against this when the machine has no key keeps the work (and so the
+# Verifying against these when the machine has no key keeps the work (and so the
 # time) the same as for a known machine with a wrong signature.
 _DUMMY_KEY = bytes(range(32))
+_DUMMY_NONCE = "shepherd-no-agent-started-nonce"
 
 
 class Unauthorized(Exception):
@@ -71,21 +76,22 @@ def check_clock(signed: SignedHeaders, now: dt.datetime, window: float) -> None:
         raise Unauthorized(f"timestamp {signed.timestamp} is {skew:.1f}s off (window {window}s)")
 
 
-def verify(public_key: bytes | None, signed: SignedHeaders, method: str, path: str,
-           body: bytes) -> None:
-    """Check the signature with the machine's recorded key (``None``: the machine has none)."""
-    payload = signing_payload(method, path, signed.timestamp, body)
+def verify(public_key: bytes | None, nonce: str | None, signed: SignedHeaders, method: str,
+           path: str, body: bytes) -> None:
+    """Check the signature with the machine's recorded key and takeover nonce (``None``:
+    the machine has no AgentStarted tag)."""
+    key = public_key or _DUMMY_KEY
+    payload = signing_payload(signed.machine_id, key, nonce or _DUMMY_NONCE, method, path,
+                              signed.timestamp, body)
     try:
-        Ed25519PublicKey.from_public_bytes(public_key or _DUMMY_KEY).verify(
-            signed.signature, payload
-        )
+        Ed25519PublicKey.from_public_bytes(key).verify(signed.signature, payload)
         valid = True
     except (InvalidSignature, ValueError):
         valid = False
     if public_key is None:
         raise Unauthorized("machine unknown or has no AgentStarted key")
     if not valid:
-        raise Unauthorized("signature does not verify with the machine's key")
+        raise Unauthorized("signature does not verify with the machine's key and nonce")
 
 
 def check_fresh(signed: SignedHeaders, last_signed_at: dt.datetime | None) -> None:

@@ -12,58 +12,23 @@ writers are serialised there already.
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import bmdb
 from shepherd.server.auth import SignedHeaders, Unauthorized, check_fresh, verify
+from shepherd.server.bodies import BadBody, Heartbeat, parse_heartbeat
 
 
 class BadRequest(Exception):
     """An authenticated request whose body is not a valid heartbeat; the text says why."""
 
 
-@dataclass(frozen=True)
-class Heartbeat:
-    """A parsed heartbeat body."""
-
-    machine_id: uuid.UUID
-    hardware_report: dict[str, Any] | None
-    installation_report: tuple[int, dict[str, Any]] | None
-
-
 def parse_body(body: bytes) -> Heartbeat:
-    """Parse and check the JSON body; ``BadRequest`` says what is wrong."""
+    """The validated heartbeat (``shepherd.server.bodies``); ``BadRequest`` names the field."""
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise BadRequest(f"body is not JSON: {error}") from error
-    if not isinstance(document, dict):
-        raise BadRequest("body must be a JSON object")
-    try:
-        machine_id = uuid.UUID(str(document.get("machine_id")))
-    except ValueError as error:
-        raise BadRequest("machine_id must be a UUID") from error
-    hardware = document.get("hardware_report")
-    if hardware is not None and not isinstance(hardware, dict):
-        raise BadRequest("hardware_report must be an object")
-    return Heartbeat(machine_id, hardware, _installation_report(document))
-
-
-def _installation_report(document: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-    report = document.get("installation_report")
-    if report is None:
-        return None
-    if not isinstance(report, dict):
-        raise BadRequest("installation_report must be an object")
-    generation, result = report.get("generation"), report.get("result")
-    if isinstance(generation, bool) or not isinstance(generation, int):
-        raise BadRequest("installation_report.generation must be an integer")
-    if not isinstance(result, dict):
-        raise BadRequest("installation_report.result must be an object")
-    return generation, result
+        return parse_heartbeat(body)
+    except BadBody as error:
+        raise BadRequest(str(error)) from None
 
 
 def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
@@ -72,9 +37,18 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
 
     Raises ``Unauthorized`` or ``BadRequest`` before writing anything, so a refused
     request leaves the BMDB as it was (the transaction rolls back in any case).
+
+    No replay, ever (with ``bmdb.queries.lock_agent_credentials``, whose one read
+    gives the key, the nonce and ``last_signed_at``): the signature must verify
+    against the machine's current AgentStarted (key, nonce); every takeover writes
+    a fresh nonce the shepherd chose, so nothing signed before a takeover verifies
+    after it, whatever the agent did with its key; within one takeover the signed
+    timestamp must be strictly newer than the last accepted one (``check_fresh``),
+    and the row lock makes that hold for racing copies too.
     """
     credentials = bmdb.queries.lock_agent_credentials(tx, signed.machine_id)
-    verify(credentials.public_key if credentials else None, signed, method, path, body)
+    verify(credentials.public_key if credentials else None,
+           credentials.nonce if credentials else None, signed, method, path, body)
     assert credentials is not None
     check_fresh(signed, credentials.last_signed_at)
     heartbeat = parse_body(body)

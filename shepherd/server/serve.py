@@ -1,18 +1,22 @@
 """Running the agent callback server: ``shepherd serve`` and an in-process handle for tests.
 
-cheroot serves the Flask app from a pool of threads, with TLS from a certificate
-and key file when given (agents verify it against the CA sent at takeover).
+uvicorn's HTTP protocol (httptools), with the limits of ``limits.py``, serves the
+Starlette apps of ``asgi.py`` from one event loop thread (``asgi_server.py``); BMDB
+work runs in thread pools. TLS comes from a certificate and key file when given
+(agents verify it against the CA sent at takeover).
 
 ``main`` builds everything from one ``Settings.from_env()`` (flags override it):
 one ``Runtime``, so the BMDB's silence thresholds, the session interval and the
 guard's limits are the same for the heartbeat endpoint, the web view and
 ``/metrics`` as for the workers.
 
-Where the web view is served, and why: it shows the whole fleet's inventory, and
-every machine can reach the agents' listener. So the view is served either on its
-own operator listener (``--operator-listen``), or on the agents' listener only
-while that is bound to loopback (one host: ``shepherd up``, tests). Bound anywhere
-else without an operator listener, the server serves no view and says so.
+Where the web view and ``/metrics`` are served, and why: they show the whole fleet
+(and a scrape costs BMDB work), and every machine can reach the agents' listener.
+So they are served on the operators' own listener (``--operator-listen``), or on the
+agents' listener only while that is bound to loopback (one host: ``shepherd up``,
+tests). Bound anywhere else without an operator listener, the server serves neither
+and says so. The agents' listener always keeps ``/healthz`` (load balancers, the
+workers' guard).
 """
 
 from __future__ import annotations
@@ -22,64 +26,81 @@ import ipaddress
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
-from cheroot import wsgi
-from cheroot.ssl.builtin import BuiltinSSLAdapter
+from a2wsgi import WSGIMiddleware
 
 import bmdb
 from shepherd.config import Settings, SettingsError, parse_listen
 from shepherd.runtime import Runtime
-from shepherd.server.app import COMPONENT, ServerConfig, create_app
+from shepherd.server import asgi
+from shepherd.server.app import COMPONENT, ServerConfig, create_web_app
+from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_context
+from shepherd.server.limits import LogThrottle
 from shepherd.workflows.guard import GuardLimits
 
 log = logging.getLogger(__name__)
+#: Threads of the web view's WSGI pool and of the health checks.
+VIEW_THREADS = 4
+HEALTH_THREADS = 2
 
 
 @dataclass
 class RunningServer:
     """A callback server serving from a background thread; ``stop()`` ends it cleanly."""
 
-    server: wsgi.Server
+    server: EventLoopServer
     runtime: Runtime
-    thread: threading.Thread
+    agents: Listener
     tls: bool
-    #: The operators' listener (web view), when it is a socket of its own.
-    operator: wsgi.Server | None = None
-    operator_thread: threading.Thread | None = None
+    #: The operators' listener, when it is a socket of its own.
+    operator: Listener | None = None
     #: Whether the agents' listener serves the web view too (loopback only).
     views_here: bool = False
+    #: Whether the agents' listener serves /metrics (loopback, no operator listener).
+    metrics_here: bool = False
+    #: Whether the web view is served at all.
+    views: bool = False
+    _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     @property
     def host(self) -> str:
-        return str(self.server.bind_addr[0])
+        return self.agents.host
 
     @property
     def port(self) -> int:
-        return int(self.server.bind_addr[1])
+        return self.agents.port
 
     @property
     def url(self) -> str:
-        return _url(self.server, self.tls)
+        return self.agents.url
 
     @property
     def operator_url(self) -> str | None:
         """Where the web view is, or None when it is served nowhere."""
+        if not self.views:
+            return None
         if self.operator is not None:
-            return _url(self.operator, self.tls)
+            return self.operator.url
         return self.url if self.views_here else None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where /metrics is, or None when it is served nowhere."""
+        if self.operator is not None:
+            return f"{self.operator.url}/metrics"
+        return f"{self.url}/metrics" if self.metrics_here else None
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        for server, thread in ((self.server, self.thread),
-                               (self.operator, self.operator_thread)):
-            if server is not None and thread is not None:
-                server.stop()
-                thread.join(timeout=10)
+        self.server.stop()
+        for close in self._closers:
+            close()
         self.runtime.close()
 
     def __enter__(self) -> RunningServer:
@@ -94,14 +115,15 @@ def start_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 0, *
                  runtime: Runtime | None = None, db: bmdb.BMDB | None = None,
                  limits: GuardLimits | None = None, threads: int = 16,
                  operator_listen: tuple[str, int] | None = None) -> RunningServer:
-    """Bind (port 0: a free one) and serve in background threads; returns once listening.
+    """Bind (port 0: a free one) and serve from a background thread; returns once listening.
 
     ``runtime`` is what ``main`` built from the settings; without one, a runtime of
     ``config.runtime_settings()`` (embedded defaults) over ``db`` (its thresholds),
     or over a BMDB at ``config.bmdb_url``. ``stop()`` closes the runtime, which
-    closes only a BMDB it opened itself. ``limits`` default to the runtime's guard
-    limits. ``operator_listen`` gives the web view a listener of its own (see the
-    module docstring for where it goes otherwise).
+    closes only a BMDB it opened itself. ``limits`` (the guard's) default to the
+    runtime's. ``threads``: the heartbeat pool. ``operator_listen`` gives the web view
+    and ``/metrics`` a listener of their own (see the module docstring for where they
+    go otherwise).
     """
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key file")
@@ -109,25 +131,60 @@ def start_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 0, *
         runtime = Runtime(config.runtime_settings(), config.component, db=db)
     elif db is not None:
         raise ValueError("give start_server a runtime or a BMDB, not both")
-    limits = limits or runtime.guard_limits(interactive=True)
-    views_here = views_on_agent_listener(config, host, operator_listen)
-    tls = (tls_cert, tls_key) if tls_cert and tls_key else None
+    closers: list[Callable[[], None]] = []
     try:
-        app = create_app(config, runtime, limits=limits, views=views_here)
-        server, thread = _serve(app, (host, port), threads, tls, "callback-server")
+        return _start(config, host, port, tls_cert, tls_key, runtime,
+                      limits or runtime.guard_limits(interactive=True), threads,
+                      operator_listen, closers)
     except BaseException:
+        for close in closers:
+            close()
         runtime.close()
         raise
-    running = RunningServer(server, runtime, thread, tls is not None, views_here=views_here)
+
+
+def _start(config: ServerConfig, host: str, port: int, tls_cert: str | None,
+           tls_key: str | None, runtime: Runtime, limits: GuardLimits, threads: int,
+           operator_listen: tuple[str, int] | None,
+           closers: list[Callable[[], None]]) -> RunningServer:
+    tls = tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    views_here = views_on_agent_listener(config, host, operator_listen)
+    metrics_here = operator_listen is None and is_loopback(host)
+    refusals = LogThrottle(asgi.log)
+
+    heartbeats = asgi.Pool(threads, "heartbeat")
+    closers.append(heartbeats.close)
+    health_pool = asgi.Pool(HEALTH_THREADS, "healthz")
+    closers.append(health_pool.close)
+    api = asgi.AgentAPI(config, runtime, heartbeats, refusals)
+    health = asgi.Health(runtime, health_pool, refusals)
+    operators = None
+    if operator_listen is not None or metrics_here:
+        metrics = asgi.Metrics(runtime, limits, config.metrics_cache)
+        closers.append(metrics.close)
+        views = None
+        if config.operator_views and (operator_listen is not None or views_here):
+            wsgi = WSGIMiddleware(create_web_app(config, runtime, limits), workers=VIEW_THREADS)
+            closers.append(lambda: wsgi.executor.shutdown(wait=False, cancel_futures=True))
+            views = wsgi
+        operators = asgi.operator_routes(health, metrics, views)
+
+    agents = Listener("agents", asgi.agents_app(api, health, operators if metrics_here else None),
+                      bind(host, port, config.limits.backlog), config.limits, tls)
+    closers.append(agents.sock.close)
+    listeners = [agents]
+    operator = None
     if operator_listen is not None:
-        try:
-            views = create_app(config, runtime, limits=limits, agent_api=False, views=True)
-            running.operator, running.operator_thread = _serve(views, operator_listen, 4,
-                                                               tls, "operator-views")
-        except BaseException:
-            running.stop()
-            raise
-    return running
+        assert operators is not None
+        operator = Listener("operators", asgi.operators_app(operators),
+                            bind(*operator_listen, config.limits.backlog), config.limits, tls)
+        closers.append(operator.sock.close)
+        listeners.append(operator)
+    server = EventLoopServer()
+    server.start(listeners)
+    return RunningServer(server, runtime, agents, tls is not None, operator,
+                         views_here=views_here, metrics_here=metrics_here,
+                         views=config.operator_views, _closers=closers)
 
 
 def views_on_agent_listener(config: ServerConfig, host: str,
@@ -137,26 +194,9 @@ def views_on_agent_listener(config: ServerConfig, host: str,
         return False
     if is_loopback(host):
         return True
-    log.warning("not serving the web view on %s, which machines can reach; give it an "
-                "operator listener of its own (--operator-listen)", host)
+    log.warning("not serving the web view and /metrics on %s, which machines can reach; "
+                "give them an operator listener of their own (--operator-listen)", host)
     return False
-
-
-def _serve(app: object, addr: tuple[str, int], threads: int,
-           tls: tuple[str, str] | None, name: str) -> tuple[wsgi.Server, threading.Thread]:
-    server = wsgi.Server(addr, app, numthreads=threads, server_name=f"shepherd-{name}",
-                         shutdown_timeout=2)
-    if tls is not None:
-        server.ssl_adapter = BuiltinSSLAdapter(*tls)
-    server.prepare()  # binds now, so bind_addr carries the real port
-    thread = threading.Thread(target=server.serve, name=name, daemon=True)
-    thread.start()
-    return server, thread
-
-
-def _url(server: wsgi.Server, tls: bool) -> str:
-    host, port = server.bind_addr[0], server.bind_addr[1]
-    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 def is_loopback(host: str) -> bool:
@@ -202,17 +242,20 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
                         help="seconds a heartbeat's timestamp may differ from the server "
                              "clock (env SHEPHERD_SERVE_CLOCK_WINDOW)")
     parser.add_argument("--threads", type=int, default=settings.serve_threads,
-                        help="worker threads (env SHEPHERD_SERVE_THREADS)")
+                        help="threads recording heartbeats in the BMDB (env "
+                             "SHEPHERD_SERVE_THREADS)")
     parser.add_argument("--operator-listen", type=optional_listen_flag,
                         default=settings.serve_operator_listen,
-                        help="host:port of the web view's own listener; without it the "
-                             "view is served only while --listen is loopback (env "
-                             "SHEPHERD_SERVE_OPERATOR_LISTEN)")
+                        help="host:port of the operators' own listener (web view, "
+                             "/metrics, /healthz); without it they are served only while "
+                             "--listen is loopback (env SHEPHERD_SERVE_OPERATOR_LISTEN)")
     parser.add_argument("--no-operator-views", dest="operator_views", action="store_false",
                         default=settings.serve_operator_views,
                         help="do not serve the web view (/machines, /sessions); agent "
                              "callbacks, /healthz and /metrics stay (env "
                              "SHEPHERD_SERVE_OPERATOR_VIEWS=false)")
+    # The limits (SHEPHERD_SERVE_MAX_HEADERS, ..._HEADER_TIMEOUT...) are settings only:
+    # see shepherd/server/limits.py.
     return parser
 
 
@@ -227,11 +270,17 @@ def with_flags(settings: Settings, args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> RunningServer:
-    """Start the server ``settings`` describe, over one runtime built from them."""
-    runtime = Runtime(settings, COMPONENT)
+    """Start the server ``settings`` describe, over one runtime built from them.
+
+    The BMDB pool keeps at least one connection per heartbeat and health thread
+    (``SHEPHERD_BMDB_POOL_SIZE`` is raised to that): each holds one while it works,
+    and a smaller pool closes and reopens connections at every burst (measured with
+    bench/heartbeat_ingest.py: a quarter fewer heartbeats/s at the default 5).
+    """
+    pool = max(settings.bmdb_pool_size, settings.serve_threads + HEALTH_THREADS)
+    runtime = Runtime(settings.with_overrides(bmdb_pool_size=pool), COMPONENT)
     operator = settings.serve_operator_listen
-    operator_listen = (parse_listen(operator)
-                       if operator and settings.serve_operator_views else None)
+    operator_listen = parse_listen(operator) if operator else None
     host, port = parse_listen(settings.serve_listen)
     return start_server(ServerConfig.from_settings(settings), host, port,
                         tls_cert=settings.serve_tls_cert or None,
@@ -254,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         log.error("cannot start the callback server: %s", error)
         return 2
-    log.info("callback server listening on %s; web view: %s", running.url,
-             running.operator_url or "off")
+    log.info("callback server listening on %s; web view: %s; metrics: %s", running.url,
+             running.operator_url or "off", running.metrics_url or "off")
     done = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:

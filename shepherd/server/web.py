@@ -76,6 +76,7 @@ bp.add_app_template_filter(operator.hold_text, "hold")
 bp.add_app_template_filter(operator.lift_command, "lift_command")
 bp.add_app_template_filter(operator.refusal_text, "refusal")
 bp.add_app_template_filter(operator.status_text, "status")
+bp.add_app_template_filter(operator.printable, "printable")
 
 
 def _error(status: int, message: str) -> tuple[str, int]:

@@ -140,6 +140,7 @@ class Handler(BaseHTTPRequestHandler):
         self._reservation_id: str | None = None
         url = urlsplit(self.path)
         path = url.path.removeprefix(API_PREFIX).rstrip("/") or "/"
+        self._device_id = _device_in(path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
             body = self._read_body()
@@ -224,6 +225,9 @@ class Handler(BaseHTTPRequestHandler):
             self.server.sim.state.requests.append(request)
 
     def _reply(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        if status >= 400 and self.server.sim.faults.effective(
+                getattr(self, "_device_id", None)).api_echo_token:
+            payload = _quoting_token(payload, self.headers.get("X-Auth-Token") or "")
         data = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
         for name, value in (headers or {}).items():
@@ -233,6 +237,20 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _quoting_token(payload: Any, token: str) -> Any:
+    """``payload``'s error texts with the request's token quoted in each: what the
+    ``api_echo_token`` fault answers, as APIs that echo credentials in errors do."""
+    if not isinstance(payload, dict):
+        return payload
+    note = f" (request made with token {token})"
+    quoted = dict(payload)
+    if isinstance(quoted.get("errors"), list):
+        quoted["errors"] = [f"{error}{note}" for error in quoted["errors"]]
+    if quoted.get("error"):
+        quoted["error"] = f"{quoted['error']}{note}"
+    return quoted
 
 
 def _format_seconds(seconds: float) -> str:

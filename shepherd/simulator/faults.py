@@ -35,6 +35,8 @@ class FaultSettings:
     ssh_hang: bool = False            # TCP accepted, SSH banner never sent
     ssh_latency: float = 0.0          # seconds each SSH connection waits before its banner
     ssh_exec_hang: bool = False       # SSH works, but commands never answer (a wedged host)
+    sftp_stall: bool = False          # SFTP opens files, then never answers a write (stalled)
+    api_echo_token: bool = False      # API error texts quote the token the request carried
 
 
 FIELDS = {f.name for f in dataclasses.fields(FaultSettings)}

@@ -168,6 +168,7 @@ class Simulator:
             hangs=lambda: self.faults.effective(device.id).ssh_hang,
             latency=lambda: self.faults.effective(device.id).ssh_latency,
             exec_hangs=lambda: self.faults.effective(device.id).ssh_exec_hang,
+            sftp_stalls=lambda: self.faults.effective(device.id).sftp_stall,
             authorized_keys=lambda: self.state.authorized_key_blobs(device.id),
         )
         self._endpoints[device.id] = endpoint.start()

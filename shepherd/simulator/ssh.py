@@ -55,7 +55,17 @@ def generate_host_key() -> paramiko.PKey:
 
 
 class SandboxHandle(paramiko.SFTPHandle):
-    """An open file in the sandbox."""
+    """An open file in the sandbox. ``stall`` is called before every write: it returns
+    at once unless the "SFTP stalls" fault holds the write (and so every later reply,
+    as the SFTP server answers requests in order)."""
+
+    def __init__(self, flags: int = 0, stall: Callable[[], None] = lambda: None) -> None:
+        super().__init__(flags)
+        self.stall = stall
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.stall()
+        return super().write(offset, data)
 
     def stat(self) -> Any:
         try:
@@ -74,9 +84,19 @@ class SandboxHandle(paramiko.SFTPHandle):
 class SandboxSFTP(paramiko.SFTPServerInterface):
     """SFTP where "/" is the device's sandbox directory; ".." cannot climb out."""
 
-    def __init__(self, server: Any, *args: Any, root: str, **kwargs: Any) -> None:
+    def __init__(self, server: Any, *args: Any, root: str,
+                 stalls: Callable[[], bool] = lambda: False,
+                 stopped: threading.Event | None = None, **kwargs: Any) -> None:
         super().__init__(server, *args, **kwargs)
         self.root = root
+        self.stalls = stalls
+        self.stopped = stopped or threading.Event()
+
+    def _stall(self) -> None:
+        """Hold while the fault is set: the client sees an upload that stops answering
+        mid-way (the file is open, its data sent, no reply ever comes)."""
+        while self.stalls() and not self.stopped.is_set():
+            self.stopped.wait(POLL)
 
     def _local(self, path: str) -> str:
         relative = posixpath.normpath("/" + path).lstrip("/")
@@ -133,7 +153,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
             handle_file = os.fdopen(fd, fmode)
         except OSError as error:
             return self._errno(error)
-        handle = SandboxHandle(flags)
+        handle = SandboxHandle(flags, self._stall)
         handle.filename = local
         handle.readfile = handle_file
         handle.writefile = handle_file
@@ -213,7 +233,8 @@ class DeviceSSH:
                  is_up: Callable[[], bool], hangs: Callable[[], bool],
                  authorized_keys: Callable[[], set[str]],
                  latency: Callable[[], float] = lambda: 0.0,
-                 exec_hangs: Callable[[], bool] = lambda: False) -> None:
+                 exec_hangs: Callable[[], bool] = lambda: False,
+                 sftp_stalls: Callable[[], bool] = lambda: False) -> None:
         self.device_id = device_id
         self.address = address
         self.port = port
@@ -225,6 +246,7 @@ class DeviceSSH:
         self.authorized_keys = authorized_keys
         self.latency = latency
         self.exec_hangs = exec_hangs
+        self.sftp_stalls = sftp_stalls
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._transports: set[paramiko.Transport] = set()
@@ -329,7 +351,8 @@ class DeviceSSH:
         try:
             transport.add_server_key(self.host_key)
             transport.set_subsystem_handler("sftp", paramiko.SFTPServer, SandboxSFTP,
-                                            root=str(self.sandbox))
+                                            root=str(self.sandbox), stalls=self.sftp_stalls,
+                                            stopped=self._stop)
             transport.start_server(server=DeviceInterface(self))
             # Channels act through DeviceInterface callbacks, but paramiko only holds
             # them weakly: keep the accepted ones referenced or they close at once.

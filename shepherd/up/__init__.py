@@ -4,7 +4,9 @@ What it starts, each as a subprocess (``supervisor.py``):
 
 * the simulator with ``--machines`` reservations (unless ``SHEPHERD_PROVIDER`` names a
   real provider),
-* the agent callback server with the web view and ``/metrics`` (``shepherd serve``),
+* the agent callback server with the web view and ``/metrics`` (``shepherd serve``; both
+  on the agents' listener on the simulator, where it is loopback, else on a loopback
+  operators' listener of their own: ``environment.serve_addresses``),
 * two Celery workers, one per queue, so control work never waits behind SSH work,
 * Celery beat (its schedule file under the state directory),
 * Flower when it is installed (127.0.0.1, basic auth).

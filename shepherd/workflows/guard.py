@@ -24,6 +24,7 @@ import requests
 
 import bmdb
 from bmdb import fleet
+from shepherd.redaction import redact_url
 
 #: How every pause reason starts.
 PAUSED_PREFIX = "recovery paused: "
@@ -106,9 +107,10 @@ def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0,
         try:
             response = client.get(healthz_url, timeout=timeout, verify=ca_file or True)
         except requests.RequestException as error:
-            return f"callback server {healthz_url} unreachable: {type(error).__name__}"
+            return (f"callback server {redact_url(healthz_url)} unreachable: "
+                    f"{type(error).__name__}")
     if response.status_code != 200:
-        return f"callback server {healthz_url} answered {response.status_code}"
+        return f"callback server {redact_url(healthz_url)} answered {response.status_code}"
     return None
 
 
@@ -180,7 +182,7 @@ def decide(tx: bmdb.Tx, thresholds: bmdb.Thresholds, limits: GuardLimits,
         callback_healthy=None if callback is None else callback.unhealthy is None,
         causes=tuple(reasons), max_share=limits.max_share, min_silent=limits.min_silent,
         reboots_per_hour=limits.reboots_per_hour,
-        callback_url=None if callback is None else callback.url)
+        callback_url=None if callback is None else redact_url(callback.url))
 
 
 def evaluate(db: bmdb.BMDB, thresholds: bmdb.Thresholds, limits: GuardLimits, *,

@@ -1,5 +1,11 @@
 """AgentStart: SSH into a Provided machine, upload and start the agent, record its key.
 
+Every takeover (here and in Recovery's rung 0) gives the agent a nonce of its own
+and the servers' answer key, and must get back a fresh key with a proof of it
+(``shepherd.agent.protocol``): AgentStarted records the key with the nonce, which
+is what makes everything signed for an earlier takeover worthless
+(``bmdb.queries.lock_agent_credentials``).
+
 Plain Python, no Celery: a task adopts or claims the work and calls ``initialize``.
 The one rule every path keeps: the work is finished or failed before returning, so a
 machine is never left held by a live session. Only ``WorkGone`` / ``SessionExpired``
@@ -19,7 +25,12 @@ from typing import NamedTuple
 
 import bmdb
 from shepherd.agent import AGENT_PATH
-from shepherd.agent.protocol import ProtocolError, TakeoverInit, parse_takeover_response
+from shepherd.agent.protocol import (
+    ProtocolError,
+    TakeoverInit,
+    new_nonce,
+    parse_takeover_response,
+)
 from shepherd.providers.base import (
     NotFound,
     Provider,
@@ -43,7 +54,9 @@ class InitializerSettings:
     ``agent_target`` is relative on purpose: it lands in root's home directory (the
     sandbox on simulated devices) and is run as ``./<target>`` by its shebang, not
     through a named interpreter. ``agent_args`` are appended (e.g. a short
-    ``--interval`` for tests and the demo).
+    ``--interval`` for tests and the demo, which wins over ``heartbeat_interval``).
+    ``heartbeat_interval`` is what the TakeoverInit tells the agent (the setting
+    ``agent_heartbeat_interval``: a tenth of the heartbeat timeout by default).
     """
 
     ssh_key_path: Path
@@ -56,6 +69,7 @@ class InitializerSettings:
     #: directory ($SHEPHERD_SIM_SANDBOX/shepherd-agent), and the two would collide.
     agent_target: str = "shepherd-agent.py"
     agent_args: tuple[str, ...] = ()
+    heartbeat_interval: float = 60.0
     permanent_backoff: bmdb.Backoff = PERMANENT_BACKOFF
 
 
@@ -67,10 +81,10 @@ def initialize(work: bmdb.Work, provider: Provider,
         machine = reachable_machine(work, provider, settings.permanent_backoff)
         pin = host_key_pin(work, machine)
         work.ensure_held()
-        taken = take_over(machine, work.machine_id, settings, pin)
+        taken = take_over_work(work, machine, settings, pin)
 
         def record(tx: bmdb.Tx) -> None:
-            bmdb.tags.set_agent_started(tx, work.machine_id, taken.agent_key)
+            record_agent(tx, work.machine_id, taken)
             if pin is None:
                 bmdb.host_keys.pin(tx, work.machine_id, taken.host_key,
                                    fingerprint(taken.host_key))
@@ -101,8 +115,33 @@ def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None
 
 
 class Takeover(NamedTuple):
+    """A takeover's outcome: the agent's fresh key, the nonce it was given (recorded
+    together in AgentStarted) and the host key the machine presented."""
+
     agent_key: bytes
     host_key: str
+    nonce: str
+
+
+def record_agent(tx: bmdb.Tx, machine_id: uuid.UUID, taken: Takeover) -> None:
+    """AgentStarted for the agent of ``taken``: its key with the nonce it signs with."""
+    bmdb.tags.set_agent_started(tx, machine_id, taken.agent_key, taken.nonce)
+
+
+def take_over_work(work: bmdb.Work, machine: ProviderMachine, settings: InitializerSettings,
+                   pin: HostKeyPin | None = None) -> Takeover:
+    """``take_over`` with what it needs from the BMDB, read in one transaction: the
+    servers' answer key (created if the fleet has none yet) and the machine's current
+    agent key, which the new agent must not answer with."""
+    from shepherd.server.answers import AnswerKey  # shepherd.server's package imports us
+
+    def read(tx: bmdb.Tx) -> tuple[str, bytes | None]:
+        current = bmdb.queries.agent_credentials(tx, work.machine_id)
+        return AnswerKey.from_tx(tx).public_b64, current.public_key if current else None
+
+    answer_key, current_key = work.session.transact(read)
+    return take_over(machine, work.machine_id, settings, pin, answer_key=answer_key,
+                     current_key=current_key)
 
 
 def reachable_machine(work: bmdb.Work, provider: Provider,
@@ -123,13 +162,17 @@ def reachable_machine(work: bmdb.Work, provider: Provider,
 
 
 def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
-              settings: InitializerSettings, pin: HostKeyPin | None = None) -> Takeover:
-    """Upload and run the agent over SSH; return its validated 32-byte public key and
-    the host key the machine presented (which must be ``pin``'s when there is one:
-    otherwise nothing is uploaded)."""
+              settings: InitializerSettings, pin: HostKeyPin | None = None, *,
+              answer_key: str, current_key: bytes | None = None) -> Takeover:
+    """Upload and run the agent over SSH with a new nonce; return its validated 32-byte
+    public key (proven, and not ``current_key``), the nonce, and the host key the
+    machine presented (which must be ``pin``'s when there is one: otherwise nothing
+    is uploaded)."""
     assert machine.address is not None
     try:
-        init = TakeoverInit(machine_id, settings.bmaas_endpoint, settings.ca_certificate)
+        init = TakeoverInit(machine_id, settings.bmaas_endpoint, settings.ca_certificate,
+                            nonce=new_nonce(), answer_key=answer_key,
+                            heartbeat_interval=settings.heartbeat_interval)
     except ProtocolError as error:
         raise WorkflowFailure(f"config: unusable takeover settings: {error}") from error
     remote = Remote(machine.address, machine.ssh_port, settings.ssh_key_path,
@@ -154,7 +197,7 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
         raise WorkflowFailure(f"agent: exited {result.exit_code} without an answer; "
                               f"stderr: {result.stderr.strip()[-300:]!r}")
     try:
-        response = parse_takeover_response(result.stdout, init)
+        response = parse_takeover_response(result.stdout, init, current_key)
     except ProtocolError as error:
         raise WorkflowFailure(f"agent: bad answer (exit {result.exit_code}): {error}") from error
     if response.error is not None:
@@ -162,7 +205,7 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
     for warning in response.warnings:
         log.warning("agent on %s warns: %s", machine_id, warning)
     assert response.key is not None
-    return Takeover(response.key, remote.host_key)
+    return Takeover(response.key, remote.host_key, init.nonce)
 
 
 def agent_command(settings: InitializerSettings) -> str:

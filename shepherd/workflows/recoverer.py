@@ -36,7 +36,12 @@ from shepherd.workflows.common import (
     provider_id_of,
     run_work,
 )
-from shepherd.workflows.initializer import InitializerSettings, host_key_pin, take_over
+from shepherd.workflows.initializer import (
+    InitializerSettings,
+    host_key_pin,
+    record_agent,
+    take_over_work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +123,7 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
     started = time.monotonic()
     work.ensure_held()
     try:
-        taken = take_over(machine, work.machine_id, init, pin)
+        taken = take_over_work(work, machine, init, pin)
     except WorkflowFailure as failure:
         note(ladder.RungOutcome(0, "agent restart", False, failure.cause,
                                 time.monotonic() - started))
@@ -128,7 +133,7 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
 
     def replace_agent(tx: bmdb.Tx) -> None:
         forget_agent(tx, work.machine_id)
-        bmdb.tags.set_agent_started(tx, work.machine_id, taken.agent_key)
+        record_agent(tx, work.machine_id, taken)
 
     return replace_agent
 

@@ -1,0 +1,444 @@
+"""Signed heartbeats/s into PostgreSQL: ``shepherd serve`` against a bare psycopg2 loop.
+
+Three figures from one run, on one PostgreSQL (fsync on) with ``--machines`` agents:
+
+(a) one ``shepherd serve`` process (its defaults: 16 heartbeat threads), loaded by
+    ``--clients`` concurrent clients, each heartbeat on a new connection as an agent
+    sends it every minute;
+(b) the bare loop: the same checks and writes with nothing around them, in one
+    process with as many threads as the server has (``--threads``), each on its own
+    psycopg2 connection: the session check, the credentials' row lock and read, the
+    ed25519 verification of the same pre-signed heartbeats, the upsert, the
+    heartbeat_seen mark, the pending-installation read, the commit;
+(c) two ``shepherd serve`` processes on the same PostgreSQL, the clients split between
+    them (as behind a load balancer).
+
+The load generator (``load``) is cheap so that it is not what is measured: requests
+are signed before the clock starts, and sent as raw bytes from asyncio in a process
+of its own.
+
+    .venv/bin/python -m bench.heartbeat_ingest [--pg-url URL] [--requests 6000]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime as dt
+import json
+import multiprocessing
+import os
+import re
+import shlex
+import ssl
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg2
+import sqlalchemy as sa
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+import bmdb
+from bench.common import arguments, postgres, psycopg2_dsn
+from shepherd.agent.protocol import (
+    HEADER_MACHINE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    HEARTBEAT_PATH,
+    signing_payload,
+)
+from tests.servers import free_port, wait_for_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- the fleet and its pre-signed heartbeats ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Agent:
+    machine: uuid.UUID
+    key: Ed25519PrivateKey
+    public: bytes
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One signed heartbeat, ready to send (``raw``) or to check (the rest)."""
+
+    agent: Agent
+    stamp: str
+    body: bytes
+    signature: bytes
+    raw: bytes
+
+
+def seed(url: str, count: int) -> list[Agent]:
+    """``count`` machines, each with a key and a takeover nonce in AgentStarted."""
+    agents = []
+    for _ in range(count):
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(serialization.Encoding.Raw,
+                                               serialization.PublicFormat.Raw)
+        agents.append(Agent(uuid.uuid4(), key, public,
+                            base64.b64encode(os.urandom(32)).decode()))
+    db = bmdb.connect(url)
+
+    def body(tx: bmdb.Tx) -> None:
+        for agent in agents:
+            bmdb.tags.create_machine(tx, agent.machine)
+            bmdb.tags.set_agent_started(tx, agent.machine, agent.public, agent.nonce)
+
+    db.read(body)
+    with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("VACUUM ANALYZE")
+    db.close()
+    return agents
+
+
+def sign(agents: Sequence[Agent], total: int, clients: int) -> list[list[Heartbeat]]:
+    """``total`` heartbeats, dealt to ``clients``: each machine belongs to one client,
+    whose heartbeats for it carry strictly increasing timestamps (as one agent's do)."""
+    base = time.time()
+    per_client: list[list[Heartbeat]] = [[] for _ in range(clients)]
+    for n in range(total):
+        agent = agents[n % len(agents)]
+        stamp = f"{base + (n // len(agents)) * 0.001:.6f}"
+        body = json.dumps({"machine_id": str(agent.machine)}).encode()
+        signature = agent.key.sign(signing_payload(agent.machine, agent.public, agent.nonce,
+                                                   "POST", HEARTBEAT_PATH, stamp, body))
+        headers = {HEADER_MACHINE: str(agent.machine), HEADER_TIMESTAMP: stamp,
+                   HEADER_SIGNATURE: base64.b64encode(signature).decode(),
+                   "Content-Type": "application/json", "Content-Length": str(len(body)),
+                   "Host": "shepherd", "Connection": "close"}
+        raw = (f"POST {HEARTBEAT_PATH} HTTP/1.1\r\n"
+               + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode() + body
+        client = (n % len(agents)) % clients
+        per_client[client].append(Heartbeat(agent, stamp, body, signature, raw))
+    return per_client
+
+
+# -- the load generator -----------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What one burst saw: per request, its latency (s) and status (0: no answer), and
+    the CPU seconds each side spent meanwhile (``cpu``: servers, PostgreSQL, load)."""
+
+    elapsed: float
+    latencies: list[float]
+    statuses: list[int]
+    cpu: dict[str, float]
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.count(200)
+
+    @property
+    def errors(self) -> int:
+        return len(self.statuses) - self.ok
+
+    @property
+    def rate(self) -> float:
+        return self.ok / self.elapsed
+
+    def percentile(self, share: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(share * len(ordered)))] * 1000
+
+    def line(self, name: str) -> str:
+        per = {k: v / max(self.ok, 1) * 1000 for k, v in self.cpu.items()}
+        cpu = "  ".join(f"{per.get(k, float('nan')):>5.2f}" for k in CPU_COLUMNS)
+        return (f"{name:<34} {len(self.statuses):>6} {self.errors:>6} {self.rate:>8.0f} "
+                f"{statistics.median(self.latencies) * 1000:>8.1f} "
+                f"{self.percentile(0.99):>8.1f}  {cpu}")
+
+
+CPU_COLUMNS = ("server", "postgres", "load")
+HEADER = (f"{'':<34} {'sent':>6} {'errors':>6} {'hb/s':>8} {'p50 ms':>8} {'p99 ms':>8}"
+          "  CPU ms per heartbeat: server, PostgreSQL, load generator")
+
+
+# -- CPU accounting (Linux /proc) ----------------------------------------------------------
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """CPU seconds of ``pid`` (with its reaped children's), plus with ``children`` its
+    live children's: a PostgreSQL postmaster and its backends."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return 0.0
+    total = sum(int(fields[i]) for i in (11, 12, 13, 14)) / tick
+    if children:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError):
+                    child = _stat(int(entry))
+                    if int(child[1]) == pid:
+                        total += (int(child[11]) + int(child[12])) / tick
+    return total
+
+
+def listener_pid(port: int) -> int | None:
+    """The process listening on ``port`` here (PostgreSQL's postmaster), if visible."""
+    found = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True,
+                           text=True, check=False).stdout
+    match = re.search(r"pid=(\d+)", found)
+    return int(match.group(1)) if match else None
+
+
+async def _send(addresses: Sequence[tuple[str, int]], raw: bytes, tls: ssl.SSLContext | None,
+                timeout: float) -> int:
+    host, port = addresses[0]
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None),
+        timeout)
+    try:
+        writer.write(raw)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        status = int(head.split(b" ", 2)[1])
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await asyncio.wait_for(reader.readexactly(length), timeout)
+        return status
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def _client(addresses: Sequence[tuple[str, int]], heartbeats: Sequence[bytes],
+                  tls: ssl.SSLContext | None, timeout: float,
+                  latencies: list[float], statuses: list[int]) -> None:
+    for raw in heartbeats:
+        started = time.perf_counter()
+        try:
+            status = await _send(addresses, raw, tls, timeout)
+        except Exception:
+            status = 0
+        latencies.append(time.perf_counter() - started)
+        statuses.append(status)
+
+
+def _burst(addresses: list[tuple[str, int]], per_client: list[list[bytes]],
+           ca_file: str | None, timeout: float
+           ) -> tuple[float, list[float], list[int], float]:
+    tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
+    latencies: list[float] = []
+    statuses: list[int] = []
+
+    async def run() -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(
+            _client([addresses[i % len(addresses)]], heartbeats, tls, timeout, latencies,
+                    statuses)
+            for i, heartbeats in enumerate(per_client)))
+        return time.perf_counter() - started
+
+    cpu = time.process_time()
+    elapsed = asyncio.run(run())
+    return elapsed, latencies, statuses, time.process_time() - cpu
+
+
+def load(servers: Sequence[Server], per_client: list[list[Heartbeat]],
+         ca_file: str | None = None, timeout: float = 30.0) -> Outcome:
+    """Send every client's heartbeats (client i to ``servers[i % n]``), from a process
+    of its own; each heartbeat on a new connection."""
+    raw = [[h.raw for h in heartbeats] for heartbeats in per_client]
+    addresses = [(server.host, server.port) for server in servers]
+    postgres_pid = servers[0].postgres if servers else None
+    before = (sum(cpu_seconds(server.pid) for server in servers),
+              cpu_seconds(postgres_pid, children=True) if postgres_pid else 0.0)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        elapsed, latencies, statuses, load_cpu = pool.apply(
+            _burst, (addresses, raw, ca_file, timeout))
+    cpu = {"server": sum(cpu_seconds(server.pid) for server in servers) - before[0],
+           "load": load_cpu}
+    if postgres_pid:
+        cpu["postgres"] = cpu_seconds(postgres_pid, children=True) - before[1]
+    return Outcome(elapsed, latencies, statuses, cpu)
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server process under load, and the PostgreSQL it writes to (its postmaster's
+    pid, when it runs here)."""
+
+    host: str
+    port: int
+    pid: int
+    postgres: int | None
+
+
+@contextlib.contextmanager
+def serve(url: str, workdir: Path, name: str, env: dict[str, str] | None = None,
+          argv: Sequence[str] = ()) -> Iterator[Server]:
+    """A ``shepherd serve`` process on a free loopback port (``argv``: another command)."""
+    port = free_port()
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    environment.update(SHEPHERD_BMDB_URL=url, SHEPHERD_SERVE_LISTEN=f"127.0.0.1:{port}",
+                       PYTHONUNBUFFERED="1", **(env or {}))
+    command = list(argv) or [sys.executable, "-m", "shepherd.cli", "serve"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / f"{name}.log", "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    try:
+        wait_for_port("127.0.0.1", port, timeout=60)
+        database = sa.make_url(url)
+        postgres_pid = listener_pid(database.port or 5432) if database.host in (
+            "127.0.0.1", "localhost") else None
+        yield Server("127.0.0.1", port, process.pid, postgres_pid)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# -- the bare loop ------------------------------------------------------------------------------
+
+SESSION_CHECK = "SELECT deadline, now() FROM sessions WHERE id = %s FOR KEY SHARE"
+LOCK = "SELECT machine_id FROM agent_started WHERE machine_id = %s FOR NO KEY UPDATE"
+CREDENTIALS = """SELECT agent_started.public_key, agent_started.nonce,
+    agent_heartbeat.last_signed_at FROM agent_started LEFT OUTER JOIN agent_heartbeat
+    ON agent_heartbeat.machine_id = agent_started.machine_id
+    WHERE agent_started.machine_id = %s"""
+UPSERT = """INSERT INTO agent_heartbeat (machine_id, last_heartbeat_at, last_signed_at)
+    VALUES (%s, %s, %s) ON CONFLICT (machine_id) DO UPDATE
+    SET last_heartbeat_at = excluded.last_heartbeat_at,
+        last_signed_at = excluded.last_signed_at"""
+MARK = ("UPDATE agent_started SET heartbeat_seen = true WHERE machine_id = %s "
+        "AND heartbeat_seen != true")
+PENDING = """SELECT os_installation_request.generation, os_installation_request.request,
+    os_installation_report.generation FROM os_installation_request
+    LEFT OUTER JOIN os_installation_report
+    ON os_installation_report.machine_id = os_installation_request.machine_id
+    WHERE os_installation_request.machine_id = %s"""
+
+
+def bare(url: str, per_client: list[list[Heartbeat]], threads: int
+         ) -> tuple[float, int, dict[str, float]]:
+    """The heartbeats' checks and writes with nothing around them: (seconds, accepted,
+    CPU seconds of this loop and of PostgreSQL)."""
+    db = bmdb.connect(url)
+    session = db.start_session("bench-bare", interval=5)
+    queues = [[h for i, hs in enumerate(per_client) if i % threads == t for h in hs]
+              for t in range(threads)]
+    accepted: list[int] = []
+    connections = [psycopg2.connect(psycopg2_dsn(url)) for _ in range(threads)]
+
+    def run(conn: psycopg2.extensions.connection, heartbeats: list[Heartbeat]) -> None:
+        done = 0
+        cur = conn.cursor()
+        for h in heartbeats:
+            machine = str(h.agent.machine)
+            cur.execute(SESSION_CHECK, (str(session.id),))
+            _, now = cur.fetchone()
+            cur.execute(LOCK, (machine,))
+            cur.execute(CREDENTIALS, (machine,))
+            public, nonce, last = cur.fetchone()
+            signed_at = dt.datetime.fromtimestamp(float(h.stamp), dt.UTC)
+            try:
+                Ed25519PublicKey.from_public_bytes(bytes(public)).verify(
+                    h.signature, signing_payload(machine, bytes(public), nonce, "POST",
+                                                 HEARTBEAT_PATH, h.stamp, h.body))
+            except InvalidSignature:
+                conn.rollback()
+                continue
+            if last is not None and signed_at <= last:
+                conn.rollback()
+                continue
+            cur.execute(UPSERT, (machine, now, signed_at))
+            cur.execute(MARK, (machine,))
+            cur.execute(PENDING, (machine,))
+            cur.fetchall()
+            conn.commit()
+            done += 1
+        accepted.append(done)
+
+    workers = [threading.Thread(target=run, args=(conn, queue))
+               for conn, queue in zip(connections, queues, strict=True)]
+    postgres_pid = listener_pid(sa.make_url(url).port or 5432)
+    before = (time.process_time(),
+              cpu_seconds(postgres_pid, children=True) if postgres_pid else 0.0)
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - started
+    cpu = {"server": time.process_time() - before[0]}
+    if postgres_pid:
+        cpu["postgres"] = cpu_seconds(postgres_pid, children=True) - before[1]
+    for conn in connections:
+        conn.close()
+    session.close()
+    db.close()
+    return elapsed, sum(accepted), cpu
+
+
+def main() -> None:
+    parser = arguments(__doc__.splitlines()[0])
+    parser.add_argument("--machines", type=int, default=2048)
+    parser.add_argument("--requests", type=int, default=6000, help="per measurement")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=16,
+                        help="the server's SHEPHERD_SERVE_THREADS and the bare loop's")
+    parser.add_argument("--server-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="more settings for the servers (SHEPHERD_...)")
+    parser.add_argument("--server-argv", type=shlex.split, default=[],
+                        help="a command to run instead of `shepherd serve` (one string)")
+    args = parser.parse_args()
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-bench-{uuid.uuid4().hex[:8]}"
+    env = {"SHEPHERD_SERVE_THREADS": str(args.threads),
+           **dict(item.split("=", 1) for item in args.server_env)}
+    with postgres(args.pg_url) as url:
+        agents = seed(url, args.machines)
+        load([], [])  # start the spawn machinery once, outside the clock
+        print(HEADER)
+        with serve(url, workdir, "one", env, args.server_argv) as server:
+            load([server], sign(agents, 500, args.clients))  # warm up
+            one = load([server], sign(agents, args.requests, args.clients))
+        print(one.line("1 server process"))
+        elapsed, accepted, cpu = bare(url, sign(agents, args.requests, args.clients),
+                                      args.threads)
+        per = {k: v / max(accepted, 1) * 1000 for k, v in cpu.items()}
+        print(f"{'bare psycopg2 loop, ' + str(args.threads) + ' threads':<34} "
+              f"{args.requests:>6} {args.requests - accepted:>6} {accepted / elapsed:>8.0f} "
+              f"{'':>8} {'':>8}  {per['server']:>5.2f}  {per.get('postgres', float('nan')):>5.2f}")
+        with serve(url, workdir, "first", env, args.server_argv) as first, \
+                serve(url, workdir, "second", env, args.server_argv) as second:
+            load([first, second], sign(agents, 500, args.clients))
+            two = load([first, second], sign(agents, args.requests, args.clients))
+        print(two.line("2 server processes"))
+    print(f"1 server process vs the bare loop: {one.rate / (accepted / elapsed):.2f}x "
+          f"(aim >= 0.5x); 2 processes vs 1: {two.rate / one.rate:.2f}x (aim >= 1.6x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The callback server's ASGI apps (Starlette): what each listener answers.
+
+Agents' listener (every machine reaches it, so anything on that network can):
+  POST /agent/v1/heartbeat   signed heartbeat (``heartbeat.accept``); every answer on
+                             this path is signed (``answers.AnswerKey``)
+  GET  /healthz              200 {"status": "ok"} when the BMDB answers, else 503
+  while bound to loopback only (one host: ``shepherd up``, tests), also what the
+  operators' listener serves.
+
+Operators' listener (``--operator-listen``):
+  GET  /metrics              Prometheus, computed at most once per ``metrics_cache``
+                             seconds whatever the number of scrapers (``metrics.
+                             CachedExposition``)
+  GET  /healthz              as above
+  GET  /, /machines...       the web view (Flask, through a2wsgi), unless turned off
+
+Threads: the event loop only parses, reads bodies and writes answers. BMDB work runs
+in thread pools, one per kind of work, so that one kind cannot starve another:
+heartbeats (``serve_threads`` threads), health checks (2), metrics (1, with a BMDB
+connection of its own), the web view (a2wsgi's pool). A slow scrape therefore never
+delays ``/healthz``, and heartbeats queueing behind a slow BMDB never make the
+health check wait behind them (it then answers what the BMDB says).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import bmdb
+from shepherd import metrics
+from shepherd.agent.protocol import (
+    HEADER_MACHINE,
+    HEADER_TIMESTAMP,
+    HEARTBEAT_PATH,
+)
+from shepherd.runtime import Runtime
+from shepherd.server import auth
+from shepherd.server.answers import AnswerSigner
+from shepherd.server.app import ServerConfig
+from shepherd.server.heartbeat import BadRequest, accept
+from shepherd.server.limits import LogThrottle, clip, log_internal_error
+from shepherd.workflows.guard import GuardLimits
+
+log = logging.getLogger("shepherd.server")
+T = TypeVar("T")
+UNAUTHORIZED = {"error": "unauthorized"}
+
+#: BMDB failures that mean "try again later" (503), not "the request is wrong".
+UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, bmdb.SessionExpired,
+               bmdb.CommitOutcomeUnknown)
+
+
+class BodyTooLarge(Exception):
+    """The request body is over the limit (declared or counted while reading)."""
+
+
+class Disconnected(Exception):
+    """The client went away before its body was read: nobody to answer."""
+
+
+class RequestHeaders(dict[str, str]):
+    """A request's headers by lower-case name (the first of repeated ones), looked up
+    case-insensitively: what ``auth.parse_headers`` reads."""
+
+    @classmethod
+    def of(cls, scope: Scope) -> RequestHeaders:
+        headers = cls()
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        return headers
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The whole body, refused (``BodyTooLarge``) as soon as it is known to pass ``limit``.
+
+    A declared Content-Length over the limit is refused before reading anything; a
+    chunked body is counted as it arrives (uvicorn hands it over as read, pausing the
+    socket past 64 KiB). Malformed framing (a negative or garbled length, a bad chunk
+    size) never gets here: the protocol answers it with 400.
+    """
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A JSON answer, ready to send."""
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def json(cls, status: int, payload: Any, headers: Mapping[str, str] | None = None
+             ) -> Answer:
+        return cls(status, json.dumps(payload, separators=(",", ":")).encode(),
+                   tuple((headers or {}).items()))
+
+    async def send(self, send: Send) -> None:
+        headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store"),
+                   (b"content-length", str(len(self.body)).encode())]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def json_response(status: int, payload: Any, headers: Mapping[str, str] | None = None
+                  ) -> Response:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return Response(body, status, headers={"cache-control": "no-store", **(headers or {})},
+                    media_type="application/json")
+
+
+class Pool:
+    """A named thread pool the event loop hands blocking work to."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+
+    async def run(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class AgentAPI:
+    """``POST /agent/v1/heartbeat``: limits, then authentication and recording in the
+    heartbeat pool, then a signed answer (``answers.AnswerSigner``; every status).
+
+    A bare ASGI endpoint, not a Starlette route: it is the one hot path (every
+    machine, every minute), and Starlette's request, response and middleware objects
+    cost more CPU per heartbeat than the endpoint's own work on the event loop
+    (measured: see bench/heartbeat_ingest.py). It catches everything itself.
+    """
+
+    def __init__(self, config: ServerConfig, runtime: Runtime, pool: Pool,
+                 refusals: LogThrottle) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.pool = pool
+        self.refusals = refusals
+        self.signer = AnswerSigner(runtime.transact)
+        self._key_ready = False  # once true, signing needs no BMDB: done on the loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            answer = await self.heartbeat(scope, receive)
+        except Disconnected:
+            return  # nobody to answer (uvicorn ignores a cycle that sends nothing then)
+        except Exception as error:
+            log_internal_error(log, "heartbeat", error)
+            answer = Answer.json(500, {"error": "internal error"})
+        await answer.send(send)
+
+    async def heartbeat(self, scope: Scope, receive: Receive) -> Answer:
+        headers = RequestHeaders.of(scope)
+        machine, stamp = headers.get(HEADER_MACHINE), headers.get(HEADER_TIMESTAMP)
+        method = scope["method"]
+        if method != "POST":
+            return await self.signed(405, {"error": "method not allowed"}, machine, stamp,
+                                     {"allow": "POST"})
+        try:
+            body = await read_body(receive, headers.get("content-length"),
+                                   self.config.max_body)
+        except BodyTooLarge:
+            # Connection: close, so the rest of the body is not read (the protocol
+            # drops what still arrives for a moment, so the client reads this).
+            return await self.signed(413, {"error": "request entity too large"}, machine,
+                                     stamp, {"connection": "close"})
+        client = scope.get("client")
+        peer = clip(client[0] if client else "?")
+        path = scope["path"]
+        return await self.pool.run(
+            lambda: self.handle(headers, method, path, body, peer, machine, stamp))
+
+    def handle(self, headers: Mapping[str, str], method: str, path: str, body: bytes,
+               peer: str, machine: str | None, stamp: str | None) -> Answer:
+        """Authenticate and record (blocking: in the heartbeat pool); the signed answer."""
+        try:
+            signed = auth.parse_headers(headers)
+            auth.check_clock(signed, dt.datetime.now(dt.UTC), self.config.clock_window)
+            answer = self.runtime.transact(lambda tx: accept(tx, signed, method, path, body))
+            status, payload = 200, answer
+        except auth.Unauthorized as error:
+            self.refusals(logging.INFO, "heartbeat refused from %s: %s", peer, clip(error, 160))
+            status, payload = 401, UNAUTHORIZED
+        except BadRequest as error:
+            status, payload = 400, {"error": f"bad request: {clip(error, 200)}"}
+        except UNAVAILABLE as error:
+            self.refusals(logging.WARNING, "heartbeat from %s: BMDB unavailable: %s", peer,
+                          type(error).__name__)
+            status, payload = 503, {"error": "BMDB unavailable"}
+        except Exception as error:
+            log_internal_error(log, "heartbeat", error)
+            status, payload = 500, {"error": "internal error"}
+        return self.sign(status, payload, machine, stamp)
+
+    async def signed(self, status: int, payload: Any, machine: str | None,
+                     stamp: str | None, headers: Mapping[str, str] | None = None) -> Answer:
+        """``sign`` from the event loop: in the pool until the key has been read."""
+        if not self._key_ready:
+            return await self.pool.run(
+                lambda: self.sign(status, payload, machine, stamp, headers))
+        return self.sign(status, payload, machine, stamp, headers)
+
+    def sign(self, status: int, payload: Any, machine: str | None, stamp: str | None,
+             headers: Mapping[str, str] | None = None) -> Answer:
+        """The JSON answer with its signature over (machine, timestamp, status, body)
+        as the request sent them; unsigned only when the key cannot be read (the BMDB
+        does not answer), which the agent refuses, rightly: nothing was recorded."""
+        answer = Answer.json(status, payload, headers)
+        signature = self.signer.headers(machine, stamp, status, answer.body)
+        if not signature:
+            return answer
+        self._key_ready = True
+        return Answer(status, answer.body, answer.headers + tuple(signature.items()))
+
+
+class Health:
+    """``GET /healthz``: one BMDB round trip, in a pool of its own."""
+
+    def __init__(self, runtime: Runtime, pool: Pool, refusals: LogThrottle) -> None:
+        self.runtime = runtime
+        self.pool = pool
+        self.refusals = refusals
+
+    async def check(self, request: Request) -> Response:
+        try:
+            await self.pool.run(lambda: self.runtime.db.ping())
+        except Exception as error:  # any failure to answer is "unhealthy"
+            self.refusals(logging.WARNING, "health check: BMDB does not answer: %s",
+                          type(error).__name__)
+            return json_response(503, {"status": "unavailable",
+                                       "error": "BMDB does not answer"})
+        return json_response(200, {"status": "ok"})
+
+
+class Metrics:
+    """``GET /metrics``: one cached computation shared by every scraper, on a BMDB
+    connection pool of its own (built at the first scrape, closed by ``close``)."""
+
+    def __init__(self, runtime: Runtime, limits: GuardLimits, max_age: float) -> None:
+        self.runtime = runtime
+        self.limits = limits
+        self.pool = Pool(1, "metrics")
+        self._db: bmdb.BMDB | None = None
+        self.cache = metrics.CachedExposition(self._registry, max_age)
+
+    def _registry(self) -> Any:
+        main = self.runtime.db
+        self._db = bmdb.connect(main.url, thresholds=main.thresholds, pool_size=1)
+        return metrics.server_registry(
+            self._db, self.limits,
+            multiproc_dir=self.runtime.settings.prometheus_multiproc_dir or None)
+
+    async def scrape(self, request: Request) -> Response:
+        try:
+            body, content_type = await self.pool.run(self.cache.get)
+        except Exception as error:
+            log_internal_error(log, "metrics", error)
+            return json_response(500, {"error": "internal error"})
+        return Response(body, 200, headers={"cache-control": "no-store",
+                                            "content-type": content_type})
+
+    def close(self) -> None:
+        self.pool.close()
+        if self._db is not None:
+            self._db.close()
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    return json_response(error.status_code, {"error": str(error.detail).lower()},
+                         error.headers)
+
+
+def _app(routes: list[BaseRoute]) -> Starlette:
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+
+def operator_routes(health: Health, metrics_endpoint: Metrics, views: ASGIApp | None
+                    ) -> list[BaseRoute]:
+    routes: list[BaseRoute] = [Route("/healthz", health.check, methods=["GET"]),
+                               Route("/metrics", metrics_endpoint.scrape, methods=["GET"])]
+    if views is not None:
+        routes.append(Mount("/", app=views))
+    return routes
+
+
+class AgentsApp:
+    """The agents' listener: the heartbeat path straight to ``AgentAPI`` (every method:
+    it answers all but POST with a signed 405), the rest to a Starlette app."""
+
+    def __init__(self, api: AgentAPI, rest: ASGIApp) -> None:
+        self.api = api
+        self.rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == HEARTBEAT_PATH:
+            await self.api(scope, receive, send)
+        else:
+            await self.rest(scope, receive, send)
+
+
+def agents_app(api: AgentAPI, health: Health, operators: list[BaseRoute] | None = None
+               ) -> AgentsApp:
+    """The agents' listener; ``operators``: routes it also serves (loopback only)."""
+    return AgentsApp(api, _app(operators or [Route("/healthz", health.check,
+                                                   methods=["GET"])]))
+
+
+def operators_app(routes: list[BaseRoute]) -> Starlette:
+    return _app(routes)
