@@ -7,9 +7,10 @@ Three figures from one run, on one PostgreSQL (fsync on) with ``--machines`` age
     sends it every minute;
 (b) the bare loop: the same checks and writes with nothing around them, in one
     process with as many threads as the server has (``--threads``), each on its own
-    psycopg2 connection: the session check, the credentials' row lock and read, the
-    ed25519 verification of the same pre-signed heartbeats, the upsert, the
-    heartbeat_seen mark, the pending-installation read, the commit;
+    psycopg2 connection: the session check, the credentials' row lock and read (which
+    brings the pending installation and the heartbeat_seen marker), the ed25519
+    verification of the same pre-signed heartbeats, the upsert, the marker's update
+    when it was not set yet, the commit;
 (c) two ``shepherd serve`` processes on the same PostgreSQL, the clients split between
     them (as behind a load balancer).
 
@@ -325,8 +326,15 @@ def serve(url: str, workdir: Path, name: str, env: dict[str, str] | None = None,
 SESSION_CHECK = "SELECT deadline, now() FROM sessions WHERE id = %s FOR KEY SHARE"
 LOCK = "SELECT machine_id FROM agent_started WHERE machine_id = %s FOR NO KEY UPDATE"
 CREDENTIALS = """SELECT agent_started.public_key, agent_started.nonce,
-    agent_heartbeat.last_signed_at FROM agent_started LEFT OUTER JOIN agent_heartbeat
+    agent_started.heartbeat_seen, agent_heartbeat.last_signed_at,
+    os_installation_request.generation, os_installation_request.request,
+    os_installation_report.generation
+    FROM agent_started LEFT OUTER JOIN agent_heartbeat
     ON agent_heartbeat.machine_id = agent_started.machine_id
+    LEFT OUTER JOIN os_installation_request
+    ON os_installation_request.machine_id = agent_started.machine_id
+    LEFT OUTER JOIN os_installation_report
+    ON os_installation_report.machine_id = agent_started.machine_id
     WHERE agent_started.machine_id = %s"""
 UPSERT = """INSERT INTO agent_heartbeat (machine_id, last_heartbeat_at, last_signed_at)
     VALUES (%s, %s, %s) ON CONFLICT (machine_id) DO UPDATE
@@ -334,11 +342,6 @@ UPSERT = """INSERT INTO agent_heartbeat (machine_id, last_heartbeat_at, last_sig
         last_signed_at = excluded.last_signed_at"""
 MARK = ("UPDATE agent_started SET heartbeat_seen = true WHERE machine_id = %s "
         "AND heartbeat_seen != true")
-PENDING = """SELECT os_installation_request.generation, os_installation_request.request,
-    os_installation_report.generation FROM os_installation_request
-    LEFT OUTER JOIN os_installation_report
-    ON os_installation_report.machine_id = os_installation_request.machine_id
-    WHERE os_installation_request.machine_id = %s"""
 
 
 def bare(url: str, per_client: list[list[Heartbeat]], threads: int
@@ -361,7 +364,7 @@ def bare(url: str, per_client: list[list[Heartbeat]], threads: int
             _, now = cur.fetchone()
             cur.execute(LOCK, (machine,))
             cur.execute(CREDENTIALS, (machine,))
-            public, nonce, last = cur.fetchone()
+            public, nonce, seen, last, _, _, _ = cur.fetchone()
             signed_at = dt.datetime.fromtimestamp(float(h.stamp), dt.UTC)
             try:
                 Ed25519PublicKey.from_public_bytes(bytes(public)).verify(
@@ -374,9 +377,8 @@ def bare(url: str, per_client: list[list[Heartbeat]], threads: int
                 conn.rollback()
                 continue
             cur.execute(UPSERT, (machine, now, signed_at))
-            cur.execute(MARK, (machine,))
-            cur.execute(PENDING, (machine,))
-            cur.fetchall()
+            if not seen:
+                cur.execute(MARK, (machine,))
             conn.commit()
             done += 1
         accepted.append(done)

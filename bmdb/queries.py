@@ -30,7 +30,6 @@ __all__ = [
     "machine_exists",
     "machine_tag",
     "machine_tags",
-    "pending_os_installation",
     "provided_by_provider_id",
     "provided_machine_id",
     "provided_states",
@@ -140,15 +139,37 @@ class AgentCredentials:
     public_key: bytes
     nonce: str
     last_signed_at: dt.datetime | None
+    #: Whether AgentStarted's ``heartbeat_seen`` marker is already set.
+    heartbeat_seen: bool = False
+    #: The OS installation request (generation, request) and the last reported
+    #: generation, read with the credentials so that a heartbeat's answer costs no
+    #: statement of its own.
+    requested: tuple[int, Any] | None = None
+    reported_generation: int | None = None
+
+    def pending_installation(self, reporting: int | None = None) -> dict[str, Any] | None:
+        """The request the agent has not reported on yet, counting ``reporting``, the
+        generation the heartbeat being recorded reports (if any)."""
+        if self.requested is None:
+            return None
+        generation, request = self.requested
+        reported = self.reported_generation if reporting is None else reporting
+        return None if reported == generation else {"generation": generation,
+                                                    "request": request}
 
 
 def _credentials_statements() -> tuple[sa.Select, sa.Select]:
     s, h = schema.agent_started, schema.agent_heartbeat
+    q, r = schema.os_installation_request, schema.os_installation_report
     lock = (sa.select(s.c.machine_id)
             .where(s.c.machine_id == sa.bindparam("machine"))
             .with_for_update(key_share=True))  # FOR NO KEY UPDATE on PostgreSQL
-    read = (sa.select(s.c.public_key, s.c.nonce, h.c.last_signed_at)
-            .select_from(s.outerjoin(h, h.c.machine_id == s.c.machine_id))
+    read = (sa.select(s.c.public_key, s.c.nonce, s.c.heartbeat_seen, h.c.last_signed_at,
+                      q.c.generation.label("requested"), q.c.request,
+                      r.c.generation.label("reported"))
+            .select_from(s.outerjoin(h, h.c.machine_id == s.c.machine_id)
+                         .outerjoin(q, q.c.machine_id == s.c.machine_id)
+                         .outerjoin(r, r.c.machine_id == s.c.machine_id))
             .where(s.c.machine_id == sa.bindparam("machine")))
     return lock, read
 
@@ -161,14 +182,18 @@ def agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
     """The key and nonce a heartbeat must be signed with, and the newest timestamp
     already accepted."""
     row = tx.execute(_CREDENTIALS, {"machine": machine_id}).one_or_none()
-    return None if row is None else AgentCredentials(bytes(row.public_key), row.nonce,
-                                                     row.last_signed_at)
+    if row is None:
+        return None
+    return AgentCredentials(
+        bytes(row.public_key), row.nonce, row.last_signed_at, bool(row.heartbeat_seen),
+        None if row.requested is None else (row.requested, row.request), row.reported)
 
 
 def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
     """The machine's key, nonce and last accepted timestamp, with its heartbeats
-    serialised; one read, so the heartbeat's transaction pays no extra round trip
-    for the nonce.
+    serialised; one read, which also brings what the heartbeat's answer and writes
+    need (the ``heartbeat_seen`` marker, the pending installation), so a heartbeat
+    costs no statement more than these two and its upsert.
 
     No replay, ever (enforced here and in ``shepherd.server.heartbeat.accept``): a
     signature verifies only against the machine's current AgentStarted (key,
@@ -202,19 +227,6 @@ def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | 
     """
     tx.execute(_LOCK_AGENT, {"machine": machine_id}).scalar_one_or_none()
     return agent_credentials(tx, machine_id)
-
-
-def pending_os_installation(tx: Tx, machine_id: uuid.UUID) -> dict[str, Any] | None:
-    """The installation request the agent has not reported on yet, if any."""
-    q, r = schema.os_installation_request, schema.os_installation_report
-    row = tx.execute(
-        sa.select(q.c.generation, q.c.request, r.c.generation.label("reported"))
-        .select_from(q.outerjoin(r, r.c.machine_id == q.c.machine_id))
-        .where(q.c.machine_id == machine_id)
-    ).one_or_none()
-    if row is None or row.reported == row.generation:
-        return None
-    return {"generation": row.generation, "request": row.request}
 
 
 # -- work ---------------------------------------------------------------------------

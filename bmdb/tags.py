@@ -162,14 +162,19 @@ def delete_agent_started(tx: Tx, machine_id: uuid.UUID) -> None:
     _mark(tx, schema.provided, machine_id, agent_started=False)
 
 
-def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime) -> None:
+def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime, *,
+                     marked: bool = False) -> None:
+    """``marked``: the caller read ``heartbeat_seen`` already set while holding the
+    AgentStarted row's lock (``queries.lock_agent_credentials``), so nobody can
+    have cleared it since and the marker's UPDATE is skipped."""
     upsert(
         tx,
         schema.agent_heartbeat,
         {"machine_id": machine_id},
         {"last_heartbeat_at": tx.now, "last_signed_at": signed_at},
     )
-    _mark(tx, schema.agent_started, machine_id, heartbeat_seen=True)
+    if not marked:
+        _mark(tx, schema.agent_started, machine_id, heartbeat_seen=True)
 
 
 def delete_heartbeat(tx: Tx, machine_id: uuid.UUID) -> None:

@@ -146,8 +146,8 @@ def test_an_installation_request_reaches_the_agent_and_its_report_returns(
         )
         assert report["result"]["status"] == "error"
         assert f"debian-{generation}" in report["result"]["message"]
-    pending = db.read(lambda tx: bmdb.queries.pending_os_installation(tx, machine))
-    assert pending is None
+    credentials = db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine))
+    assert credentials is not None and credentials.pending_installation() is None
 
 
 BACKOFF_INTERVAL, MAX_BACKOFF = 0.1, 0.8

@@ -113,6 +113,12 @@ def test_installation_request_is_answered_until_reported(
     first = post(body, signed_headers(key, machine, body))
     assert first.json() == {"os_installation_request": {"generation": 3, "request": request}}
 
+    stale = {"generation": 2, "result": {"status": "ok"}}
+    body = heartbeat_body(machine, installation_report=stale)
+    reported_older = post(body, signed_headers(key, machine, body))
+    assert reported_older.json() == {"os_installation_request": {"generation": 3,
+                                                                 "request": request}}
+
     result = {"status": "error", "message": "not supported"}
     body = heartbeat_body(machine, installation_report={"generation": 3, "result": result})
     second = post(body, signed_headers(key, machine, body))

@@ -54,12 +54,15 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     heartbeat = parse_body(body)
     if heartbeat.machine_id != signed.machine_id:
         raise Unauthorized("machine_id in the body differs from the signed header")
-    record(tx, heartbeat, signed)
-    return {"os_installation_request": bmdb.queries.pending_os_installation(tx, signed.machine_id)}
+    record(tx, heartbeat, signed, credentials)
+    reporting = heartbeat.installation_report[0] if heartbeat.installation_report else None
+    return {"os_installation_request": credentials.pending_installation(reporting)}
 
 
-def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders) -> None:
-    bmdb.tags.record_heartbeat(tx, heartbeat.machine_id, signed.signed_at)
+def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders,
+           credentials: bmdb.queries.AgentCredentials) -> None:
+    bmdb.tags.record_heartbeat(tx, heartbeat.machine_id, signed.signed_at,
+                               marked=credentials.heartbeat_seen)
     if heartbeat.hardware_report is not None:
         bmdb.tags.set_hardware_report(tx, heartbeat.machine_id, heartbeat.hardware_report)
     if heartbeat.installation_report is not None:
