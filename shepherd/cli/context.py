@@ -119,6 +119,3 @@ def check_bmdb_url(text: str, source: str) -> None:
                                    f"{error.name or url.drivername!r} is not installed"
                                    ) from None
 
-
-#: What ``shepherd.cli.main`` shows a BMDB URL with: the one redaction function.
-safe_url = redact_url

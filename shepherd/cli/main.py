@@ -11,11 +11,12 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 
 from shepherd.cli.arguments import DELEGATED, EXIT_BAD_ARGUMENT, parser
-from shepherd.cli.context import Context, Failed, safe_url
+from shepherd.cli.context import Context, Failed
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer
 from shepherd.config import Settings, SettingsError
 from shepherd.operator import BadArgument
 from shepherd.providers.base import ProviderError
+from shepherd.redaction import redact_url
 
 EXIT_FAILED = 1
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace,
         return _fail(args, f"provider: {error}", EXIT_FAILED)
     except sa.exc.SQLAlchemyError as error:
         reason = str(getattr(error, "orig", None) or error).splitlines()[0]
-        where = safe_url(ctx.settings.bmdb_url) if ctx else "(unknown)"
+        where = redact_url(ctx.settings.bmdb_url) if ctx else "(unknown)"
         return _fail(args, f"cannot use the BMDB at {where}: {reason} "
                            "(is it migrated? `shepherd migrate`)", EXIT_FAILED)
     finally:

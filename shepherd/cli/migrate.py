@@ -17,6 +17,7 @@ import bmdb
 from bmdb.api import alembic_config
 from shepherd.cli.context import Context, Failed
 from shepherd.operator import BadArgument
+from shepherd.redaction import redact_url
 
 #: Alembic revisions counted from another (``+1``, ``head-1``): valid or not only
 #: against the BMDB's current revision.
@@ -27,7 +28,7 @@ def migrate(ctx: Context) -> int:
     revision = ctx.args.revision
     db = ctx.db  # checks the URL first
     check_revision(db.url, revision)
-    shown = db.engine.url.render_as_string(hide_password=True)
+    shown = redact_url(db.url)
     try:
         db.migrate(revision)
         revisions = current_revisions(db)

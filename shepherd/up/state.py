@@ -10,6 +10,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 import bmdb
+from shepherd.redaction import redact_url
 from shepherd.up import racks
 from shepherd.up.environment import Plan
 
@@ -28,7 +29,7 @@ def prepare(plan: Plan, out: Callable[[str], None]) -> None:
     if plan.racks is not None:
         racks.prepare(plan, out)
     bmdb.connect(plan.env["SHEPHERD_BMDB_URL"], migrate=True).close()
-    out(f"BMDB migrated: {safe_url(plan.env['SHEPHERD_BMDB_URL'])}")
+    out(f"BMDB migrated: {redact_url(plan.env['SHEPHERD_BMDB_URL'])}")
     prepare_broker(plan.env["SHEPHERD_BROKER_URL"], plan.env["SHEPHERD_RESULT_BACKEND"])
     shutil.rmtree(workdir / "prometheus", ignore_errors=True)
 
@@ -71,8 +72,3 @@ def _create_sqlite_tables(url: str, metadata: sa.MetaData) -> None:
     engine.dispose()
 
 
-def safe_url(url: str) -> str:
-    try:
-        return sa.make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return "(unparsable URL)"

@@ -26,6 +26,7 @@ from pathlib import Path
 import bmdb
 from shepherd.config import Settings
 from shepherd.processes import kill_marked
+from shepherd.redaction import redact_url
 from shepherd.runtime import Runtime
 from shepherd.up import racks, state
 from shepherd.up.environment import (
@@ -248,7 +249,7 @@ class Up:
             racks.announce(plan, self.out)
         elif plan.simulated:
             self.out(f"provider:  simulator with {self.options.machines} machines at "
-                     f"{plan.env['SHEPHERD_PROVIDER_URL']}")
+                     f"{redact_url(plan.env['SHEPHERD_PROVIDER_URL'])}")
         self.out(f"logs:      {self.logs}/   (Ctrl-C stops everything)")
         self.out(f"CLI here:  {plan.cli_environment()} shepherd fleet")
 
