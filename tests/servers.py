@@ -50,8 +50,9 @@ def wait_for_port(host: str, port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
 
 
-def self_signed(directory: Path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 (its own CA) and its key, as files."""
+def self_signed(directory: Path, name: str = "server") -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (its own CA) and its key, as files ``name``.crt and
+    ``name``.key in ``directory`` (created if need be)."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shepherd-test")])
     now = dt.datetime.now(dt.UTC)
@@ -63,7 +64,8 @@ def self_signed(directory: Path) -> tuple[str, str]:
             ipaddress.ip_address("127.0.0.1"))]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256()))
-    cert_file, key_file = directory / "server.crt", directory / "server.key"
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_file, key_file = directory / f"{name}.crt", directory / f"{name}.key"
     cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
     key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                            serialization.PrivateFormat.PKCS8,

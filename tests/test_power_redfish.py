@@ -44,6 +44,7 @@ from shepherd.power import (
 from shepherd.simulator import redfish as emulator_module
 from shepherd.simulator.redfish import EmulatorError, RedfishEmulator
 from tests.bmc_fixtures import RedfishBmc, redfish_bmc, running_redfish, wait_until
+from tests.servers import self_signed
 
 #: The fake driver applies a change at most 11 s later (whole seconds, so up to 12).
 TRANSITION = 15.0
@@ -183,30 +184,8 @@ def test_discovery_needs_exactly_one_system(tmp_path: Path) -> None:
 # -- TLS ------------------------------------------------------------------------------
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256()))
-    directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / "bmc.crt", directory / "bmc.key"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_tls_is_verified_unless_told_otherwise(tmp_path: Path) -> None:
-    certificate, key = self_signed(tmp_path / "tls")
+    certificate, key = self_signed(tmp_path / "tls", "bmc")
     with running_redfish(tmp_path, tls=(certificate, key)) as bmc:
         assert bmc.address.startswith("https://")
         strict = RedfishPower(bmc.spec(), timeout=5, attempts=3)
@@ -214,7 +193,7 @@ def test_tls_is_verified_unless_told_otherwise(tmp_path: Path) -> None:
         with pytest.raises(BmcUnreachable, match="TLS failed"):
             strict.power_state()
         assert time.monotonic() - started < 3, "a certificate refusal is not retried"
-        assert RedfishPower(bmc.spec(ca_file=str(certificate))).power_state() == PowerState.ON
+        assert RedfishPower(bmc.spec(ca_file=certificate)).power_state() == PowerState.ON
         assert RedfishPower(bmc.spec(verify_tls=False)).power_state() == PowerState.ON
 
 

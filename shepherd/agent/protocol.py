@@ -48,6 +48,17 @@ HEADER_TIMESTAMP = "X-Shepherd-Timestamp"
 HEADER_SIGNATURE = "X-Shepherd-Signature"
 HEADER_ANSWER_SIGNATURE = "X-Shepherd-Answer-Signature"
 KEY_BYTES = 32
+
+# The bounds of a heartbeat body's documents (reports), as the server enforces them
+# (``shepherd.server.bodies``) and operators' views show them (``shepherd.operator.
+# stored``): kept here, with the wire format, so that both read the same numbers and
+# the CLI need not import the server.
+MAX_DEPTH = 16
+MAX_NAME = 256
+MAX_TEXT = 16 * 1024
+MAX_ITEMS = 4096
+MAX_KEYS = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NONCE_BYTES = 32
 #: Longest machine or timestamp header value an answer signature covers (longer
 #: ones are clipped): the server signs whatever a request sent, honest or not.

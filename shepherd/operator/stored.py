@@ -29,15 +29,15 @@ from typing import Any
 from pydantic_core import from_json
 
 from bmdb.inspection import StoredJSON
-
-# The bounds of what is shown: those of ``shepherd.server.bodies`` (not imported, so the
-# CLI does not load the server; tests/test_bodies.py checks that they agree).
-MAX_DEPTH = 16
-MAX_NAME = 256
-MAX_TEXT = 16 * 1024
-MAX_ITEMS = 4096
-MAX_KEYS = 256
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from shepherd.agent.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_DEPTH,
+    MAX_ITEMS,
+    MAX_KEYS,
+    MAX_NAME,
+    MAX_TEXT,
+)
 
 #: How much of an undecodable document's text is shown.
 UNREADABLE_HEAD = 200

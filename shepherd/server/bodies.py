@@ -70,12 +70,16 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
-MAX_DEPTH = 16
-MAX_NAME = 256
-MAX_TEXT = 16 * 1024
-MAX_ITEMS = 4096
-MAX_KEYS = 256
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from shepherd.agent.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_DEPTH,
+    MAX_ITEMS,
+    MAX_KEYS,
+    MAX_NAME,
+    MAX_TEXT,
+)
+
 #: ``os_installation_report.generation`` is a 32-bit INTEGER on PostgreSQL.
 GENERATION_MAX = 2**31 - 1
 #: Longest message a ``BadBody`` carries (it goes into a 400 and a log line).
