@@ -1,5 +1,8 @@
 """The Alembic migrations go up and down cleanly and build exactly ``bmdb.schema``."""
 
+import datetime as dt
+import uuid
+
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -30,3 +33,28 @@ def test_processes_are_seeded_from_the_exclusion_groups(db):
     assert {(name, group) for name, group in rows} == {
         (process.value, group) for process, group in EXCLUSION_GROUPS.items()
     }
+
+
+def test_agents_of_protocol_v1_go_back_to_agent_start(db_url):
+    """A machine whose agent was started before protocol v2 (no nonce: its heartbeats
+    can never verify) is in AgentStart's backlog after the upgrade, not left to fall
+    silent."""
+    db = bmdb.connect(db_url)
+    db.downgrade("0004")
+    machine, now = uuid.uuid4(), dt.datetime.now(dt.UTC)
+    s = bmdb.schema
+    with db.engine.begin() as conn:  # the 0004 columns only: no nonce yet
+        conn.execute(sa.insert(s.machines).values(id=machine, created_at=now))
+        conn.execute(sa.insert(s.provided).values(
+            machine_id=machine, provider="test", provider_id="p-1", provider_status="Running",
+            updated_at=now, agent_started=True))
+        conn.execute(sa.insert(s.agent_started).values(
+            machine_id=machine, started_at=now, public_key=b"\x01" * 32, heartbeat_seen=True))
+        conn.execute(sa.insert(s.agent_heartbeat).values(
+            machine_id=machine, last_heartbeat_at=now, last_signed_at=now))
+    db.migrate()
+    assert db.read(lambda tx: bmdb.inspection.in_backlog(
+        tx, bmdb.Process.AGENT_START, machine, db.thresholds)) is True
+    assert db.read(lambda tx: tx.execute(sa.select(sa.func.count()).select_from(
+        bmdb.schema.agent_heartbeat)).scalar_one()) == 0
+    db.close()
