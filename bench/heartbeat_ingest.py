@@ -1,6 +1,6 @@
 """Signed heartbeats/s into PostgreSQL: ``shepherd serve`` against a bare psycopg2 loop.
 
-Three figures from one run, on one PostgreSQL (fsync on) with ``--machines`` agents:
+Four figures from one run, on one PostgreSQL (fsync on) with ``--machines`` agents:
 
 (a) one ``shepherd serve`` process (its defaults: 16 heartbeat threads), loaded by
     ``--clients`` concurrent clients, each heartbeat on a new connection as an agent
@@ -12,7 +12,11 @@ Three figures from one run, on one PostgreSQL (fsync on) with ``--machines`` age
     verification of the same pre-signed heartbeats, the upsert, the marker's update
     when it was not set yet, the commit;
 (c) two ``shepherd serve`` processes on the same PostgreSQL, the clients split between
-    them (as behind a load balancer).
+    them (as behind a load balancer);
+(d) (c) against (a) again, with every server process capped at ``--capped``
+    cores (a cgroup CPU quota): on a 2-core machine an uncapped server, PostgreSQL
+    and the load generator fill both cores, so (c) shows the machine's limit; capped,
+    the ratio shows what a second process adds when it has a core share of its own.
 
 The load generator (``load``) is cheap so that it is not what is measured: requests
 are signed before the clock starts, and sent as raw bytes from asyncio in a process
@@ -42,6 +46,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg2
 import sqlalchemy as sa
@@ -293,10 +298,51 @@ class Server:
     postgres: int | None
 
 
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+@contextlib.contextmanager
+def cpu_capped(pid: int, name: str, cores: float | None) -> Iterator[None]:
+    """Run process ``pid`` (all its threads) under a CPU quota of ``cores`` (None: none).
+
+    Why: on a 2-core machine one uncapped server, PostgreSQL and the load generator
+    already use every core, so a second server process has nothing to run on and
+    "2 processes vs 1" would measure the machine, not the server. Capped, each
+    process has the same share of a core in both runs, and the ratio shows whether
+    a second process adds its share (nothing shared but the BMDB) or not.
+    """
+    if not cores:
+        yield
+        return
+    period = 100_000
+    root = CGROUP_V1 if (CGROUP_V1 / "cgroup.procs").exists() else CGROUP_V2
+    group = root / f"shepherd-bench-{name}-{pid}"
+    group.mkdir()
+    try:
+        if root is CGROUP_V1:
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+        else:
+            (group / "cpu.max").write_text(f"{int(cores * period)} {period}")
+        (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            (root / "cgroup.procs").write_text(str(pid))  # back out, if still alive
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def serve(url: str, workdir: Path, name: str, env: dict[str, str] | None = None,
-          argv: Sequence[str] = ()) -> Iterator[Server]:
-    """A ``shepherd serve`` process on a free loopback port (``argv``: another command)."""
+          argv: Sequence[str] = (), cores: float | None = None) -> Iterator[Server]:
+    """A ``shepherd serve`` process on a free loopback port (``argv``: another command),
+    capped at ``cores`` of CPU when given (``cpu_capped``)."""
     port = free_port()
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
     environment.update(SHEPHERD_BMDB_URL=url, SHEPHERD_SERVE_LISTEN=f"127.0.0.1:{port}",
@@ -307,11 +353,12 @@ def serve(url: str, workdir: Path, name: str, env: dict[str, str] | None = None,
         process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=log,
                                    stderr=subprocess.STDOUT)
     try:
-        wait_for_port("127.0.0.1", port, timeout=60)
-        database = sa.make_url(url)
-        postgres_pid = listener_pid(database.port or 5432) if database.host in (
-            "127.0.0.1", "localhost") else None
-        yield Server("127.0.0.1", port, process.pid, postgres_pid)
+        with cpu_capped(process.pid, name, cores):
+            wait_for_port("127.0.0.1", port, timeout=60)
+            database = sa.make_url(url)
+            postgres_pid = listener_pid(database.port or 5432) if database.host in (
+                "127.0.0.1", "localhost") else None
+            yield Server("127.0.0.1", port, process.pid, postgres_pid)
     finally:
         process.terminate()
         try:
@@ -415,6 +462,9 @@ def main() -> None:
                         help="more settings for the servers (SHEPHERD_...)")
     parser.add_argument("--server-argv", type=shlex.split, default=[],
                         help="a command to run instead of `shepherd serve` (one string)")
+    parser.add_argument("--capped", type=float, default=0.35, metavar="CORES",
+                        help="also run 1 and 2 server processes each capped at CORES of "
+                             "CPU (cgroup quota; 0: skip)")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-bench-{uuid.uuid4().hex[:8]}"
     env = {"SHEPHERD_SERVE_THREADS": str(args.threads),
@@ -438,8 +488,33 @@ def main() -> None:
             load([first, second], sign(agents, 500, args.clients))
             two = load([first, second], sign(agents, args.requests, args.clients))
         print(two.line("2 server processes"))
+        capped = scaling_capped(url, workdir, env, args, agents) if args.capped else None
     print(f"1 server process vs the bare loop: {one.rate / (accepted / elapsed):.2f}x "
           f"(aim >= 0.5x); 2 processes vs 1: {two.rate / one.rate:.2f}x (aim >= 1.6x)")
+    if capped:
+        print(f"capped at {args.capped:g} core each, 2 processes vs 1: {capped:.2f}x "
+              f"(aim >= 1.6x)")
+
+
+def scaling_capped(url: str, workdir: Path, env: dict[str, str], args: Any,
+                   agents: list[Agent]) -> float | None:
+    """1 and 2 server processes, each capped at ``args.capped`` cores (``cpu_capped``):
+    the second one's ratio, or None where this machine cannot cap (not root, no cgroup)."""
+    try:
+        with serve(url, workdir, "capped-one", env, args.server_argv, args.capped) as server:
+            load([server], sign(agents, 300, args.clients))
+            one = load([server], sign(agents, args.requests // 2, args.clients))
+        with serve(url, workdir, "capped-first", env, args.server_argv, args.capped) as first, \
+                serve(url, workdir, "capped-second", env, args.server_argv,
+                      args.capped) as second:
+            load([first, second], sign(agents, 300, args.clients))
+            two = load([first, second], sign(agents, args.requests // 2, args.clients))
+    except OSError as error:
+        print(f"capped runs skipped: cannot cap CPU here ({error})")
+        return None
+    print(one.line(f"1 process, capped {args.capped:g} core"))
+    print(two.line(f"2 processes, capped {args.capped:g} core each"))
+    return two.rate / one.rate
 
 
 if __name__ == "__main__":
