@@ -327,7 +327,8 @@ def parse_heartbeat(body: bytes) -> Heartbeat:
     """The validated heartbeat in ``body``; ``BadBody`` naming the field otherwise.
 
     The reports are returned as the agent sent them (the document, not the models):
-    with no coercion and no unknown field, they are what the models describe.
+    strict validation coerces nothing, so the document is what was validated, unknown
+    fields (bounded like the rest) included.
     """
     document = load(body)
     if not isinstance(document, dict):

@@ -10,8 +10,9 @@ one place:
 * ``header_timeout``: from the moment a connection is ready for a request (accepted,
   TLS done, or the previous answer sent) to its complete head, else 408 and close;
 * ``body_timeout``: from the complete head to the complete body, else 408 and close;
-* ``max_body``: larger bodies get 413, declared (Content-Length) or chunked, answered
-  as soon as the limit is passed, before the rest is read (``asgi.read_body``);
+* the body's size (``ServerConfig.max_body``, the heartbeat's own limit): larger
+  bodies get 413, declared (Content-Length) or chunked, answered as soon as the limit
+  is passed, before the rest is read (``asgi.read_body``);
 * ``max_connections``: open connections per listener; a newcomer beyond it first
   evicts the connection that has waited longest for its head, else gets 503;
 * ``backlog``: the kernel's queue of connections not yet accepted (the old server's
@@ -43,7 +44,6 @@ CLIP = 64
 class ServerLimits:
     """What one listener enforces (see the module docstring); defaults are ``Settings``'."""
 
-    max_body: int = Settings.serve_max_body
     max_headers: int = Settings.serve_max_headers
     max_header_bytes: int = Settings.serve_max_header_bytes
     header_timeout: float = Settings.serve_header_timeout
@@ -55,7 +55,7 @@ class ServerLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServerLimits:
-        return cls(max_body=settings.serve_max_body, max_headers=settings.serve_max_headers,
+        return cls(max_headers=settings.serve_max_headers,
                    max_header_bytes=settings.serve_max_header_bytes,
                    header_timeout=settings.serve_header_timeout,
                    body_timeout=settings.serve_body_timeout,
