@@ -8,7 +8,9 @@ database's clock, read once at the start so that one transaction sees one "now".
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,26 +133,41 @@ def run_transaction(
     *,
     start: Callable[[Connection], Tx] | None = None,
     give_up_after: float = 30.0,
+    connection: Connection | None = None,
 ) -> T:
     """Run ``body`` in one transaction, again from the start on transient errors.
 
     ``start`` opens the ``Tx`` (the session's liveness check goes there); the
     default only reads the database's clock. ``body`` may run more than once, so
     it must not have effects outside the transaction.
+
+    ``connection``: run on this connection instead of a pooled one, for a body that
+    needs what lives only there (temporary tables: ``bmdb.listing``). A transient
+    error is retried on it only while it stays usable: once it is lost, so is what
+    lived on it, and the error propagates.
     """
     opener = start or _plain_start
+    retryable = is_transient if connection is None else functools.partial(
+        _transient_on, connection)
     retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(is_transient),
+        retry=tenacity.retry_if_exception(retryable),
         wait=tenacity.wait_exponential_jitter(multiplier=0.02, max=2.0, jitter=0.05),
         stop=tenacity.stop_after_delay(give_up_after),
         before_sleep=_log_retry,
         reraise=True,
     )
-    return retrying(_attempt, engine, body, opener)
+    return retrying(_attempt, engine, body, opener, connection)
 
 
-def _attempt(engine: Engine, body: Callable[[Tx], T], opener: Callable[[Connection], Tx]) -> T:
-    with engine.connect() as conn:
+def _transient_on(connection: Connection, error: BaseException) -> bool:
+    lost = connection.invalidated or getattr(error, "connection_invalidated", False)
+    return is_transient(error) and not lost
+
+
+def _attempt(engine: Engine, body: Callable[[Tx], T], opener: Callable[[Connection], Tx],
+             connection: Connection | None = None) -> T:
+    scope = engine.connect() if connection is None else contextlib.nullcontext(connection)
+    with scope as conn:
         transaction = conn.begin()
         try:
             result = body(opener(conn))

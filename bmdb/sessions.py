@@ -125,8 +125,10 @@ class Session:
 
     # -- transactions -----------------------------------------------------
 
-    def transact(self, body: Callable[[Tx], T], *, give_up_after: float | None = None) -> T:
-        """Run ``body`` in one transaction that first checks this session is alive."""
+    def transact(self, body: Callable[[Tx], T], *, give_up_after: float | None = None,
+                 connection: Connection | None = None) -> T:
+        """Run ``body`` in one transaction that first checks this session is alive
+        (on ``connection`` if given: see ``database.run_transaction``)."""
         if self._expired.is_set():
             raise SessionExpired(f"session {self.id} ({self.component}) has expired")
         try:
@@ -135,6 +137,7 @@ class Session:
                 body,
                 start=self._open,
                 give_up_after=give_up_after if give_up_after is not None else self.interval * 2,
+                connection=connection,
             )
         except CommitOutcomeUnknown as error:
             # What the lost commit did (a claim, say) is owned by this session and

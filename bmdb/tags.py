@@ -124,6 +124,52 @@ def set_provider_status(tx: Tx, machine_ids: Iterable[uuid.UUID],
     ).rowcount
 
 
+#: The columns of a Provided tag that say what its provider sees (``refresh_provided``).
+PROVIDER_VIEW = ("reservation_id", "address", "location", "provider_status")
+
+
+def refresh_provided(tx: Tx, views: sa.FromClause, *, written_before: dt.datetime) -> int:
+    """Write ``views`` (rows of ``machine_id``, ``provider_id`` and the ``PROVIDER_VIEW``
+    columns, from a query) to the machines' Provided tags in one statement, each only
+    where it differs from the tag as it is now; return how many tags were written.
+
+    For the updater's batches (``bmdb.listing``). Only tags written before
+    ``written_before`` are touched: the caller read them then, as tags of its
+    provider, and any tag registered or rewritten since (whatever its provider) is
+    left alone, as possibly newer than the caller's listing. Skipped too: machines
+    deleted meanwhile (an UPDATE finds no row, so no tag is re-created), another
+    provider id, tags equal already. Only the view and ``updated_at`` change, never a
+    marker. (No condition on ``provider``: SQLite, without statistics, would then
+    walk every tag of the provider through that index instead of the batch's rows.)
+    """
+    p = schema.provided
+    differs = sa.or_(*(p.c[name].is_distinct_from(views.c[name]) for name in PROVIDER_VIEW))
+    statement = (
+        sa.update(p)
+        .where(p.c.machine_id == views.c.machine_id, p.c.provider_id == views.c.provider_id,
+               p.c.updated_at < written_before, differs)
+        .values({**{name: views.c[name] for name in PROVIDER_VIEW}, "updated_at": tx.now})
+    )
+    return tx.execute(statement).rowcount
+
+
+def mark_provided_missing(tx: Tx, machines: sa.FromClause, *,
+                          written_before: dt.datetime) -> int:
+    """Set ``Missing`` on the Provided tags of ``machines`` (rows of ``machine_id``, from
+    a query) in one statement, keeping their last reservation, address and location;
+    return how many were written. Skipped as in ``refresh_provided``, and tags that
+    are ``Missing`` already."""
+    p = schema.provided
+    missing = ProviderStatus.MISSING.value
+    statement = (
+        sa.update(p)
+        .where(p.c.machine_id == machines.c.machine_id, p.c.provider_status != missing,
+               p.c.updated_at < written_before)
+        .values(provider_status=missing, updated_at=tx.now)
+    )
+    return tx.execute(statement).rowcount
+
+
 def delete_provided(tx: Tx, machine_id: uuid.UUID) -> None:
     """The machine is no longer known at a provider; its other tags stay (and say so)."""
     _delete(tx, schema.provided, machine_id)
@@ -166,15 +212,20 @@ def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime, *,
                      marked: bool = False) -> None:
     """``marked``: the caller read ``heartbeat_seen`` already set while holding the
     AgentStarted row's lock (``queries.lock_agent_credentials``), so nobody can
-    have cleared it since and the marker's UPDATE is skipped."""
-    upsert(
-        tx,
-        schema.agent_heartbeat,
-        {"machine_id": machine_id},
-        {"last_heartbeat_at": tx.now, "last_signed_at": signed_at},
-    )
-    if not marked:
-        _mark(tx, schema.agent_started, machine_id, heartbeat_seen=True)
+    have cleared it since: the marker's UPDATE is skipped, and since the marker says
+    the AgentHeartbeat row exists, a plain UPDATE of it is enough. That keeps the
+    hot path clear of the INSERT triggers an upsert fires even when it only updates
+    (``counters``)."""
+    values = {"last_heartbeat_at": tx.now, "last_signed_at": signed_at}
+    if marked:
+        tx.execute(_HEARTBEAT_UPDATE, {"beating": machine_id, **values})
+        return
+    upsert(tx, schema.agent_heartbeat, {"machine_id": machine_id}, values)
+    _mark(tx, schema.agent_started, machine_id, heartbeat_seen=True)
+
+
+_HEARTBEAT_UPDATE = (sa.update(schema.agent_heartbeat)
+                     .where(schema.agent_heartbeat.c.machine_id == sa.bindparam("beating")))
 
 
 def delete_heartbeat(tx: Tx, machine_id: uuid.UUID) -> None:

@@ -396,7 +396,7 @@ def test_an_api_echoing_the_token_never_gets_it_into_errors_or_logs(
     refused = fails(lambda: client.update_ssh_key(key_id, key="not a key"))   # handler's 422
     assert "OpenSSH public key" in str(refused) and "with token ***" in str(refused)
     simulator.faults.fail_next(1, 403)
-    fails(provider.list_machines)                                             # injected 403
+    fails(lambda: list(provider.list_machines()))                             # injected 403
     other = "another-configured-token-8d1f"
     wrong = fails(lambda: fast_client(simulator, token=other).list_devices())  # 401
     assert other not in str(wrong) and "with token ***" in str(wrong)

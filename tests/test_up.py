@@ -131,7 +131,7 @@ def test_racks_inventory_lists_each_machine_behind_its_bmc(tmp_path: Path) -> No
     with sim, Racks(sim, up.racks, 2, authorized_keys=[fleet_key]) as rack:
         assert rack.bmc is not None
         provider = build_provider(Settings.from_env(up.env))
-        machines = provider.list_machines()
+        machines = list(provider.list_machines())
         assert [m.provider_id for m in machines] == ["rack1-u01", "rack1-u02"]
         password = rack.password_path.read_text().strip()
         for machine in machines:

@@ -5,18 +5,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 import bmdb
+from bmdb.database import run_transaction
 from shepherd.providers.base import ProviderMachine, TransientExhausted, register_provided
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.simulator import Simulator
 from shepherd.workflows.provisioner import ProvisionerSettings, reconcile
-from shepherd.workflows.updater import UpdaterSettings, update
+from shepherd.workflows.updater import UpdaterSettings, listed_views, update
 from tests.simulator_fixtures import client, provider, simulator, ssh_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,7 +141,7 @@ def test_deleted_machine_is_skipped_not_recreated(session, provider, simulator, 
 
         name = provider.name
 
-        def list_machines(self) -> list[ProviderMachine]:
+        def list_machines(self) -> Iterable[ProviderMachine]:
             session.transact(lambda tx: bmdb.tags.delete_machine(tx, machine_id))
             return provider.list_machines()
 
@@ -171,3 +174,220 @@ def test_one_update_per_provider_at_a_time(db, session, provider, simulator, fle
 def test_settings_refuse_nonsense():
     with pytest.raises(ValueError):
         UpdaterSettings(batch_size=0)
+
+
+# -- at any size: the listing compared in the BMDB (bmdb.listing) ------------------------
+# These use a provider without HTTP, whose listing each test sets.
+
+
+RACK = "rack"
+
+
+def machine(provider_id: str, **changes: Any) -> ProviderMachine:
+    base = ProviderMachine(provider_id, f"192.0.2.{len(provider_id)}", 22, "fra1", "r-1",
+                           Status.RUNNING, False)
+    return dataclasses.replace(base, **changes)
+
+
+@dataclasses.dataclass
+class Rack:
+    """A provider listing ``machines`` (an iterator each time, as a streaming one)."""
+
+    machines: list[ProviderMachine]
+    name: str = RACK
+
+    def list_machines(self) -> Iterator[ProviderMachine]:
+        return iter(self.machines)
+
+
+def register(session: bmdb.Session, *machines: ProviderMachine) -> dict[str, Any]:
+    """provider id -> machine id of each, registered as Provided now."""
+    return {m.provider_id: session.transact(lambda tx, m=m: register_provided(tx, RACK, m))
+            for m in machines}
+
+
+def test_odd_values_travel_exactly_and_then_compare_equal(session):
+    """What COPY's CSV must quote (tabs, newlines, quotes, carriage returns) and what it
+    must not take for NULL (an empty string, a backslash-N) arrive as they were; the
+    next run finds nothing changed."""
+    plain = [machine(f"m{i}") for i in range(4)]
+    register(session, *plain)
+    odd = [
+        machine("m0", address="tab\there", location="line\nbreak", reservation_id='quo"te'),
+        machine("m1", address="", location="\\N", reservation_id="back\\slash"),
+        machine("m2", address=None, location=" Zürich ✓ ", reservation_id="cr\rlf\r\n"),
+        machine("m3", address="\t", location='"', reservation_id=None),
+    ]
+    first = update(session, Rack(odd))
+    assert (first.updated, first.unchanged) == (4, 0)
+    stored = tags(session, RACK)
+    for m in odd:
+        assert (stored[m.provider_id]["address"], stored[m.provider_id]["location"],
+                stored[m.provider_id]["reservation_id"]) == (m.address, m.location,
+                                                             m.reservation_id)
+    second = update(session, Rack(odd))
+    assert (second.updated, second.unchanged) == (0, 4)
+    assert tags(session, RACK) == stored
+
+
+def test_listing_loads_in_many_chunks(session, monkeypatch):
+    monkeypatch.setattr(bmdb.listing, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(bmdb.listing, "_BLOCK_ROWS", 1)
+    machines = [machine(f"m{i}") for i in range(7)]
+    register(session, *machines)
+    moved = [dataclasses.replace(m, address="198.51.100.1") if i % 3 == 0 else m
+             for i, m in enumerate(machines)]
+    result = update(session, Rack(moved))
+    assert (result.updated, result.unchanged, result.missing) == (3, 4, 0)
+    assert {k for k, t in tags(session, RACK).items()
+            if t["address"] == "198.51.100.1"} == {"m0", "m3", "m6"}
+
+
+def test_machine_registered_during_the_listing_is_not_marked_missing(session):
+    known = [machine("a"), machine("b")]
+    register(session, *known)
+    late = machine("late")
+
+    class RegistersWhileListing(Rack):
+        """Reconcile registers a machine after this listing was taken."""
+
+        def list_machines(self) -> Iterator[ProviderMachine]:
+            register(session, late)
+            return iter(known)
+
+    result = update(session, RegistersWhileListing(known))
+    assert (result.missing, result.marked_missing, result.updated) == (0, 0, 0)
+    assert tags(session, RACK)["late"]["provider_status"] == Status.RUNNING
+
+
+def test_machine_deleted_before_its_batch_is_skipped(session):
+    machine_ids = register(session, machine("a"), machine("b"))
+    moved = [machine("a", address="198.51.100.1"), machine("b", address="198.51.100.2")]
+    with bmdb.listing.open_listing(session, RACK) as listing:
+        listing.load(listed_views(moved))
+        seen = listing.compare()
+        session.transact(lambda tx: bmdb.tags.delete_machine(tx, machine_ids["a"]))
+        done = listing.apply(batch_size=10)
+    assert (seen.changed, done.updated) == (2, 1)
+    assert set(tags(session, RACK)) == {"b"}
+    assert not session.transact(lambda tx: bmdb.queries.machine_exists(tx, machine_ids["a"]))
+
+
+def test_tag_rewritten_after_the_listing_began_is_left_to_the_next_run(session):
+    """A tag written since the watermark (reconcile registering the machine again) may
+    be newer than the listing: neither its change nor its absence is written."""
+    register(session, machine("a"), machine("b"))
+    with bmdb.listing.open_listing(session, RACK) as listing:
+        listing.load(listed_views([machine("a", address="198.51.100.1")]))  # b not listed
+        seen = listing.compare()
+        register(session, machine("a", address="198.51.100.77"), machine("b", location="x"))
+        done = listing.apply(batch_size=10)
+    assert (seen.changed, seen.to_mark, done.updated, done.marked_missing) == (1, 1, 0, 0)
+    after = tags(session, RACK)
+    assert (after["a"]["address"], after["b"]["provider_status"]) == ("198.51.100.77",
+                                                                      Status.RUNNING)
+
+
+def test_writes_are_batched(session, monkeypatch):
+    """At most ``batch_size`` machines written per transaction, changed and Missing
+    together, whatever their order."""
+    machines = [machine(f"m{i}") for i in range(7)]
+    register(session, *machines)
+    listed = [dataclasses.replace(m, status=Status.STOPPED) for m in machines[:4]]
+    per_transaction: list[int] = []
+    refresh, mark = bmdb.tags.refresh_provided, bmdb.tags.mark_provided_missing
+
+    def counted_refresh(*args: Any, **kwargs: Any) -> int:
+        per_transaction.append(refresh(*args, **kwargs))
+        return per_transaction[-1]
+
+    def counted_mark(*args: Any, **kwargs: Any) -> int:
+        written = mark(*args, **kwargs)
+        per_transaction[-1] += written  # the same transaction as the refresh before it
+        return written
+
+    monkeypatch.setattr(bmdb.tags, "refresh_provided", counted_refresh)
+    monkeypatch.setattr(bmdb.tags, "mark_provided_missing", counted_mark)
+    result = update(session, Rack(listed), UpdaterSettings(batch_size=3))
+    assert per_transaction == [3, 3, 1]
+    assert (result.updated, result.marked_missing, result.missing) == (4, 3, 3)
+
+
+def test_no_transaction_is_open_while_the_provider_lists(db, session, monkeypatch):
+    """Another writer of Provided rows (the ``agent_started`` marker) does not wait
+    while the provider is being listed. On SQLite an open transaction would hold the
+    write lock; on PostgreSQL loading locks no row in the first place."""
+    monkeypatch.setattr(bmdb.listing, "CHUNK_ROWS", 1)
+    machines = [machine("a"), machine("b"), machine("c")]
+    machine_ids = register(session, *machines)
+
+    def slow_listing() -> Iterator[ProviderMachine]:
+        yield from machines[:2]  # the first chunk is loaded by now
+        with db.start_session("initializer", interval=2) as other:
+            other.transact(lambda tx: bmdb.tags.set_agent_started(
+                tx, machine_ids["b"], bytes(32)), give_up_after=1)
+        yield machines[2]
+
+    class Slow(Rack):
+        def list_machines(self) -> Iterator[ProviderMachine]:
+            return slow_listing()
+
+    assert update(session, Slow(machines)).unchanged == 3
+    assert tags(session, RACK)["b"]["agent_started"]
+
+
+def test_repeated_and_unregistered_ids_are_counted_once(session):
+    register(session, machine("a"), machine("b"))
+    listed = [machine("a"), machine("a", address="198.51.100.1"), machine("b"),
+              machine("stray"), machine("stray")]
+    result = update(session, Rack(listed))
+    assert (result.updated, result.unchanged, result.unregistered) == (1, 1, 1)
+    assert tags(session, RACK)["a"]["address"] == "198.51.100.1"
+
+
+def test_unknown_status_is_refused_and_nothing_written(session):
+    register(session, machine("a"), machine("b"))
+    before = tags(session, RACK)
+    listed = [machine("a", address="198.51.100.1"), machine("b", status="Exploded")]
+    with pytest.raises(sa.exc.IntegrityError):
+        update(session, Rack(listed))
+    assert tags(session, RACK) == before
+
+
+def test_other_providers_tags_are_neither_compared_nor_written(session):
+    register(session, machine("a"))
+    other = machine("a", address="203.0.113.9")
+    session.transact(lambda tx: register_provided(tx, "elsewhere", other))
+    result = update(session, Rack([]))
+    assert (result.missing, result.marked_missing, result.unregistered) == (1, 1, 0)
+    assert tags(session, "elsewhere")["a"]["provider_status"] == Status.RUNNING
+
+
+def test_a_pinned_transaction_is_retried_on_its_own_connection(db):
+    """The listing's tables live on one connection: a transient error (here SQLite's
+    busy file) runs the body again there, not on a pooled one."""
+    ran_on: list[sa.Connection] = []
+
+    def body(tx: bmdb.Tx) -> str:
+        ran_on.append(tx.conn)
+        if len(ran_on) == 1:
+            raise sa.exc.OperationalError("BEGIN", {}, Exception("database is locked"))
+        return "done"
+
+    with db.engine.connect() as pinned:
+        assert run_transaction(db.engine, body, connection=pinned) == "done"
+    assert ran_on == [pinned, pinned]
+
+
+def test_a_pinned_transaction_whose_connection_is_lost_is_not_retried(db):
+    """What lived on a lost connection is gone with it: the error propagates."""
+    ran_on: list[sa.Connection] = []
+
+    def body(tx: bmdb.Tx) -> None:
+        ran_on.append(tx.conn)
+        raise sa.exc.OperationalError("SELECT 1", {}, Exception("server closed the connection"),
+                                      connection_invalidated=True)
+
+    with db.engine.connect() as pinned, pytest.raises(sa.exc.OperationalError):
+        run_transaction(db.engine, body, connection=pinned)
+    assert ran_on == [pinned]

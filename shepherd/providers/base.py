@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -56,9 +56,12 @@ class NotSupported(ProviderError):
     """The provider cannot do this at all (e.g. reboot a statically listed machine)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProviderMachine:
-    """A machine as the provider sees it: where to reach it and how it is doing."""
+    """A machine as the provider sees it: where to reach it and how it is doing.
+
+    Slots: a listing may hold a million of them (smaller, and faster to read).
+    """
 
     provider_id: str
     address: str | None
@@ -114,8 +117,12 @@ class Provider(Protocol):
         the BMDB does not know may be someone else's (``FleetMismatch``)."""
         ...
 
-    def list_machines(self) -> list[ProviderMachine]:
-        """Every machine this shepherd manages at the provider (device prefix applied)."""
+    def list_machines(self) -> Iterable[ProviderMachine]:
+        """Every machine this shepherd manages at the provider (device prefix applied).
+
+        Iterate it once: a provider may stream it (Equinix, a page at a time), and its
+        errors then come while iterating. Whoever needs it twice takes ``list()``.
+        """
         ...
 
     def get_machine(self, provider_id: str) -> ProviderMachine:

@@ -307,23 +307,32 @@ class EquinixClient:
         return self._retrying(f"{method} {path}", lambda: self._once(method, path, params, body))
 
     def _paginated(self, path: str, key: str, params: dict[str, Any] | None = None) -> list[Any]:
-        """Every item of a paginated list: pages 1..meta.last_page at a fixed per_page."""
-        items: list[Any] = []
+        """Every item of a paginated list."""
+        return list(self._items(path, key, params))
+
+    def _items(self, path: str, key: str, params: dict[str, Any] | None = None
+               ) -> Iterator[Any]:
+        """The items of a paginated list as they come: pages 1..meta.last_page at a fixed
+        per_page, each asked for only once the previous one is consumed."""
         page = 1
         while True:
             query = {**(params or {}), "page": page, "per_page": self.config.per_page}
             body = self.request("GET", path, query) or {}
-            items.extend(body.get(key) or [])
+            yield from body.get(key) or []
             meta = body.get("meta") or {}
             last_page = int(meta.get("last_page") or page)
             if page >= last_page or not meta.get("next"):
-                return items
+                return
             page += 1
 
     # -- endpoints ----------------------------------------------------------
 
     def list_devices(self) -> list[dict[str, Any]]:
-        return self._paginated(f"/projects/{self.config.project_id}/devices", "devices")
+        return list(self.devices())
+
+    def devices(self) -> Iterator[dict[str, Any]]:
+        """The project's devices a page at a time (``list_devices``, streamed)."""
+        return self._items(f"/projects/{self.config.project_id}/devices", "devices")
 
     def get_device(self, device_id: str) -> dict[str, Any]:
         return self.request("GET", f"/devices/{_segment(device_id)}")
@@ -592,11 +601,14 @@ class EquinixProvider:
             witness=_witness(device),
         )
 
-    @_scrubbing
-    def list_machines(self) -> list[ProviderMachine]:
+    def list_machines(self) -> Iterator[ProviderMachine]:
+        """Streamed a page at a time (a large project never sits in memory whole), so
+        an error comes while iterating; scrubbed there, as ``_scrubbing`` would."""
         prefix = self.config.device_prefix
-        return [self.machine(d) for d in self.client.list_devices()
-                if str(d.get("hostname") or "").startswith(prefix)]
+        with self.client.scrubbed():
+            for device in self.client.devices():
+                if str(device.get("hostname") or "").startswith(prefix):
+                    yield self.machine(device)
 
     @_scrubbing
     def get_machine(self, provider_id: str) -> ProviderMachine:

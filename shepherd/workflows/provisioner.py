@@ -174,7 +174,7 @@ def reconcile(session: bmdb.Session, provider: Provider,
 def _reconcile_held(session: bmdb.Session, provider: Provider,
                     settings: ProvisionerSettings) -> ReconcileResult:
     # Every listing comes before the first write: an outage means no action at all.
-    machines = provider.list_machines()
+    machines = list(provider.list_machines())
     room = max(0, settings.max_machines - len(machines))
     capacity = provider.list_capacity() if room else []
     known = session.transact(lambda tx: bmdb.queries.provided_by_provider_id(tx, provider.name))

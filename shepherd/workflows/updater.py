@@ -15,16 +15,21 @@ one paginated listing per run already covers every machine, so skipping the
 comparison would save nothing, and remembering a timer would need a BMDB column.
 How often machines are looked at is the caller's schedule (``update_interval``).
 
-Ordering: the BMDB is read *before* the provider is listed. A machine registered
-in between is then simply not looked at this run; the other order would see it in
-the BMDB but not in an older listing and wrongly mark it Missing.
+At any size: the comparison runs in the BMDB (``bmdb.listing``). The listing is
+consumed once, as it comes, and loaded a chunk at a time; only the machines that
+differ are written, ``batch_size`` per transaction. Python holds one chunk (a few
+MB) whatever the fleet; ``bench/updater.py`` measures a million machines.
+
+Ordering: the BMDB's clock is read *before* the provider is listed, and a tag
+written since is left to the next run. A machine registered in between is then
+simply not judged this run; judging it against an older listing would wrongly mark
+it Missing.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,27 +48,6 @@ class UpdaterSettings:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-
-
-@dataclass(frozen=True)
-class View:
-    """The part of a Provided tag the updater keeps in step with the provider."""
-
-    provider_id: str
-    reservation_id: str | None
-    address: str | None
-    location: str | None
-    #: A ``ProviderStatus`` (a ``StrEnum``, so it compares equal to the stored text).
-    status: str
-
-    @classmethod
-    def of(cls, machine: ProviderMachine) -> View:
-        return cls(machine.provider_id, machine.reservation_id, machine.address,
-                   machine.location, bmdb.ProviderStatus(machine.status))
-
-    def missing(self) -> View:
-        return View(self.provider_id, self.reservation_id, self.address, self.location,
-                    bmdb.ProviderStatus.MISSING)
 
 
 @dataclass(frozen=True)
@@ -106,63 +90,22 @@ def update(session: bmdb.Session, provider: Provider,
 
 def _update_held(session: bmdb.Session, provider: Provider,
                  settings: UpdaterSettings) -> UpdateResult:
-    stored = session.transact(lambda tx: stored_views(tx, provider.name))
-    listed = {m.provider_id: View.of(m) for m in provider.list_machines()}
-    gone = {mid for mid, old in stored.items() if old.provider_id not in listed}
-    changes: dict[uuid.UUID, View] = {}
-    for machine_id, old in stored.items():
-        new = old.missing() if machine_id in gone else listed[old.provider_id]
-        if new != old:
-            changes[machine_id] = new
-    written = set(write_changes(session, provider.name, changes, settings.batch_size))
-    known = {v.provider_id for v in stored.values()}
+    with bmdb.listing.open_listing(session, provider.name) as listing:
+        listing.load(listed_views(provider.list_machines()))
+        seen = listing.compare()
+        done = listing.apply(settings.batch_size)
     return UpdateResult(
         provider.name,
-        updated=len(written - gone),
-        unchanged=len(stored) - len(changes),
-        missing=len(gone),
-        marked_missing=len(written & gone),
-        unregistered=len(set(listed) - known),
+        updated=done.updated,
+        unchanged=seen.stored - seen.changed - seen.to_mark,
+        missing=seen.gone,
+        marked_missing=done.marked_missing,
+        unregistered=seen.unregistered,
     )
 
 
-def stored_views(tx: bmdb.Tx, provider: str,
-                 machine_ids: Iterable[uuid.UUID] | None = None) -> dict[uuid.UUID, View]:
-    """machine id -> the stored view, for ``provider``'s machines (or some of them)."""
-    return {
-        machine_id: View(state.provider_id, state.reservation_id, state.address,
-                         state.location, state.provider_status)
-        for machine_id, state in bmdb.queries.provided_states(tx, provider, machine_ids).items()
-    }
-
-
-def write_changes(session: bmdb.Session, provider: str, changes: dict[uuid.UUID, View],
-                  batch_size: int) -> list[uuid.UUID]:
-    """Write ``changes`` a batch per transaction; return the machines actually written."""
-    written: list[uuid.UUID] = []
-    items = list(changes.items())
-    for start in range(0, len(items), batch_size):
-        batch = dict(items[start:start + batch_size])
-        written += session.transact(lambda tx, batch=batch: _apply(tx, provider, batch))
-    return written
-
-
-def _apply(tx: bmdb.Tx, provider: str, batch: dict[uuid.UUID, View]) -> list[uuid.UUID]:
-    """Write each view that still differs from the row as it is *now*.
-
-    Re-reading inside the transaction skips machines deleted meanwhile (an upsert
-    would re-create a tag for a deleted machine, or fail the whole batch on the
-    foreign key) and rows another writer already brought up to date.
-    """
-    current = stored_views(tx, provider, batch)
-    written = []
-    for machine_id, view in batch.items():
-        if current.get(machine_id) in (None, view):
-            continue
-        bmdb.tags.upsert_provided(
-            tx, machine_id, provider=provider, provider_id=view.provider_id,
-            provider_status=view.status, reservation_id=view.reservation_id,
-            address=view.address, location=view.location,
-        )
-        written.append(machine_id)
-    return written
+def listed_views(machines: Iterable[ProviderMachine]) -> Iterator[bmdb.listing.ListedView]:
+    """The part of each listed machine the Provided tag keeps, as it comes: a tuple,
+    not an object, because a million of them pass through here."""
+    return ((m.provider_id, m.reservation_id, m.address, m.location, m.status)
+            for m in machines)
