@@ -34,7 +34,8 @@ from shepherd.config import Settings
 CONTROL_QUEUE = "shepherd.control"
 MACHINES_QUEUE = "shepherd.machines"
 
-#: Control work (reconcile, update, sourcing, sweep) never waits behind slow SSH work.
+#: Control work (reconcile, update, sourcing, sweep, pruning history) never waits behind
+#: slow SSH work.
 ROUTING: dict[str, Any] = {
     "task_queues": tuple(Queue(name, Exchange(name, type="direct"), routing_key=name)
                          for name in (CONTROL_QUEUE, MACHINES_QUEUE)),
@@ -117,5 +118,8 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
                                "ShepherdAgentStart"),
         "source-recovery": (settings.source_interval, "shepherd.source", "ShepherdRecovery"),
         "sweep": (settings.sweep_interval, "shepherd.sweep"),
+        # Nothing to prune when history is kept for ever.
+        "prune-history": (settings.history_prune_interval if settings.history_keep else 0,
+                          "shepherd.prune_history"),
     }
     return {name: _every(*entry) for name, entry in schedule.items() if entry[0] > 0}

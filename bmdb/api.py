@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from sqlalchemy.engine import Engine
 
+from bmdb import history
 from bmdb.backlog import Thresholds
 from bmdb.database import Tx, create_engine, ping, run_transaction
 from bmdb.sessions import Session
@@ -50,6 +52,14 @@ class BMDB:
 
     def sweep(self) -> SweepResult:
         return sweep(self.engine)
+
+    def prune_history(self, older_than: dt.datetime, batch_size: int, *,
+                      max_batches: int | None = None,
+                      after_batch: Callable[[int], None] | None = None) -> int:
+        """Delete history older than ``older_than`` in short transactions (see
+        ``history.prune``: never the guard's last hour); how many rows went."""
+        return history.prune(self.engine, older_than, batch_size, max_batches=max_batches,
+                             after_batch=after_batch)
 
     def close(self) -> None:
         self.engine.dispose()

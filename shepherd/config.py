@@ -18,6 +18,7 @@ table of ``_float``/``_int``/``_bool`` calls whose errors already name the varia
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import math
 import os
 import shlex
@@ -147,6 +148,25 @@ def _backoff(env: Mapping[str, str], name: str, default: bmdb.Backoff) -> bmdb.B
     return bmdb.Backoff(initial=initial, maximum=maximum, exponent=exponent)
 
 
+MAX_RETENTION_DAYS = 36500
+
+
+def _retention(env: Mapping[str, str], name: str, default: float) -> float:
+    """Days of history to keep: 0 (for ever), or enough to leave the guard its hour (and
+    at most a century, so that a cutoff is always a date)."""
+    days = _float(env, name, default)
+    if days > MAX_RETENTION_DAYS:
+        raise SettingsError(f"SHEPHERD_{name}={_get(env, name, '')!r} must be at most "
+                            f"{MAX_RETENTION_DAYS} days (0 keeps history for ever)")
+    if days:
+        try:
+            bmdb.history.check_age(dt.timedelta(days=days))
+        except ValueError as error:
+            raise SettingsError(f"SHEPHERD_{name}={_get(env, name, '')!r} (days): "
+                                f"{error}; 0 keeps history for ever") from error
+    return days
+
+
 @dataclass(frozen=True)
 class Settings:
     # Where things are.
@@ -180,6 +200,10 @@ class Settings:
     update_interval: float = 60.0
     source_interval: float = 5.0
     sweep_interval: float = 5.0
+    # History retention: days of history kept (0: for ever; at least an hour, which the
+    # guard's reboot budget reads), and seconds between beat's prunes (0: none).
+    history_retention: float = 30.0
+    history_prune_interval: float = 600.0
     # Sourcing and handoff.
     batch_size: int = 20
     in_flight_cap: int = 100
@@ -291,6 +315,11 @@ class Settings:
         return self.agent_heartbeat_interval or max(0.05, self.heartbeat_timeout / 10)
 
     @property
+    def history_keep(self) -> dt.timedelta | None:
+        """How old history must be to be pruned; None keeps it for ever (retention 0)."""
+        return dt.timedelta(days=self.history_retention) if self.history_retention else None
+
+    @property
     def thresholds(self) -> bmdb.Thresholds:
         return bmdb.Thresholds(
             first_heartbeat=self.first_heartbeat_timeout, heartbeat=self.heartbeat_timeout
@@ -329,6 +358,9 @@ class Settings:
             update_interval=_float(env, "UPDATE_INTERVAL", d.update_interval),
             source_interval=_float(env, "SOURCE_INTERVAL", d.source_interval),
             sweep_interval=_float(env, "SWEEP_INTERVAL", d.sweep_interval),
+            history_retention=_retention(env, "HISTORY_RETENTION", d.history_retention),
+            history_prune_interval=_float(env, "HISTORY_PRUNE_INTERVAL",
+                                          d.history_prune_interval),
             batch_size=_int(env, "BATCH_SIZE", d.batch_size, minimum=1),
             in_flight_cap=_int(env, "IN_FLIGHT_CAP", d.in_flight_cap),
             dispatch_ttl=_float(env, "DISPATCH_TTL", d.dispatch_ttl, minimum=1.0),

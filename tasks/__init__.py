@@ -11,6 +11,7 @@ shepherd.update        ()                               shepherd.control
 shepherd.source        (process: str)                   shepherd.control
 shepherd.sweep         ()                               shepherd.control
 shepherd.recovery_guard ()                              shepherd.control
+shepherd.prune_history ()                               shepherd.control
 shepherd.agent_start   (machine_id: str, work_id=None)  shepherd.machines
 shepherd.recovery      (machine_id: str, work_id=None)  shepherd.machines
 =====================  ===============================  ===================
@@ -28,12 +29,20 @@ from __future__ import annotations
 from tasks.celery_app import app
 
 # Registered on import, so ``-A tasks`` and ``from tasks import ...`` both see them.
-from tasks.control import reconcile, recovery_guard_status, source, sweep, update
+from tasks.control import (
+    prune_history,
+    reconcile,
+    recovery_guard_status,
+    source,
+    sweep,
+    update,
+)
 from tasks.machines import agent_start, recovery
 
 __all__ = [
     "agent_start",
     "app",
+    "prune_history",
     "reconcile",
     "recovery",
     "recovery_guard_status",

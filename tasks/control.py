@@ -1,4 +1,5 @@
-"""Control tasks (queue ``shepherd.control``): reconcile, update, source, sweep.
+"""Control tasks (queue ``shepherd.control``): reconcile, update, source, sweep, and
+pruning history.
 
 Beat schedules all of them; each can also be called by hand. They are short and
 never touch a machine over SSH themselves: sourcing hands machines to per-machine
@@ -14,7 +15,7 @@ from typing import Any
 import bmdb
 from celeryconfig import MACHINES_QUEUE
 from shepherd import runtime
-from shepherd.workflows import guard, sourcing
+from shepherd.workflows import guard, retention, sourcing
 from tasks.celery_app import app
 from tasks.errors import ReconcileRefused, ShepherdTaskError
 from tasks.machines import TASKS, count_pauses
@@ -59,6 +60,17 @@ def sweep() -> dict[str, Any]:
         log.warning("sweep released %d abandoned and %d unadopted claims",
                     result.abandoned, result.unadopted)
     return dataclasses.asdict(result)
+
+
+@app.task(name="shepherd.prune_history")
+def prune_history() -> dict[str, Any]:
+    """Delete history older than SHEPHERD_HISTORY_RETENTION days, a bounded share per
+    run in short transactions (the rules: ``shepherd.workflows.retention``)."""
+    rt = app.runtime
+    result = retention.prune(rt.db, runtime.retention_settings(rt.settings))
+    if result.deleted:
+        log.info("pruned %d history rows older than %s", result.deleted, result.cutoff)
+    return result.to_json()
 
 
 @app.task(name="shepherd.recovery_guard")

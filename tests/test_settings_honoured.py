@@ -68,6 +68,9 @@ RECOVERED = E2E + "test_killed_agent_is_recovered_and_heartbeats_again"
 RACKS_QUARANTINE = ("tests/test_racks_e2e.py::"
                     "test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off")
 RULES = "tests/test_recovery_rules.py::test_ladder_and_bmc_settings_reach_what_workers_build"
+#: A worker and beat pruning history with a 1-day retention every second.
+PRUNED = ("tests/test_history_retention.py::"
+          "test_the_worker_prunes_by_the_settings_and_beat_schedules_it")
 #: ``shepherd serve`` run with small limits in its environment, under attack.
 ATTACKS = "tests/test_server_attacks.py::"
 
@@ -100,6 +103,8 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "update_interval": {B: THIRTY},
     "source_interval": {B: THIRTY},
     "sweep_interval": {B: E2E + "test_two_workers_share_the_work_and_survive_a_lost_one"},
+    "history_retention": {W: PRUNED},
+    "history_prune_interval": {B: PRUNED},
     "batch_size": {W: probe},
     "in_flight_cap": {W: E2E + "test_sourcing_dispatches_claims_within_the_caps"},
     "dispatch_ttl": {W: probe, C: probe},
