@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Any
 
 import bmdb
 import shepherd.workflows.initializer as initializer
@@ -58,11 +59,11 @@ def banner_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
     return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY, new_nonce())
 
 
-def known_machine(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff
-                  ) -> ProviderMachine:
-    """The machine from its Provided tag, without asking the provider."""
-    provided = work.session.transact(
-        lambda tx: bmdb.queries.machine_tag(tx, "Provided", work.machine_id))
+def known_machine(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff,
+                  provided: dict[str, Any] | None) -> ProviderMachine:
+    """The machine from its Provided tag (read with the rest of what AgentStart reads),
+    without asking the provider."""
+    assert provided is not None
     return ProviderMachine(provided["provider_id"], provided["address"], 22,
                            provided["location"], provided["reservation_id"],
                            bmdb.ProviderStatus.RUNNING, False)

@@ -189,6 +189,19 @@ def _backlog_statements(process: Process, backlog: Backlog, wait: bool) -> _Clai
     return _ClaimStatements.of(_eligible(process, backlog.statement), wait)
 
 
+def any_claimable(tx: Tx, process: Process, backlog: Backlog) -> bool:
+    """Whether a claim of ``backlog`` would find an eligible machine now (free in its
+    group, not in backoff). One indexed read and no lock: the claim itself locks and
+    re-checks, this only spares the claim's steps when there is nothing to claim."""
+    statement = _probe_statement(Process(process), backlog)
+    return tx.execute(statement, {"now": tx.now, **backlog.values(tx)}).first() is not None
+
+
+@functools.cache
+def _probe_statement(process: Process, backlog: Backlog) -> sa.Select:
+    return _eligible(process, backlog.statement).limit(1)
+
+
 def _claim_statements(tx: Tx, process: Process, retriever: Retriever,
                       wait: bool) -> tuple[_ClaimStatements, dict[str, object]]:
     """The statements for this claim and the values they share."""

@@ -30,7 +30,8 @@ import fabric
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
-from shepherd.inventory.host_keys import ALGORITHMS, HostKeyError, parse_host_key
+from shepherd.inventory.host_keys import ALGORITHMS
+from shepherd.inventory.host_keys import key_line_fingerprint as fingerprint
 from shepherd.providers.ssh_keys import same_key
 
 
@@ -72,14 +73,6 @@ class HostKeyMismatch(RemoteError):
                          f"({fingerprint(seen)}), expected {expected} ({fingerprint(expected)})")
         self.seen = seen
         self.expected = expected
-
-
-def fingerprint(key_line: str) -> str:
-    """OpenSSH's ``SHA256:...`` fingerprint of a public-key line (``type base64 [comment]``)."""
-    try:
-        return parse_host_key(key_line).fingerprint
-    except HostKeyError:
-        return "SHA256:?"
 
 
 def _other_key_algorithms(pin: str) -> list[str]:

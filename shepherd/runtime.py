@@ -22,17 +22,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import bmdb
-from shepherd import metrics
 from shepherd.config import Settings, SettingsError
-from shepherd.providers import Provider, ssh_keys
+from shepherd.providers import Provider
 from shepherd.providers.base import ProviderMachine, refuse_placeholder
 from shepherd.redaction import database_url_problem, redact_url
-from shepherd.workflows import InitializerSettings, RecovererSettings
 from shepherd.workflows.guard import GuardLimits
 
+# What only workers and servers use loads where it is used: the CLI builds a Runtime
+# for every command, and SSH, the metrics and the key library cost it 0.3 s (issue 14).
 if TYPE_CHECKING:
     from shepherd.power import PowerControl
+    from shepherd.workflows.initializer import InitializerSettings
     from shepherd.workflows.provisioner import ProvisionerSettings
+    from shepherd.workflows.recoverer import RecovererSettings
+    from shepherd.workflows.retention import RetentionSettings
     from shepherd.workflows.sourcing import SourcingSettings
     from shepherd.workflows.updater import UpdaterSettings
 
@@ -200,6 +203,9 @@ def build_provider(settings: Settings) -> Provider:
     Called once per worker process: registration is idempotent (``ensure_registered``)
     but costs API calls, and the key must be known before the first device is created.
     """
+    from shepherd import metrics
+    from shepherd.providers import ssh_keys
+
     check_settings(settings)
     if settings.provider in HTTP_PROVIDERS:
         from shepherd.providers.equinix import (
@@ -231,6 +237,8 @@ def build_provider(settings: Settings) -> Provider:
 
 
 def initializer_settings(settings: Settings) -> InitializerSettings:
+    from shepherd.workflows.initializer import InitializerSettings
+
     ca = Path(settings.bmaas_ca_file).read_text() if settings.bmaas_ca_file else None
     return InitializerSettings(
         ssh_key_path=settings.ssh_key_path, bmaas_endpoint=settings.bmaas_endpoint,
@@ -242,6 +250,7 @@ def initializer_settings(settings: Settings) -> InitializerSettings:
 
 def recoverer_settings(settings: Settings) -> RecovererSettings:
     from shepherd.workflows.ladder import LadderSettings
+    from shepherd.workflows.recoverer import RecovererSettings
 
     return RecovererSettings(
         ladder=LadderSettings(rung_timeout=settings.rung_timeout,
@@ -309,6 +318,13 @@ def updater_settings(settings: Settings) -> UpdaterSettings:
     from shepherd.workflows.updater import UpdaterSettings
 
     return UpdaterSettings(batch_size=settings.update_batch_size)
+
+
+def retention_settings(settings: Settings) -> RetentionSettings:
+    """What beat's periodic prune keeps: ``SHEPHERD_HISTORY_RETENTION`` days."""
+    from shepherd.workflows.retention import RetentionSettings
+
+    return RetentionSettings(keep=settings.history_keep)
 
 
 def default_backoff(settings: Settings, process: bmdb.Process) -> bmdb.Backoff:

@@ -158,3 +158,42 @@ def test_every_agent_start_writes_a_new_nonce_even_for_the_same_key(db, session)
     for bad in ("short", "x" * 65):
         with pytest.raises(ValueError, match="nonce"):
             session.transact(lambda tx, b=bad: bmdb.tags.set_agent_started(tx, machine, KEY, b))
+
+
+def test_the_takeover_view_agrees_with_the_reads_it_replaces(db, session):
+    """``queries.takeover_view`` (AgentStart's one read before acting) says what
+    ``machine_tag``, ``host_keys.pinned`` and ``agent_credentials`` say, at every stage."""
+    bare, provided, started = seed_provided(session, 3)
+    session.transact(lambda tx: bmdb.tags.delete_provided(tx, bare))
+    start_agent(session, started)
+    session.transact(lambda tx: bmdb.host_keys.pin(tx, started, "ssh-ed25519 AAAA", "SHA256:x"))
+    for machine in (bare, provided, started, uuid.uuid4()):
+        def both(tx: bmdb.Tx, m: uuid.UUID = machine) -> tuple[object, tuple[object, ...]]:
+            current = bmdb.queries.agent_credentials(tx, m)
+            return bmdb.queries.takeover_view(tx, m), (
+                bmdb.queries.machine_tag(tx, "Provided", m), bmdb.host_keys.pinned(tx, m),
+                current.public_key if current else None)
+
+        view, separately = db.read(both)
+        assert (view.provided, view.host_key, view.agent_key) == separately
+    assert db.read(lambda tx: bmdb.queries.takeover_view(tx, started)).agent_key == b"\x01" * 32
+
+
+def test_any_claimable_is_whether_a_claim_would_find_a_machine(db, session):
+    agent_start = bmdb.backlog.retriever(Process.AGENT_START, db.thresholds)
+
+    def claimable() -> bool:
+        return db.read(lambda tx: bmdb.work.any_claimable(tx, Process.AGENT_START,
+                                                            agent_start))
+
+    assert not claimable()
+    (machine,) = seed_provided(session, 1)
+    assert claimable()
+    work = session.claim_backlog(Process.AGENT_START, 1)[0]
+    assert not claimable()  # busy
+    work.fail("ssh: refused")
+    assert not claimable()  # in backoff
+    session.transact(lambda tx: bmdb.work.clear_backoff(tx, machine, Process.AGENT_START))
+    assert claimable()
+    start_agent(session, machine)
+    assert not claimable()  # out of the backlog

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 import bmdb
 from shepherd.power import ProviderPower
@@ -109,6 +111,40 @@ def test_initialize_starts_an_agent_that_heartbeats(
         simulator.host_key_line(provider_id)
     assert session.held_work() == []
     assert session.claim_backlog(bmdb.Process.AGENT_START, 5) == []
+
+
+def test_agent_start_reads_the_bmdb_once_before_acting(
+        session: bmdb.Session, db: bmdb.BMDB, provider: EquinixProvider,
+        simulator: Simulator, settings: InitializerSettings) -> None:
+    """Issue 14: an AgentStart is two transactions (one read before the provider and
+    SSH, then the finish); only the finish goes through the session (whose lock makes
+    a COMMIT wait for the disk); the fleet's answer key is read once per process, not
+    generated and written at every takeover."""
+    start_agent(session, provider, simulator, settings, db)  # reads the answer key
+    machine_id, _ = provision(session, provider, simulator)
+    work = claim_one(session, bmdb.Process.AGENT_START)
+    here = threading.get_ident()  # not the session's keep-alive thread
+    transactions: list[str] = []
+
+    def began(conn: object) -> None:
+        if threading.get_ident() == here:
+            transactions.append("BEGIN")
+
+    def executed(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        if threading.get_ident() == here:
+            transactions.append(statement)
+
+    sa.event.listen(db.engine, "begin", began)
+    sa.event.listen(db.engine, "before_cursor_execute", executed)
+    try:
+        assert initialize(work, provider, settings).ok
+    finally:
+        sa.event.remove(db.engine, "begin", began)
+        sa.event.remove(db.engine, "before_cursor_execute", executed)
+    assert transactions.count("BEGIN") == 2
+    assert len([s for s in transactions if "FOR KEY SHARE" in s]) == 1  # the finish's
+    assert [s for s in transactions if "server_keys" in s] == []
+    assert "AgentStarted" in tags_of(db, machine_id)
 
 
 def test_refused_ssh_fails_the_work_into_backoff(

@@ -39,9 +39,6 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
 HEADER_MACHINE = "X-Shepherd-Machine"
 HEADER_TIMESTAMP = "X-Shepherd-Timestamp"
@@ -235,6 +232,11 @@ def _machine(machine_id: uuid.UUID | str) -> str:
 
 
 def _check_proof(key: bytes, proof: Any, sent: TakeoverInit) -> None:
+    """The proof is the agent's key's signature of this takeover. ``cryptography`` loads
+    here: operators' reads use this module's bounds only (issue 14: CLI start-up)."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     signature = _base64(proof, "proof")
     payload = takeover_proof_payload(sent.machine_id, sent.nonce,
                                      base64.b64encode(key).decode())

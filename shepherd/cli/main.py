@@ -7,23 +7,24 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-
-import sqlalchemy as sa
+from typing import TYPE_CHECKING
 
 from shepherd.cli.arguments import DELEGATED, EXIT_BAD_ARGUMENT, parser
-from shepherd.cli.context import Context, Failed
-from shepherd.cli.workers import CeleryWorkers, WorkerLayer
-from shepherd.config import Settings, SettingsError
-from shepherd.operator import BadArgument
-from shepherd.providers.base import ProviderError
-from shepherd.redaction import redact_url
+
+if TYPE_CHECKING:
+    from shepherd.cli.workers import WorkerLayer
+    from shepherd.config import Settings
 
 EXIT_FAILED = 1
 
 
 def main(argv: Sequence[str] | None = None,
-         workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> int:
-    """Run one command. ``workers`` builds the worker layer (tests give their own)."""
+         workers: Callable[[Settings], WorkerLayer] | None = None) -> int:
+    """Run one command. ``workers`` builds the worker layer (tests give their own; by
+    default Celery's, ``CeleryWorkers``).
+
+    Only the parser is imported with this module: a usage error or ``--help`` loads
+    nothing else, and a command loads what it uses (issue 14: start-up time)."""
     top = parser()
     args, rest = top.parse_known_args(argv)
     if args.command in DELEGATED:
@@ -36,10 +37,19 @@ def main(argv: Sequence[str] | None = None,
 
 
 def run(args: argparse.Namespace,
-        workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> int:
+        workers: Callable[[Settings], WorkerLayer] | None = None) -> int:
+    import sqlalchemy as sa
+
+    from shepherd.cli.context import Context, Failed
+    from shepherd.cli.workers import CeleryWorkers
+    from shepherd.config import SettingsError
+    from shepherd.operator import BadArgument
+    from shepherd.providers.base import ProviderError
+    from shepherd.redaction import redact_url
+
     ctx: Context | None = None
     try:
-        ctx = Context.build(args, workers)
+        ctx = Context.build(args, workers or CeleryWorkers)
         return args.run(ctx)
     except (BadArgument, SettingsError) as error:
         return _fail(args, error, EXIT_BAD_ARGUMENT)

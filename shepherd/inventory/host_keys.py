@@ -17,8 +17,10 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import paramiko
+if TYPE_CHECKING:
+    import paramiko
 
 #: Host key types a pin may have, and the algorithms that make a server show that key.
 #: Why the algorithms matter: a server has several host keys and shows the one the
@@ -72,6 +74,15 @@ def fingerprint(blob: bytes) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+def key_line_fingerprint(key_line: str) -> str:
+    """OpenSSH's ``SHA256:...`` fingerprint of a public-key line (``type base64
+    [comment]``), or ``SHA256:?`` when the line is not one (shown, never raised)."""
+    try:
+        return parse_host_key(key_line).fingerprint
+    except HostKeyError:
+        return "SHA256:?"
+
+
 def parse_host_key(text: str) -> HostKey:
     """An OpenSSH public-key line as a ``HostKey``; ``HostKeyError`` says what is wrong.
 
@@ -123,6 +134,8 @@ def fetch_host_key(address: str, port: int, *, timeout: float,
     compared with a pin is of the pin's type. Bounded by ``timeout`` for each of
     connect, banner and key exchange. Raises ``ProbeError`` with a one-line reason.
     """
+    import paramiko  # here: operators' reads parse pins without loading SSH (issue 14)
+
     where = f"{address}:{port}"
     try:
         sock = socket.create_connection((address, port), timeout=timeout)

@@ -13,10 +13,10 @@ import uuid
 from dataclasses import dataclass
 
 import bmdb
+from shepherd.inventory.host_keys import key_line_fingerprint as fingerprint
 from shepherd.operator.holds import require_text
 from shepherd.operator.reads import require_machine
 from shepherd.providers.base import NotFound, Provider
-from shepherd.remote import fingerprint
 
 
 @dataclass(frozen=True)

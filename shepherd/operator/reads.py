@@ -12,10 +12,10 @@ import bmdb
 from bmdb import inspection
 from bmdb.inspection import MachineFilter, MachineList, SessionInfo
 from bmdb.refusals import Refusal
+from shepherd.inventory.host_keys import key_line_fingerprint as fingerprint
 from shepherd.operator import stored
 from shepherd.operator.arguments import UnknownMachine
 from shepherd.operator.views import MachineDetail
-from shepherd.remote import fingerprint
 
 
 def require_machine(tx: bmdb.Tx, machine_id: uuid.UUID) -> dt.datetime:

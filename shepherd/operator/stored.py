@@ -26,8 +26,6 @@ import math
 import re
 from typing import Any
 
-from pydantic_core import from_json
-
 from bmdb.inspection import StoredJSON
 from shepherd.agent.protocol import (
     INT64_MAX,
@@ -44,7 +42,10 @@ UNREADABLE_HEAD = 200
 
 
 def document(stored: StoredJSON) -> Any:
-    """The stored document, decoded and bounded (see the module's invariant)."""
+    """The stored document, decoded and bounded (see the module's invariant). The
+    decoder loads on first use: listing machines decodes no document (issue 14)."""
+    from pydantic_core import from_json
+
     try:
         value = from_json(stored.text, allow_inf_nan=True)
     except ValueError as error:

@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-
 import bmdb
 from bmdb import fleet
 from shepherd.redaction import redact_url
@@ -100,8 +98,12 @@ def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0,
     Why it matters: with the server down every agent looks silent; rebooting then
     would punish the fleet for our own outage. Proxies from the environment are
     ignored: the worker must reach the server the way agents do, directly, and
-    trusting the CA they trust (``ca_file``), else the system's.
+    trusting the CA they trust (``ca_file``), else the system's. ``requests`` loads
+    here, not with the module: the guard's figures are read by every operator command
+    and page, which need no HTTP client (issue 14: the CLI's start-up).
     """
+    import requests
+
     with requests.Session() as client:
         client.trust_env = False
         try:

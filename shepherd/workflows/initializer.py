@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import shlex
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import bmdb
 from shepherd.agent import AGENT_PATH
@@ -41,7 +42,7 @@ from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
     WorkflowFailure,
     WorkflowResult,
-    provider_id_of,
+    provider_id_from,
     run_work,
 )
 
@@ -78,10 +79,13 @@ def initialize(work: bmdb.Work, provider: Provider,
     """Start the agent on ``work``'s machine; finish with AgentStarted or fail with a cause."""
 
     def body() -> Callable[[bmdb.Tx], None]:
-        machine = reachable_machine(work, provider, settings.permanent_backoff)
-        pin = host_key_pin(work, machine)
+        known = read_known(work)
+        machine = reachable_machine(work, provider, settings.permanent_backoff,
+                                    known.provided)
+        pin = pin_for(work.machine_id, machine, known.recorded_pin)
         work.ensure_held()
-        taken = take_over_work(work, machine, settings, pin)
+        taken = take_over(machine, work.machine_id, settings, pin,
+                          answer_key=known.answer_key, current_key=known.current_key)
 
         def record(tx: bmdb.Tx) -> None:
             record_agent(tx, work.machine_id, taken)
@@ -105,13 +109,86 @@ class HostKeyPin:
 def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None:
     """The inventory's pin if it has one, else the key recorded at the first takeover."""
     if machine.host_key:
-        return HostKeyPin(machine.host_key, "pinned in the inventory")
+        return pin_for(work.machine_id, machine, None)
     recorded = work.session.transact(
         lambda tx: bmdb.host_keys.pinned(tx, work.machine_id))
+    return pin_for(work.machine_id, machine, recorded)
+
+
+def pin_for(machine_id: uuid.UUID, machine: ProviderMachine,
+            recorded: str | None) -> HostKeyPin | None:
+    """``host_key_pin`` with the recorded key already read: the inventory's pin wins."""
+    if machine.host_key:
+        return HostKeyPin(machine.host_key, "pinned in the inventory")
     if recorded is None:
         return None
     return HostKeyPin(recorded, "recorded at the first takeover; after a reinstall run "
-                                f"'shepherd host-key forget {work.machine_id}'")
+                                f"'shepherd host-key forget {machine_id}'")
+
+
+class Known(NamedTuple):
+    """What an AgentStart needs from the BMDB, read together before it acts
+    (``read_known``)."""
+
+    #: The Provided tag (``bmdb.queries.machine_tag``): which device to ask for.
+    provided: dict[str, Any] | None
+    #: The host key recorded at the first takeover, if any.
+    recorded_pin: str | None
+    #: The key AgentStarted holds now: the new agent must not answer with it.
+    current_key: bytes | None
+    #: The fleet's answer key (public half, base64), for the agent's TakeoverInit.
+    answer_key: str
+
+
+def read_known(work: bmdb.Work) -> Known:
+    """Everything AgentStart reads from the BMDB, in one transaction and (once the
+    answer key is known) one statement; it used to be three session transactions of
+    one to three statements each (issue 14).
+
+    Outside the session (``BMDB.read``): a session's transaction locks the session
+    row, so even a read writes and its COMMIT waits for the WAL to reach the disk.
+    Nothing read here needs the lease; the takeover checks it (``ensure_held``) right
+    before acting, and the finish checks it again in its own transaction.
+
+    Why reading it all before the provider call is safe: while this claim is held,
+    nothing else writes these rows. AgentStarted and the recorded host key change
+    only through a takeover or Recovery, which share this claim's exclusion group;
+    only ``shepherd host-key forget`` may drop the pin meanwhile, as it could between
+    separate reads before, and a pin read too early is stricter, never looser (the
+    takeover fails with a mismatch). The inventory's pin comes with the provider's
+    answer, fresh.
+    """
+    db = work.session.db
+
+    def read(tx: bmdb.Tx) -> Known:
+        view = bmdb.queries.takeover_view(tx, work.machine_id)
+        return Known(view.provided, view.host_key, view.agent_key, _answer_key(tx, db))
+
+    known = db.read(read)
+    _remember_answer_key(db, known.answer_key)
+    return known
+
+
+#: The fleet's answer key (public half) per BMDB, once a transaction that read it has
+#: committed. A server key never changes once written (``bmdb.server_keys``: one value
+#: per name, ever), so a process reads it once instead of at every takeover, where it
+#: cost a key generation and two statements. Remembered only after the commit: a key
+#: this process created in a transaction that rolled back was never the fleet's.
+_ANSWER_KEYS: weakref.WeakKeyDictionary[bmdb.BMDB, str] = weakref.WeakKeyDictionary()
+
+
+def _answer_key(tx: bmdb.Tx, db: bmdb.BMDB) -> str:
+    """The remembered answer key, else the BMDB's (created in ``tx`` if it has none)."""
+    remembered = _ANSWER_KEYS.get(db)
+    if remembered is not None:
+        return remembered
+    from shepherd.server.answers import AnswerKey  # shepherd.server's package imports us
+
+    return AnswerKey.from_tx(tx).public_b64
+
+
+def _remember_answer_key(db: bmdb.BMDB, key: str) -> None:
+    _ANSWER_KEYS.setdefault(db, key)
 
 
 class Takeover(NamedTuple):
@@ -132,22 +209,24 @@ def take_over_work(work: bmdb.Work, machine: ProviderMachine, settings: Initiali
                    pin: HostKeyPin | None = None) -> Takeover:
     """``take_over`` with what it needs from the BMDB, read in one transaction: the
     servers' answer key (created if the fleet has none yet) and the machine's current
-    agent key, which the new agent must not answer with."""
-    from shepherd.server.answers import AnswerKey  # shepherd.server's package imports us
+    agent key, which the new agent must not answer with (Recovery's rung 0)."""
+    db = work.session.db
 
     def read(tx: bmdb.Tx) -> tuple[str, bytes | None]:
         current = bmdb.queries.agent_credentials(tx, work.machine_id)
-        return AnswerKey.from_tx(tx).public_b64, current.public_key if current else None
+        return _answer_key(tx, db), current.public_key if current else None
 
     answer_key, current_key = work.session.transact(read)
+    _remember_answer_key(db, answer_key)
     return take_over(machine, work.machine_id, settings, pin, answer_key=answer_key,
                      current_key=current_key)
 
 
-def reachable_machine(work: bmdb.Work, provider: Provider,
-                      permanent: bmdb.Backoff) -> ProviderMachine:
-    """The provider's current view of the machine, which must have an address."""
-    provider_id = provider_id_of(work, provider, permanent)
+def reachable_machine(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff,
+                      provided: dict[str, Any] | None) -> ProviderMachine:
+    """The provider's current view of the machine (its ``provided`` tag says which
+    device), which must have an address."""
+    provider_id = provider_id_from(provided, provider, permanent)
     try:
         machine = provider.get_machine(provider_id)
     except NotFound as error:

@@ -10,6 +10,10 @@ The rules, in one place (the Celery task ``shepherd.source`` is glue over them):
   after the blast-radius guard, and within the hourly reboot budget;
 * each claim carries a dispatch deadline (``dispatch_ttl``): a claim nobody adopts in
   time is released by the sweep;
+* a run that finds nothing to claim (one read: no eligible machine in the backlog)
+  ends there, before the hold, the guard and the claim: with beat sourcing every few
+  seconds, empty runs are most runs, and each used to cost four transactions (and
+  for Recovery the guard's HTTP call) for nothing;
 * claims are dispatched after the hold is released (dispatching is an outside effect:
   a broker call); once the dispatcher refuses one, the rest of the batch is cancelled
   at once instead of waiting for the sweep, since the broker is most likely down and
@@ -57,10 +61,16 @@ def source(session: bmdb.Session, process: bmdb.Process, settings: SourcingSetti
         {"process", "paused", "guard"}               the guard pauses Recovery
         {"process", "claimed": 0, "active"}          the in-flight cap is reached
         {"process", "claimed", "dispatched", "refused", "active"}
+
+    (the last with 0 claimed and the guard not asked when nothing was eligible).
     """
     if process not in SOURCED:
         raise ValueError(f"no sourcing for process {process.value!r}")
-    active, capped = 0, False
+    active, claimable = session.db.read(lambda tx: _outlook(tx, process, session.db))
+    if not claimable:
+        return {"process": process.value, "claimed": 0, "dispatched": 0, "refused": 0,
+                "active": active}
+    capped = False
 
     def claim(budget: int) -> list[bmdb.Work]:
         nonlocal active, capped
@@ -95,6 +105,15 @@ def source(session: bmdb.Session, process: bmdb.Process, settings: SourcingSetti
                  process.value, refused)
     return {"process": process.value, "claimed": len(claims),
             "dispatched": len(claims) - refused, "refused": refused, "active": active}
+
+
+def _outlook(tx: bmdb.Tx, process: bmdb.Process, db: bmdb.BMDB) -> tuple[int, bool]:
+    """The process's work in flight, and whether its backlog has a machine to claim.
+    Read outside the session: a session's transaction locks its session row, which
+    makes its COMMIT wait for the WAL on disk, for a read that needs no lease."""
+    backlog = bmdb.backlog.retriever(process, db.thresholds)
+    return (bmdb.queries.active_work(tx, process),
+            bmdb.work.any_claimable(tx, process, backlog))
 
 
 def dispatch_all(claims: list[bmdb.Work], dispatch: Dispatch) -> int:
