@@ -25,7 +25,9 @@ Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer
 fleet-wide, e.g. reconcile), ``capacity`` (cooldowns for capacity that failed to
 provision), ``holds`` (maintenance and quarantine), ``host_keys`` (pinned SSH host
 keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refusals),
-``server_keys`` (fleet-wide server secrets, e.g. the answer-signing key).
+``server_keys`` (fleet-wide server secrets, e.g. the answer-signing key),
+``counters`` (machines per tag combination and history totals, kept by triggers),
+``listing`` (a provider's listing compared with its Provided tags in SQL: the updater).
 
 Every SQL statement of Shepherd lives in this package, behind named functions:
 callers outside it never import ``schema`` or SQLAlchemy.
@@ -34,11 +36,13 @@ callers outside it never import ``schema`` or SQLAlchemy.
 from bmdb import (
     backlog,
     capacity,
+    counters,
     fleet,
     history,
     holds,
     host_keys,
     inspection,
+    listing,
     queries,
     refusals,
     schema,
@@ -89,6 +93,7 @@ __all__ = [
     "backlog",
     "capacity",
     "connect",
+    "counters",
     "default_backoff",
     "exclusion_group",
     "fleet",
@@ -96,6 +101,7 @@ __all__ = [
     "holds",
     "host_keys",
     "inspection",
+    "listing",
     "next_interval",
     "queries",
     "refusals",

@@ -1,7 +1,7 @@
 """Fleet-wide figures: what dashboards, metrics and the blast-radius guard count.
 
-Counted over whole tables (or a whole backlog), from the BMDB rather than any
-process's memory, so that every worker on every host sees the same numbers. The
+From the BMDB rather than any process's memory, so that every worker on every host
+sees the same numbers; never by counting a whole table (``counters`` keeps those). The
 guard's three figures run on every sourcing of Recovery: their statements are
 built once (see ``backlog.Backlog`` for why).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from bmdb import backlog, schema
+from bmdb import backlog, counters, schema
 from bmdb.database import Tx
 from bmdb.holds import HOLD_KINDS
 from bmdb.processes import Process
@@ -42,9 +42,10 @@ class FleetCounts:
 def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
     """What an operator wants on one screen; the backlog counts what is claimable now.
 
-    Counts whole tables: for dashboards and metrics, not for hot paths.
+    Flat in the fleet's size: machine and tag figures come from the trigger-kept
+    ``counters``; the rest count only rows that are few in a working fleet (backlogs,
+    work, backoffs, heartbeats gone stale), each through an index.
     """
-
     def count(query: sa.Select) -> int:
         return tx.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
 
@@ -55,55 +56,58 @@ def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
         found = {row[0]: row[1] for row in rows}
         return {p.value: found.get(p.value, 0) for p in Process}
 
-    hb = schema.agent_heartbeat
-    fresh = tx.execute(
-        sa.select(sa.func.count()).where(
-            hb.c.last_heartbeat_at >= tx.now - dt.timedelta(seconds=thresholds.heartbeat)
-        )
-    ).scalar_one()
+    states = counters.states(tx)
     return FleetCounts(
-        machines=count(sa.select(schema.machines.c.id)),
-        provided=count(sa.select(schema.provided.c.machine_id)),
-        agent_started=count(sa.select(schema.agent_started.c.machine_id)),
-        heartbeating=fresh,
+        machines=sum(states.values()),
+        provided=counters.machines_with(states, counters.TAG_BITS["provided"]),
+        agent_started=counters.machines_with(states, counters.TAG_BITS["agent_started"]),
+        heartbeating=_heartbeating(tx, states, thresholds),
         backlog={
             process.value: count(eligible(tx, process, backlog.retriever(process, thresholds)))
             for process in (Process.AGENT_START, Process.RECOVERY)
         },
         active_work=per_process(schema.work),
         active_backoffs=per_process(schema.backoff, schema.backoff.c.until > tx.now),
-        held=held_counts(tx),
+        held=held_counts(tx, states),
     )
 
 
-def held_counts(tx: Tx) -> dict[str, int]:
+_STALE = sa.select(sa.func.count()).where(
+    schema.agent_heartbeat.c.last_heartbeat_at < sa.bindparam("cutoff"))
+
+
+def _heartbeating(tx: Tx, states: dict[int, int], thresholds: backlog.Thresholds) -> int:
+    """Machines whose last heartbeat is within ``thresholds.heartbeat``: all heartbeat
+    tags minus the stale ones, which the index on ``last_heartbeat_at`` finds without
+    reading the (many) fresh ones."""
+    cutoff = tx.now - dt.timedelta(seconds=thresholds.heartbeat)
+    stale = tx.execute(_STALE, {"cutoff": cutoff}).scalar_one()
+    return counters.machines_with(states, counters.TAG_BITS["agent_heartbeat"]) - int(stale)
+
+
+def held_counts(tx: Tx, states: dict[int, int] | None = None) -> dict[str, int]:
     """Machines per hold kind, every kind present (zero when none)."""
-    holds = schema.machine_holds
-    rows = tx.execute(sa.select(holds.c.kind, sa.func.count()).group_by(holds.c.kind))
-    found = {row[0]: int(row[1]) for row in rows}
-    return {kind: found.get(kind, 0) for kind in HOLD_KINDS}
-
-
-_OUTCOMES = (sa.select(schema.history.c.process, schema.history.c.event, sa.func.count())
-             .group_by(schema.history.c.process, schema.history.c.event))
+    states = counters.states(tx) if states is None else states
+    return {kind: counters.machines_with(states, counters.HOLD_BITS[kind])
+            for kind in HOLD_KINDS}
 
 
 def task_outcomes(tx: Tx) -> dict[tuple[str, str], int]:
-    """(process, event) -> count over the whole history, every known (process, Started or
-    one of ``ENDINGS``) pair present, zero when it never happened.
+    """(process, event) -> count over all history ever written, every known (process,
+    Started or one of ``ENDINGS``) pair present, zero when it never happened.
 
     History is written in the same transaction as each outcome, by every worker, so
-    these are fleet-wide totals that survive restarts. Counts the whole table.
+    these are fleet-wide totals that survive restarts; the counter behind them
+    (``counters.history_totals``) is not lowered by pruning history.
     """
     counts = {(p.value, e): 0 for p in Process for e in (Event.STARTED, *ENDINGS)}
-    for process, event, count in tx.execute(_OUTCOMES):
-        counts[(process, event)] = int(count)
+    counts.update(counters.history_totals(tx))
     return counts
 
 
 # -- the blast-radius guard's figures --------------------------------------------------
 
-_AGENTS_STARTED = sa.select(sa.func.count()).select_from(schema.agent_started).where(
+_AGENTS_STARTED_AMONG = sa.select(sa.func.count()).select_from(schema.agent_started).where(
     backlog.not_held(schema.agent_started.c.machine_id))
 
 
@@ -113,11 +117,15 @@ def agents_started(tx: Tx, among: Iterable[uuid.UUID] | None = None) -> int:
 
     Held machines (maintenance, quarantine) are left out of both sides of the silent
     share: an operator's planned work on a rack must not read as a fleet outage.
+    The fleet-wide figure comes from the counters, so the guard costs the same at
+    any fleet size.
     """
     if among is None:
-        return int(tx.execute(_AGENTS_STARTED).scalar_one())
+        return counters.machines_with(counters.states(tx), counters.TAG_BITS["agent_started"],
+                                      without=counters.HELD)
     s = schema.agent_started
-    return int(tx.execute(_AGENTS_STARTED.where(s.c.machine_id.in_(list(among)))).scalar_one())
+    return int(tx.execute(_AGENTS_STARTED_AMONG.where(s.c.machine_id.in_(list(among))))
+               .scalar_one())
 
 
 def _silent_statement() -> sa.Select:
@@ -158,8 +166,8 @@ def recovery_starts_last_hour(tx: Tx) -> int:
     """Recovery claims (``Started``) in the last hour, fleet-wide, minus those cancelled
     before doing anything (broker refusal, never adopted, paused at execution).
 
-    Counted from history so every worker on every host shares one budget. History
-    has no index on ``at``; at very large history sizes this wants one on
-    (process, event, at).
+    Counted from history so every worker on every host shares one budget; the
+    indexes on history (process, event, at) and (work_id) read only the last hour's
+    Recovery starts, whatever the history's size.
     """
     return int(tx.execute(_RECOVERY_STARTS, {"since": tx.now - HOUR}).scalar_one())

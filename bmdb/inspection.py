@@ -2,13 +2,16 @@
 one machine's work and backoffs, sessions.
 
 For people (the CLI and the web view, through ``shepherd.operator``), not hot paths:
-these statements are composed per call and some count whole tables. Every record is
+these statements are composed per call. None counts a whole table: pages are keyset
+walks and fleet figures come from ``counters``. Every record is
 a plain frozen dataclass, so callers never see a table or a row. Times are the
 BMDB's clock (``tx.now``), the same clock the backlog queries and backoffs use.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as dt
 import functools
 import uuid
@@ -17,7 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bmdb import backlog, schema
+from bmdb import backlog, counters, schema
 from bmdb.database import Tx
 from bmdb.processes import Process
 from bmdb.queries import TAG_TABLES
@@ -26,10 +29,16 @@ from bmdb.queries import TAG_TABLES
 ANY = "any"
 
 
+#: The largest page a caller may ask for: a page is read, rendered and sent whole.
+MAX_PAGE = 1000
+
+
 @dataclass(frozen=True)
 class MachineFilter:
     """Which machines to list. ``tags`` / ``without``: tag names (``TAG_TABLES``);
-    ``work`` / ``backoff``: a process name, ``ANY``, or None (no filter)."""
+    ``work`` / ``backoff``: a process name, ``ANY``, or None (no filter); ``limit``:
+    the page size (1 to ``MAX_PAGE``); ``after``: a ``MachineList.next_cursor``, to
+    read the page that follows it."""
 
     tags: tuple[str, ...] = ()
     without: tuple[str, ...] = ()
@@ -37,6 +46,13 @@ class MachineFilter:
     work: str | None = None
     backoff: str | None = None
     limit: int = 500
+    after: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.limit <= MAX_PAGE:
+            raise ValueError(f"a page holds 1 to {MAX_PAGE} machines, not {self.limit}")
+        if self.after is not None:
+            decode_cursor(self.after)  # refuse a malformed cursor before any query
 
 
 @dataclass(frozen=True)
@@ -58,9 +74,15 @@ class MachineSummary:
 class MachineList:
     now: dt.datetime
     machines: list[MachineSummary]
+    #: Machines matching the filter, on every page (not only this one).
     matched: int
     tag_counts: dict[str, int]
     total: int
+    #: Pass as ``MachineFilter.after`` for the next page; None on the last page.
+    next_cursor: str | None = None
+    #: ``matched`` is the planner's estimate, not a count (a provider filter alone:
+    #: counting it exactly would read every machine of a large provider).
+    matched_estimated: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,57 +134,152 @@ def machine_created_at(tx: Tx, machine_id: uuid.UUID) -> dt.datetime | None:
 
 
 def tag_counts(tx: Tx) -> dict[str, int]:
-    """Machines carrying each tag, in ``TAG_TABLES`` order (whole-table counts)."""
-    return {name: tx.execute(sa.select(sa.func.count()).select_from(table)).scalar_one()
-            for name, table in TAG_TABLES.items()}
+    """Machines carrying each tag, in ``TAG_TABLES`` order (from the counters)."""
+    return _tag_counts(counters.states(tx))
 
 
-def _filtered(tx: Tx, f: MachineFilter) -> sa.Select:
-    m, p = schema.machines, schema.provided
-    query = sa.select(m.c.id, m.c.created_at, p.c.provider, p.c.provider_id,
-                      p.c.provider_status, p.c.address
-                      ).select_from(m.outerjoin(p, p.c.machine_id == m.c.id))
-    # Aliases: ``provided`` is in the outer FROM too, and would be auto-correlated away.
-    for tag in f.tags:
-        table = TAG_TABLES[tag].alias()
-        query = query.where(sa.exists().where(table.c.machine_id == m.c.id))
-    for tag in f.without:
-        table = TAG_TABLES[tag].alias()
-        query = query.where(~sa.exists().where(table.c.machine_id == m.c.id))
-    if f.provider:
-        query = query.where(p.c.provider == f.provider)
-    if f.work:
-        w = schema.work
-        held = sa.exists().where(w.c.machine_id == m.c.id)
-        if f.work != ANY:
-            held = held.where(w.c.process == f.work)
-        query = query.where(held)
-    if f.backoff:
-        b = schema.backoff
-        waiting = sa.exists().where(b.c.machine_id == m.c.id, b.c.until > tx.now)
-        if f.backoff != ANY:
-            waiting = waiting.where(b.c.process == f.backoff)
-        query = query.where(waiting)
-    return query
+def _tag_counts(states: dict[int, int]) -> dict[str, int]:
+    return {name: counters.machines_with(states, _TAG_BIT[name]) for name in TAG_TABLES}
+
+
+#: Tag name -> its bit in ``machines.tag_bits``.
+_TAG_BIT = {name: counters.TAG_BITS[table.name] for name, table in TAG_TABLES.items()}
+
+
+# -- cursors: a position in (created_at, id) order, opaque to callers ------------------
+
+
+def encode_cursor(created_at: dt.datetime, machine_id: uuid.UUID) -> str:
+    text = f"{created_at.isoformat()}|{machine_id}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[dt.datetime, uuid.UUID]:
+    """The position a cursor names; ValueError for anything ``encode_cursor`` did not
+    make. A position, not a row: the machine it came from may be gone since."""
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        when, machine = text.split("|")
+        created_at = dt.datetime.fromisoformat(when)
+        if created_at.tzinfo is None:
+            raise ValueError
+        return created_at, uuid.UUID(machine)
+    except (ValueError, UnicodeDecodeError, binascii.Error):
+        raise ValueError(f"{cursor[:80]!r} is not a page cursor (take it from the "
+                         "previous page's next link)") from None
+
+
+# -- pages of machines ------------------------------------------------------------------
 
 
 def list_machines(tx: Tx, f: MachineFilter = MachineFilter()) -> MachineList:
-    """Machines matching ``f`` (oldest first, at most ``f.limit``), with their tags,
-    work and active backoffs, plus per-tag counts over the whole fleet."""
-    query = _filtered(tx, f)
-    matched = tx.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
+    """A page of the machines matching ``f`` (oldest first, ``f.limit`` at most, after
+    ``f.after``), with their tags, work, active backoffs and holds, plus the fleet's
+    per-tag counts.
+
+    Flat in the fleet's size: the tag filters become a set of ``tag_bits`` values
+    (from the counters, only those that occur), and each is a keyset walk on the index
+    (tag_bits, created_at, id) that stops after one page; work and backoff filters
+    start from those (small) tables instead. Tags and holds come from ``tag_bits``.
+    """
+    states = counters.states(tx)
+    allowed = _allowed_states(f, states)
+    rows = tx.execute(_page(tx, f, allowed)).all() if allowed else []
+    page, more = rows[:f.limit], len(rows) > f.limit
+    matched, estimated = _matched(tx, f, states, allowed)
+    last = page[-1] if more else None
+    return MachineList(
+        now=tx.now, machines=_summaries(tx, page), matched=matched,
+        tag_counts=_tag_counts(states), total=sum(states.values()),
+        next_cursor=encode_cursor(last.created_at, last.id) if last is not None else None,
+        matched_estimated=estimated)
+
+
+def _allowed_states(f: MachineFilter, states: dict[int, int]) -> list[int]:
+    """The ``tag_bits`` values that occur and satisfy the tag filters."""
+    need = sum(_TAG_BIT[t] for t in set(f.tags))
+    refuse = sum(_TAG_BIT[t] for t in set(f.without))
+    return sorted(s for s in states if s & need == need and not s & refuse)
+
+
+def _columns() -> sa.Select:
+    m, p = schema.machines, schema.provided
+    return sa.select(m.c.id, m.c.created_at, m.c.tag_bits, p.c.provider, p.c.provider_id,
+                     p.c.provider_status, p.c.address
+                     ).select_from(m.outerjoin(p, p.c.machine_id == m.c.id))
+
+
+def _conditions(tx: Tx, f: MachineFilter) -> list[sa.ColumnElement[bool]]:
+    """The filters beyond tags: provider, work, backoff."""
+    m, p = schema.machines, schema.provided
+    where: list[sa.ColumnElement[bool]] = []
+    if f.provider:
+        where.append(p.c.provider == f.provider)
+    if f.work:
+        w = schema.work
+        held = sa.exists().where(w.c.machine_id == m.c.id)
+        where.append(held.where(w.c.process == f.work) if f.work != ANY else held)
+    if f.backoff:
+        b = schema.backoff
+        waiting = sa.exists().where(b.c.machine_id == m.c.id, b.c.until > tx.now)
+        where.append(waiting.where(b.c.process == f.backoff) if f.backoff != ANY else waiting)
+    return where
+
+
+def _page(tx: Tx, f: MachineFilter, allowed: list[int]) -> sa.Select:
+    """One page plus one row (to know whether another page follows)."""
     m = schema.machines
-    rows = tx.execute(query.order_by(m.c.created_at, m.c.id).limit(f.limit)).all()
+    where = _conditions(tx, f)
+    if f.after is not None:
+        created_at, machine_id = decode_cursor(f.after)
+        where.append(sa.tuple_(m.c.created_at, m.c.id) > sa.tuple_(
+            sa.literal(created_at, m.c.created_at.type), sa.literal(machine_id, m.c.id.type)))
+    order, size = (m.c.created_at, m.c.id), f.limit + 1
+    if f.work or f.backoff:  # driven by the work / backoff rows: few, whatever the fleet
+        return _columns().where(m.c.tag_bits.in_(allowed), *where).order_by(*order).limit(size)
+    walks = [sa.select(_columns().where(m.c.tag_bits == state, *where)
+                       .order_by(*order).limit(size).subquery()) for state in allowed]
+    merged = sa.union_all(*walks).subquery()
+    return sa.select(merged).order_by(merged.c.created_at, merged.c.id).limit(size)
+
+
+#: Up to this many matches, a provider filter's count is exact (a bounded walk).
+EXACT_UP_TO = 5000
+
+
+def _matched(tx: Tx, f: MachineFilter, states: dict[int, int], allowed: list[int]
+             ) -> tuple[int, bool]:
+    """(machines matching ``f``, whether that is an estimate).
+
+    Tag filters are counted by the counters; work and backoff filters over those
+    (small) tables. A provider filter alone is counted up to ``EXACT_UP_TO``; past
+    that it is the planner's estimate, since counting every machine of a large
+    provider would cost a walk over all of them."""
+    if not allowed:
+        return 0, False
+    if not (f.provider or f.work or f.backoff):
+        return sum(states[s] for s in allowed), False
+    query = _columns().where(schema.machines.c.tag_bits.in_(allowed), *_conditions(tx, f))
+    bounded = f.provider and not (f.work or f.backoff) and tx.dialect == "postgresql"
+    counted = query.limit(EXACT_UP_TO + 1) if bounded else query
+    n = int(tx.execute(sa.select(sa.func.count()).select_from(counted.subquery())).scalar_one())
+    if n <= EXACT_UP_TO or not bounded:
+        return n, False
+    return max(_estimated_rows(tx, query), n), True
+
+
+def _estimated_rows(tx: Tx, query: sa.Select) -> int:
+    """The PostgreSQL planner's row estimate for ``query`` (no rows are read)."""
+    compiled = query.compile(dialect=tx.conn.dialect, compile_kwargs={"literal_binds": True})
+    plan = tx.execute(sa.text(f"EXPLAIN (FORMAT JSON) {compiled}")).scalar_one()
+    return int(plan[0]["Plan"]["Plan Rows"])
+
+
+def _summaries(tx: Tx, rows: list[Any]) -> list[MachineSummary]:
     ids = [row.id for row in rows]
-    tags: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
     work: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
     backoffs: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
-    holds: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
     if ids:
-        for name, table in TAG_TABLES.items():
-            for machine_id in tx.execute(sa.select(table.c.machine_id)
-                                         .where(table.c.machine_id.in_(ids))).scalars():
-                tags[machine_id].append(name)
         w, b = schema.work, schema.backoff
         for row in tx.execute(sa.select(w.c.machine_id, w.c.process)
                               .where(w.c.machine_id.in_(ids)).order_by(w.c.process)):
@@ -171,21 +288,25 @@ def list_machines(tx: Tx, f: MachineFilter = MachineFilter()) -> MachineList:
                               .where(b.c.machine_id.in_(ids), b.c.until > tx.now)
                               .order_by(b.c.process)):
             backoffs[row.machine_id].append(row.process)
-        # The holds' primary key (machine_id, kind) serves this lookup.
-        h = schema.machine_holds
-        for row in tx.execute(sa.select(h.c.machine_id, h.c.kind)
-                              .where(h.c.machine_id.in_(ids)).order_by(h.c.kind)):
-            holds[row.machine_id].append(row.kind)
-    machines = [
+    return [
         MachineSummary(id=row.id, created_at=row.created_at, provider=row.provider,
                        provider_id=row.provider_id, provider_status=row.provider_status,
-                       address=row.address, tags=tags[row.id], work=work[row.id],
-                       backoffs=backoffs[row.id], holds=holds[row.id])
+                       address=row.address, tags=list(_tags_of(row.tag_bits)),
+                       work=work[row.id], backoffs=backoffs[row.id],
+                       holds=list(_holds_of(row.tag_bits)))
         for row in rows
     ]
-    total = tx.execute(sa.select(sa.func.count()).select_from(schema.machines)).scalar_one()
-    return MachineList(now=tx.now, machines=machines, matched=matched,
-                       tag_counts=tag_counts(tx), total=total)
+
+
+@functools.cache
+def _tags_of(bits: int) -> tuple[str, ...]:
+    """Tag names set in ``bits``, in ``TAG_TABLES`` order (a page has few distinct values)."""
+    return tuple(t for t in TAG_TABLES if bits & _TAG_BIT[t])
+
+
+@functools.cache
+def _holds_of(bits: int) -> tuple[str, ...]:
+    return tuple(k for k, bit in counters.HOLD_BITS.items() if bits & bit)
 
 
 def in_backlog(tx: Tx, process: Process, machine_id: uuid.UUID,

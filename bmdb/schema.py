@@ -15,9 +15,14 @@ Invariants and where they are enforced:
   step in the same transaction. They exist so that each backlog query reads only
   the machines in the backlog, through a partial index, whatever the fleet size.
 * History keeps rows of deleted machines: no foreign key on ``history.machine_id``.
+* ``machines.tag_bits`` mirrors which tags and holds a machine has, and
+  ``state_counts`` / ``history_counts`` count machines per ``tag_bits`` and history
+  rows per (process, event): database triggers keep all three in the same
+  transaction as every write (``counters.py`` states the invariants and installs
+  the triggers). Whole-table counts are never needed on a periodic path.
 * A machine with a ``machine_holds`` row (maintenance or quarantine) is in no
-  backlog: ``backlog.py`` excludes it with an anti-join on this table's primary key,
-  which costs one index probe per backlog candidate, so the backlogs stay flat.
+  backlog: ``backlog.py`` excludes it by its hold bits in ``machines.tag_bits``, one
+  primary-key probe per backlog candidate, so the backlogs stay flat.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -58,6 +64,12 @@ machines = Table(
     metadata,
     Column("id", Uuid, primary_key=True),
     Column("created_at", UTCDateTime, nullable=False),
+    # Which tags and holds the machine has, one bit each (``counters.TAG_BITS``,
+    # ``counters.HOLD_BITS``); written only by the triggers of ``counters.py``.
+    Column("tag_bits", SmallInteger, nullable=False, server_default=sa.text("0")),
+    # Pages of machines: a keyset walk per tag combination, in creation order
+    # (``inspection.list_machines``), whatever the fleet size and the filter.
+    Index("ix_machines_tag_bits_created_at_id", "tag_bits", "created_at", "id"),
 )
 
 
@@ -223,6 +235,10 @@ history = Table(
     Column("session_id", Uuid),
     Column("cause", Text),
     Index("ix_history_machine_id_id", "machine_id", "id"),
+    # The guard's hourly reboot budget: Recovery Started rows of the last hour, and
+    # whether each work item was Canceled (``fleet.recovery_starts_last_hour``).
+    Index("ix_history_process_event_at", "process", "event", "at"),
+    Index("ix_history_work_id", "work_id"),
 )
 
 machine_holds = Table(
@@ -288,6 +304,27 @@ server_keys = Table(
     Column("name", String(64), primary_key=True),
     Column("private_key", LargeBinary, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+)
+
+state_counts = Table(
+    "state_counts",
+    metadata,
+    # Machines per ``machines.tag_bits`` value, in shards (``counters.py``: one per
+    # PostgreSQL backend, folded into shard 0 by the sweep); sum over shards.
+    Column("tag_bits", SmallInteger, primary_key=True),
+    Column("shard", Integer, primary_key=True),
+    Column("machines", BigInteger, nullable=False),
+)
+
+history_counts = Table(
+    "history_counts",
+    metadata,
+    # History rows ever written per (process, event), in shards like
+    # ``state_counts``; pruning history does not lower them.
+    Column("process", String(64), primary_key=True),
+    Column("event", String(16), primary_key=True),
+    Column("shard", Integer, primary_key=True),
+    Column("rows", BigInteger, nullable=False),
 )
 
 singletons = Table(

@@ -2,7 +2,8 @@
 
 Releases work held by sessions whose deadline passed (``Abandoned`` history
 naming the dead session), releases claims that were never adopted within their
-dispatch deadline (``Canceled``), and deletes the dead sessions. Run it
+dispatch deadline (``Canceled``), deletes the dead sessions, and folds the counters'
+shards (``counters.compact``). Run it
 periodically from any one component; running it from several at once is safe.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bmdb import schema
+from bmdb import counters, schema
 from bmdb.database import Tx, run_transaction
 from bmdb.work import Event
 
@@ -44,6 +45,7 @@ def _sweep(tx: Tx) -> SweepResult:
     deleted = tx.execute(
         sa.delete(s).where(s.c.id.in_(dead), ~sa.exists().where(w.c.session_id == s.c.id))
     ).rowcount if dead else 0
+    counters.compact(tx)
     return SweepResult(abandoned=abandoned, unadopted=unadopted, sessions_deleted=deleted)
 
 

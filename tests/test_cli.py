@@ -162,6 +162,25 @@ def test_machines_bad_filters_are_one_line_and_status_2(fleet: Fleet, capsys) ->
         cli.main(["machines", "--limit", "0"])
     assert exit_.value.code == 2
     assert "must be at least 1" in one_line_error(capsys.readouterr().err, 2)
+    status, _, err = run(capsys, "machines", "--limit", "1001")
+    assert "1 to 1000" in one_line_error(err, status)
+    status, _, err = run(capsys, "machines", "--after", "not-a-cursor")
+    assert "is not a page cursor" in one_line_error(err, status)
+
+
+def test_machines_pages_on_with_the_printed_cursor(fleet: Fleet, capsys) -> None:
+    seen, after = [], []
+    for _ in range(3):
+        status, out, _ = run(capsys, "machines", "--json", "--limit", "4", *after)
+        assert status == 0
+        listed = json.loads(out)
+        seen += [m["id"] for m in listed["machines"]]
+        if listed["next_cursor"] is None:
+            break
+        after = ["--after", listed["next_cursor"]]
+    assert sorted(seen) == sorted(str(m) for m in fleet.all) and len(seen) == len(set(seen))
+    status, out, _ = run(capsys, "machines", "--limit", "4")
+    assert "next page: add --after " in out and "4 of 9 matching" in out
 
 
 def test_show_has_tags_work_backoffs_and_history_newest_first(fleet: Fleet, capsys) -> None:
@@ -455,7 +474,7 @@ COMMAND_ARGS = {
     "clear-backoff": [UNKNOWN, "recovery"], "start": ["recovery", UNKNOWN], "reconcile": [],
     "sessions": [], "sweep": [], "up": [], "maintenance": ["on", UNKNOWN],
     "quarantine": ["clear", UNKNOWN], "host-key": ["forget", UNKNOWN],
-    "power": ["status", UNKNOWN], "ssh-key": [],
+    "power": ["status", UNKNOWN], "ssh-key": [], "history": ["prune", "--older-than", "30d"],
 }
 #: Commands that never open the BMDB (``inventory check`` reads only its file).
 WITHOUT_BMDB = {"inventory"}

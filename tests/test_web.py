@@ -75,6 +75,8 @@ class Page(HTMLParser):
         self.cell_classes: list[list[str]] = []
         self._cells: list[str] = []
         self.by_id: dict[str, str] = {}
+        #: The attributes of each element with an id (links' ``href``).
+        self.attributes_by_id: dict[str, dict[str, str]] = {}
         self.title = ""
         self._row: tuple[dict[str, str], list[str]] | None = None
         self._ids: list[list] = []  # [tag, id, text parts, depth of that tag]
@@ -103,6 +105,7 @@ class Page(HTMLParser):
             if open_[0] == tag:
                 open_[3] += 1
         if "id" in attributes:
+            self.attributes_by_id[attributes["id"]] = attributes
             self._ids.append([tag, attributes["id"], [], 1])
         self._in_title = tag == "title"
 
@@ -161,6 +164,26 @@ def test_machines_page_shows_tags_counts_and_filters(web, browse) -> None:
     held = browse(f"{server.url}/machines?work=recovery")
     assert [a["data-machine"] for a, _ in held.rows_with("data-machine")] == [
         str(fleet.orphaned)]
+
+
+def test_machines_pages_follow_the_next_link_and_refuse_bad_pages(web, browse) -> None:
+    server, _, fleet = web
+    seen, url, pages = [], f"{server.url}/machines?tag=Provided&limit=4", 0
+    while url:
+        page = browse(url)
+        seen += [a["data-machine"] for a, _ in page.rows_with("data-machine")]
+        following = page.attributes_by_id.get("next-page")
+        url = f"{server.url}{following['href']}" if following else None
+        pages += 1
+        assert pages <= 3
+    assert sorted(seen) == sorted(str(m) for m in fleet.all) and len(seen) == len(set(seen))
+    assert pages == 3 and "9 matching, showing 1 on this page" in page.by_id["matched"]
+    assert "first-page" in page.attributes_by_id
+    for query, error in (("limit=100000", "limit must be from 1 to 1000"),
+                         ("limit=ten", "limit must be a whole number"),
+                         ("after=bm9wZQ", "is not a page cursor")):
+        answer = requests.get(f"{server.url}/machines?{query}", timeout=10)
+        assert answer.status_code == 400 and error in answer.text
 
 
 def test_machine_page_shows_work_backoffs_and_history(web, browse) -> None:

@@ -7,12 +7,11 @@ Usage errors are one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
-
-from shepherd.cli import actions, reads
-from shepherd.cli.migrate import migrate
 
 EXIT_BAD_ARGUMENT = 2
 BMDB_URL_HELP = "BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)"
@@ -23,7 +22,7 @@ USAGE = """\
 Operator commands (tables for people, --json for scripts):
 
     shepherd machines [--tag T]... [--without T]... [--provider P] [--work PROC|any]
-                      [--backoff PROC|any] [--limit N]
+                      [--backoff PROC|any] [--limit N] [--after CURSOR]
     shepherd show MACHINE [--history N]
     shepherd explain MACHINE
     shepherd clear-backoff MACHINE PROCESS
@@ -31,6 +30,7 @@ Operator commands (tables for people, --json for scripts):
     shepherd reconcile
     shepherd sessions [--alive]
     shepherd fleet | migrate [REV] | sweep | serve ... | simulator ... | up [--racks]
+    shepherd history prune --older-than AGE [--batch-size N]   AGE: 90d, 12h, 45m (>= 1h)
     shepherd inventory check FILE [--probe] [--timeout S]   (no BMDB; exit 1: a probe failed)
 
 Each takes --json (one JSON document on stdout; not up) and --bmdb-url URL, before
@@ -54,6 +54,44 @@ DELEGATED = {
 }
 
 
+@dataclass(frozen=True)
+class Runner:
+    """A command's function, named here and imported when the command runs.
+
+    Why: the parser is built for every ``shepherd`` run (``--help`` too), and the
+    command modules load the BMDB, SQLAlchemy and the operator package; imported with
+    the parser, they cost every run half a second before it did anything (issue 14).
+    ``tests/test_cli_startup.py`` checks that every runner resolves and what the
+    parser loads.
+    """
+
+    module: str
+    name: str
+
+    def resolve(self) -> Callable[[Any], int]:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, ctx: Any) -> int:
+        return self.resolve()(ctx)
+
+
+class _Module:
+    """``reads.fleet`` is ``Runner("shepherd.cli.reads", "fleet")``: no import yet."""
+
+    def __init__(self, module: str) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Runner:
+        if name.startswith("_"):  # copy, pickle and friends probe for dunders
+            raise AttributeError(name)
+        return Runner(self._module, name)
+
+
+actions = _Module("shepherd.cli.actions")
+reads = _Module("shepherd.cli.reads")
+migrate = Runner("shepherd.cli.migrate", "migrate")
+
+
 class Parser(argparse.ArgumentParser):
     """Usage errors as one line on stderr, exit status 2 (scripts parse it, people read it)."""
 
@@ -71,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     commands = _Commands(sub)
     _operator_commands(commands)
     _inventory_commands(commands)
+    _history_commands(commands)
     _machine_care_commands(commands)
     _up_command(commands.add("up", "run the whole control plane in the foreground", _up,
                              json=False))
@@ -125,7 +164,11 @@ def _operator_commands(commands: _Commands) -> None:
                           help="only machines held by work of this process")
     machines.add_argument("--backoff", metavar="PROCESS|any",
                           help="only machines in an active backoff of this process")
-    machines.add_argument("--limit", type=positive, default=500)
+    machines.add_argument("--limit", type=positive, default=500,
+                          help="machines per page (default 500, at most 1000)")
+    machines.add_argument("--after", metavar="CURSOR",
+                          help="the page after this cursor (printed under each page "
+                               "that has a next one)")
 
     show = commands.add("show", "one machine: tags, work, backoffs, history", reads.show)
     show.add_argument("machine", metavar="MACHINE")
@@ -199,6 +242,30 @@ def _power(ctx: Any) -> int:
     from shepherd.cli.power import power
 
     return power(ctx)
+
+
+# -- shepherd history -----------------------------------------------------------------
+
+
+def _history_commands(commands: _Commands) -> None:
+    """``shepherd history prune``; its module loads only when the command is given."""
+    history = commands.sub.add_parser("history", help="delete old history (retention)")
+    sub = history.add_subparsers(dest="history_command", required=True, parser_class=Parser)
+    prune = sub.add_parser("prune", parents=[commands.url, commands.json],
+                           help="delete history older than --older-than now, in short "
+                                "transactions (never the last hour: the guard reads it)")
+    prune.add_argument("--older-than", type=_older_than, required=True, metavar="AGE",
+                       help="90d, 12h or 45m; at least 1h")
+    prune.add_argument("--batch-size", type=positive, default=1000, metavar="N",
+                       help="rows deleted per transaction (default 1000)")
+    prune.set_defaults(run=Runner("shepherd.cli.history", "prune"))
+
+
+def _older_than(text: str) -> Any:
+    """``--older-than``'s type, imported only when the option is given."""
+    from shepherd.cli.history import older_than
+
+    return older_than(text)
 
 
 # -- shepherd inventory ---------------------------------------------------------------

@@ -21,12 +21,9 @@ def fleet(ctx: Context) -> int:
 
 def machines(ctx: Context) -> int:
     args = ctx.args
-    f = operator.MachineFilter(
-        tags=tuple(operator.parse_tag(t) for t in args.tag),
-        without=tuple(operator.parse_tag(t) for t in args.without),
-        provider=args.provider, work=operator.parse_process_filter(args.work),
-        backoff=operator.parse_process_filter(args.backoff), limit=args.limit,
-    )
+    f = operator.machine_filter(
+        tags=args.tag, without=args.without, provider=args.provider, work=args.work,
+        backoff=args.backoff, limit=args.limit, after=args.after)
     found = ctx.db.read(lambda tx: operator.list_machines(tx, f))
     ctx.emit(found, lambda: render.machines(found))
     return 0

@@ -39,14 +39,18 @@ def machines(found: Any) -> str:
              operator.status_text(m.provider_status, m.provider), m.address,
              [operator.short_tag(t) for t in m.tags], m.work, m.backoffs, m.holds)
             for m in found.machines]
-    shown = (f"{len(found.machines)} of {found.matched} matching" if
-             found.matched > len(found.machines) else f"{found.matched} matching")
-    return "\n".join([
+    matched = f"~{found.matched} (estimated)" if found.matched_estimated else found.matched
+    shown = (f"{len(found.machines)} of {matched} matching" if
+             found.next_cursor or found.matched_estimated else f"{matched} matching")
+    lines = [
         f"fleet: {found.total} machines  {counts}",
         tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
                       "WORK", "BACKOFF", "HELD"], rows),
         f"({shown}; tags: {operator.TAG_LEGEND})",
-    ])
+    ]
+    if found.next_cursor:
+        lines.append(f"next page: add --after {found.next_cursor}")
+    return "\n".join(lines)
 
 
 def show(d: Any) -> str:

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterable
 
 import bmdb
-from bmdb.inspection import ANY
+from bmdb.inspection import ANY, MAX_PAGE, MachineFilter
 
 #: Tag names in display order (Provided first: the order of a machine's life).
 TAGS: tuple[str, ...] = bmdb.queries.TAG_NAMES
@@ -87,3 +87,37 @@ def parse_tag(text: str) -> str:
         if tag.lower() == text.strip().lower():
             return tag
     raise BadArgument(f"unknown tag {text!r}; one of: {', '.join(TAGS)}")
+
+
+def machine_filter(*, tags: Iterable[str] = (), without: Iterable[str] = (),
+                   provider: str | None = None, work: str | None = None,
+                   backoff: str | None = None, limit: int = 500,
+                   after: str | None = None) -> MachineFilter:
+    """A page filter from what an operator typed; ``BadArgument`` names the first
+    thing wrong (an unknown tag or process, a page over ``MAX_PAGE``, a cursor that
+    no page gave out)."""
+    try:
+        return MachineFilter(
+            tags=tuple(parse_tag(t) for t in tags if t),
+            without=tuple(parse_tag(t) for t in without if t),
+            provider=provider or None, work=parse_process_filter(work),
+            backoff=parse_process_filter(backoff), limit=limit, after=after or None)
+    except BadArgument:
+        raise
+    except ValueError as error:
+        raise BadArgument(str(error)) from None
+
+
+def parse_limit(text: str | None, default: int = 500) -> int:
+    """A page size, 1 to ``MAX_PAGE``."""
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadArgument(f"limit must be a whole number from 1 to {MAX_PAGE}, "
+                          f"got {text[:40]!r}") from None
+    if not 1 <= value <= MAX_PAGE:
+        raise BadArgument(f"limit must be from 1 to {MAX_PAGE} (a page is read and sent "
+                          f"whole; follow the next-page link for more), got {value}")
+    return value

@@ -92,25 +92,20 @@ def index() -> Response:
 def machines() -> tuple[str, int] | str:
     args = request.args
     try:
-        limit = int(args.get("limit") or 500)
-        if limit < 1:
-            raise ValueError
-    except ValueError:
-        return _error(400, f"limit must be a positive whole number, got {args.get('limit')!r}")
-    try:
-        f = operator.MachineFilter(
-            tags=tuple(operator.parse_tag(t) for t in args.getlist("tag") if t),
-            without=tuple(operator.parse_tag(t) for t in args.getlist("without") if t),
-            provider=args.get("provider") or None,
-            work=operator.parse_process_filter(args.get("work")),
-            backoff=operator.parse_process_filter(args.get("backoff")),
-            limit=limit,
-        )
+        f = operator.machine_filter(
+            tags=args.getlist("tag"), without=args.getlist("without"),
+            provider=args.get("provider"), work=args.get("work"), backoff=args.get("backoff"),
+            limit=operator.parse_limit(args.get("limit")), after=args.get("after"))
     except operator.BadArgument as error:
         return _error(400, str(error))
     found, held, refusals = _db().read(lambda tx: (
         operator.list_machines(tx, f), bmdb.fleet.held_counts(tx), operator.refusals(tx)))
+    next_page = None
+    if found.next_cursor:
+        query = {**request.args.to_dict(flat=False), "after": found.next_cursor}
+        next_page = url_for("web.machines", **query)
     return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
+                           next_page=next_page,
                            short_tags=operator.SHORT_TAGS, held=held, refusals=refusals,
                            processes=[p.value for p in bmdb.Process])
 
