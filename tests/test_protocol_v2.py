@@ -254,7 +254,10 @@ def test_a_heartbeat_of_the_real_agent_replayed_after_a_recovery_is_refused(
     again after Recovery gave the machine a new agent: refused, nothing overwritten."""
     machine, first, _ = start_agent(agents, session, proxy.url, answer_key=answer_key)
     wait_for(lambda: heartbeat_at(db, machine), what="the first heartbeat")
-    capture = proxy.captured[0]
+    # The BMDB has the heartbeat before the proxy, which records a request only once
+    # the server answered it: wait for the record too.
+    capture = wait_for(lambda: proxy.captured[0] if proxy.captured else None,
+                       what="the proxy's record of the first heartbeat")
     assert capture.status == 200 and b"hardware_report" in capture.body
     recovery(session, machine)
     # The new agent's first heartbeat is a minute away: nothing but the replay comes.
