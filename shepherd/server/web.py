@@ -98,15 +98,16 @@ def machines() -> tuple[str, int] | str:
             limit=operator.parse_limit(args.get("limit")), after=args.get("after"))
     except operator.BadArgument as error:
         return _error(400, str(error))
-    found, held, refusals = _db().read(lambda tx: (
-        operator.list_machines(tx, f), bmdb.fleet.held_counts(tx), operator.refusals(tx)))
+    found, refusals = _db().read(lambda tx: (operator.list_machines(tx, f),
+                                             operator.refusals(tx)))
     next_page = None
     if found.next_cursor:
         query = {**request.args.to_dict(flat=False), "after": found.next_cursor}
         next_page = url_for("web.machines", **query)
     return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
                            next_page=next_page,
-                           short_tags=operator.SHORT_TAGS, held=held, refusals=refusals,
+                           short_tags=operator.SHORT_TAGS, held=found.held_counts,
+                           refusals=refusals,
                            processes=[p.value for p in bmdb.Process])
 
 
