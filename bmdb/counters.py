@@ -74,6 +74,11 @@ def machines_with(counts: Mapping[int, int], bits: int, without: int = 0) -> int
                if state & bits == bits and not state & without)
 
 
+def hold_counts(counts: Mapping[int, int]) -> dict[str, int]:
+    """Machines (from ``states``) per hold kind, every kind present."""
+    return {kind: machines_with(counts, bit) for kind, bit in HOLD_BITS.items()}
+
+
 _HISTORY = (sa.select(schema.history_counts.c.process, schema.history_counts.c.event,
                       sa.func.sum(schema.history_counts.c.rows))
             .group_by(schema.history_counts.c.process, schema.history_counts.c.event))
@@ -104,15 +109,21 @@ def compact(tx: Tx) -> None:
         tx.execute(sa.text(statement))
 
 
-def _compaction(table: str, key: str, value: str) -> str:
+def _compaction(table: str, keys: tuple[str, ...], value: str) -> str:
+    """Move every shard row but shard 0's (skipping rows a transaction holds) into
+    shard 0, in key order (concurrent compactions are excluded anyway)."""
+    key = ", ".join(keys)
+
+    def of(alias: str) -> str:
+        return ", ".join(f"{alias}.{k}" for k in keys)
+
     return f"""
 WITH taken AS (
     SELECT {key}, shard FROM {table} WHERE shard <> 0 FOR UPDATE SKIP LOCKED
 ), moved AS (
     DELETE FROM {table} t USING taken
-    WHERE ({", ".join(f"t.{k}" for k in key.split(", "))}, t.shard)
-        = ({", ".join(f"taken.{k}" for k in key.split(", "))}, taken.shard)
-    RETURNING {", ".join(f"t.{k}" for k in key.split(", "))}, t.{value}
+    WHERE ({of("t")}, t.shard) = ({of("taken")}, taken.shard)
+    RETURNING {of("t")}, t.{value}
 )
 INSERT INTO {table} ({key}, shard, {value})
 SELECT {key}, 0, sum({value}) FROM moved GROUP BY {key} ORDER BY {key}
@@ -120,8 +131,8 @@ ON CONFLICT ({key}, shard) DO UPDATE SET {value} = {table}.{value} + excluded.{v
 """
 
 
-_COMPACTIONS = (_compaction("state_counts", "tag_bits", "machines"),
-                _compaction("history_counts", "process, event", "rows"))
+_COMPACTIONS = (_compaction("state_counts", ("tag_bits",), "machines"),
+                _compaction("history_counts", ("process", "event"), "rows"))
 
 
 def recount(tx: Tx) -> None:

@@ -18,7 +18,6 @@ import sqlalchemy as sa
 
 from bmdb import backlog, counters, schema
 from bmdb.database import Tx
-from bmdb.holds import HOLD_KINDS
 from bmdb.processes import Process
 from bmdb.work import Event, eligible
 
@@ -68,7 +67,7 @@ def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
         },
         active_work=per_process(schema.work),
         active_backoffs=per_process(schema.backoff, schema.backoff.c.until > tx.now),
-        held=held_counts(tx, states),
+        held=counters.hold_counts(states),
     )
 
 
@@ -85,11 +84,9 @@ def _heartbeating(tx: Tx, states: dict[int, int], thresholds: backlog.Thresholds
     return counters.machines_with(states, counters.TAG_BITS["agent_heartbeat"]) - int(stale)
 
 
-def held_counts(tx: Tx, states: dict[int, int] | None = None) -> dict[str, int]:
+def held_counts(tx: Tx) -> dict[str, int]:
     """Machines per hold kind, every kind present (zero when none)."""
-    states = counters.states(tx) if states is None else states
-    return {kind: counters.machines_with(states, counters.HOLD_BITS[kind])
-            for kind in HOLD_KINDS}
+    return counters.hold_counts(counters.states(tx))
 
 
 def task_outcomes(tx: Tx) -> dict[tuple[str, str], int]:

@@ -135,12 +135,8 @@ def machine_created_at(tx: Tx, machine_id: uuid.UUID) -> dt.datetime | None:
                       ).scalar_one_or_none()
 
 
-def tag_counts(tx: Tx) -> dict[str, int]:
-    """Machines carrying each tag, in ``TAG_TABLES`` order (from the counters)."""
-    return _tag_counts(counters.states(tx))
-
-
 def _tag_counts(states: dict[int, int]) -> dict[str, int]:
+    """Machines carrying each tag, in ``TAG_TABLES`` order."""
     return {name: counters.machines_with(states, _TAG_BIT[name]) for name in TAG_TABLES}
 
 
@@ -196,8 +192,7 @@ def list_machines(tx: Tx, f: MachineFilter = MachineFilter()) -> MachineList:
         tag_counts=_tag_counts(states), total=sum(states.values()),
         next_cursor=encode_cursor(last.created_at, last.id) if last is not None else None,
         matched_estimated=estimated,
-        held_counts={kind: counters.machines_with(states, bit)
-                     for kind, bit in counters.HOLD_BITS.items()})
+        held_counts=counters.hold_counts(states))
 
 
 def _allowed_states(f: MachineFilter, states: dict[int, int]) -> list[int]:

@@ -81,11 +81,11 @@ def initialize(work: bmdb.Work, provider: Provider,
     def body() -> Callable[[bmdb.Tx], None]:
         known = read_known(work)
         machine = reachable_machine(work, provider, settings.permanent_backoff,
-                                    known.provided)
-        pin = pin_for(work.machine_id, machine, known.recorded_pin)
+                                    known.view.provided)
+        pin = pin_for(work.machine_id, machine, known.view.host_key)
         work.ensure_held()
         taken = take_over(machine, work.machine_id, settings, pin,
-                          answer_key=known.answer_key, current_key=known.current_key)
+                          answer_key=known.answer_key, current_key=known.view.agent_key)
 
         def record(tx: bmdb.Tx) -> None:
             record_agent(tx, work.machine_id, taken)
@@ -128,15 +128,10 @@ def pin_for(machine_id: uuid.UUID, machine: ProviderMachine,
 
 class Known(NamedTuple):
     """What an AgentStart needs from the BMDB, read together before it acts
-    (``read_known``)."""
+    (``read_known``): the machine's own rows, and the fleet's answer key (public
+    half, base64) for the agent's TakeoverInit."""
 
-    #: The Provided tag (``bmdb.queries.machine_tag``): which device to ask for.
-    provided: dict[str, Any] | None
-    #: The host key recorded at the first takeover, if any.
-    recorded_pin: str | None
-    #: The key AgentStarted holds now: the new agent must not answer with it.
-    current_key: bytes | None
-    #: The fleet's answer key (public half, base64), for the agent's TakeoverInit.
+    view: bmdb.queries.TakeoverView
     answer_key: str
 
 
@@ -161,8 +156,7 @@ def read_known(work: bmdb.Work) -> Known:
     db = work.session.db
 
     def read(tx: bmdb.Tx) -> Known:
-        view = bmdb.queries.takeover_view(tx, work.machine_id)
-        return Known(view.provided, view.host_key, view.agent_key, _answer_key(tx, db))
+        return Known(bmdb.queries.takeover_view(tx, work.machine_id), _answer_key(tx, db))
 
     known = db.read(read)
     _remember_answer_key(db, known.answer_key)
