@@ -11,6 +11,7 @@ log, TLS) is checked here too: other suites build on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import ipaddress
@@ -68,18 +69,29 @@ def test_reads_the_state_and_discovers_the_only_system(redfish_bmc: RedfishBmc) 
 
 
 def test_each_action_is_acknowledged_then_observed(tmp_path: Path) -> None:
-    """One system per action, acted on together: restarts show Off at once, then On."""
+    """One system per action, acted on together: restarts go Off at once, then On.
+
+    "At once" is read from the BMC's notifications, not by polling: the fake driver
+    lands a restart's On at the next whole second plus 1-11 s, so its Off can last
+    a millisecond. Each notification is sent before the reset's 204."""
     systems = {PowerAction.POWER_OFF: ("off", "On"), PowerAction.POWER_ON: ("on", "Off"),
                PowerAction.FORCE_RESTART: ("force", "On"),
                PowerAction.GRACEFUL_RESTART: ("graceful", "On")}
-    with running_redfish(tmp_path, list(systems.values())) as bmc:
+    with notifications() as (url, received), \
+            running_redfish(tmp_path, list(systems.values()), notify_url=url,
+                            settle_interval=0) as bmc:
         powers = {action: RedfishPower(bmc.spec(name), timeout=5)
                   for action, (name, _) in systems.items()}
         for action, power in powers.items():
             power.act(action)
         restarts = (PowerAction.FORCE_RESTART, PowerAction.GRACEFUL_RESTART)
-        for action in restarts:
-            assert powers[action].power_state() == PowerState.OFF  # the fake driver's "at once"
+        acknowledged: dict[str, tuple[str, str]] = {}
+        for note in list(received):  # each system's first: its reset's
+            acknowledged.setdefault(note["name"],
+                                    (note["power_state"], note["pending_power"]["power_state"]))
+        assert acknowledged == {"off": ("On", "Off"), "on": ("Off", "On"),
+                                "force": ("Off", "ForceRestart"),
+                                "graceful": ("Off", "GracefulRestart")}
         final = {PowerAction.POWER_OFF: PowerState.OFF, PowerAction.POWER_ON: PowerState.ON,
                  **dict.fromkeys(restarts, PowerState.ON)}
         deadline = time.monotonic() + TRANSITION
@@ -213,24 +225,31 @@ class _Notifications(BaseHTTPRequestHandler):
         pass
 
 
-def test_notifications_arrive_without_anyone_polling(tmp_path: Path) -> None:
-    """The settler reads every system, so a pending change lands and is PUT to
-    ``notify_url`` on time, as a real BMC changes power unasked."""
+@contextlib.contextmanager
+def notifications() -> Iterator[tuple[str, list[dict]]]:
+    """A loopback receiver for the emulator's ``notify_url``: its URL and what it got,
+    oldest first. The fake driver PUTs each change before it answers the reset."""
     received: list[dict] = []
     handler = type("Handler", (_Notifications,), {"received": received})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{server.server_port}/bmc-notify"
-        with running_redfish(tmp_path, [("node-1", "Off")], notify_url=url,
-                             settle_interval=0.2) as bmc:
-            RedfishPower(bmc.spec("node-1")).act(PowerAction.POWER_ON)
-            assert wait_until(lambda: any(n["power_state"] == "On" for n in received),
-                              TRANSITION)
+        yield f"http://127.0.0.1:{server.server_port}/bmc-notify", received
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_notifications_arrive_without_anyone_polling(tmp_path: Path) -> None:
+    """The settler reads every system, so a pending change lands and is PUT to
+    ``notify_url`` on time, as a real BMC changes power unasked."""
+    with notifications() as (url, received), \
+            running_redfish(tmp_path, [("node-1", "Off")], notify_url=url,
+                            settle_interval=0.2) as bmc:
+        RedfishPower(bmc.spec("node-1")).act(PowerAction.POWER_ON)
+        assert wait_until(lambda: any(n["power_state"] == "On" for n in received),
+                          TRANSITION)
     first, last = received[0], received[-1]
     assert first["name"] == "node-1" and first["power_state"] == "Off"
     assert first["pending_power"]["power_state"] == "On"
@@ -238,14 +257,18 @@ def test_notifications_arrive_without_anyone_polling(tmp_path: Path) -> None:
 
 
 def test_a_frozen_system_acknowledges_and_does_nothing(tmp_path: Path) -> None:
-    with running_redfish(tmp_path, [("node-1", "On")], frozen=["node-1"]) as bmc:
+    with notifications() as (url, received), \
+            running_redfish(tmp_path, [("node-1", "On")], frozen=["node-1"], notify_url=url,
+                            settle_interval=0) as bmc:
         power = RedfishPower(bmc.spec("node-1"))
         power.act(PowerAction.FORCE_RESTART)  # 204, as from any BMC
-        assert power.power_state() == PowerState.ON  # a working one shows Off at once
+        assert power.power_state() == PowerState.ON and received == []
         assert bmc.emulator.resets("node-1") == ["ForceRestart"]
         bmc.emulator.set_frozen("node-1", False)
-        power.act(PowerAction.FORCE_RESTART)
-        assert power.power_state() == PowerState.OFF
+        power.act(PowerAction.FORCE_RESTART)  # a working one goes Off at once
+        first = received[0]
+        assert (first["power_state"], first["pending_power"]["power_state"]) == (
+            "Off", "ForceRestart")
 
 
 def test_the_emulator_stops_by_its_pid_and_cleans_up() -> None:
