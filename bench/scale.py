@@ -316,6 +316,14 @@ def set_probe_key(engine: sa.Engine, n: int, public: bytes, nonce: str) -> None:
 # -- the provider's listing ---------------------------------------------------------------------
 
 
+def listed(n: int, moved_to: str | None = None) -> ProviderMachine:
+    """Machine ``n`` as the provider lists it: as the fleet's rows say, or at
+    ``moved_to``."""
+    return ProviderMachine(provider_id=f"bench-{n}", address=moved_to or address(n),
+                           ssh_port=22, location=f"rack-{n % 50}", reservation_id=None,
+                           status=bmdb.ProviderStatus.RUNNING, failed=False)
+
+
 class Listing(Sequence[ProviderMachine]):
     """Machines 1..N as the provider lists them, each made on access."""
 
@@ -336,10 +344,7 @@ class Listing(Sequence[ProviderMachine]):
             return [self[i] for i in range(*index.indices(self.size))]
         if not -self.size <= index < self.size:
             raise IndexError(index)
-        n = index % self.size + 1
-        return ProviderMachine(provider_id=f"bench-{n}", address=address(n), ssh_port=22,
-                               location=f"rack-{n % 50}", reservation_id=None,
-                               status=bmdb.ProviderStatus.RUNNING, failed=False)
+        return listed(index % self.size + 1)
 
     def __iter__(self) -> Iterator[ProviderMachine]:
         return (self[i] for i in range(self.size))

@@ -41,7 +41,7 @@ import sqlalchemy as sa
 
 import bmdb
 from bench.common import arguments, postgres
-from bench.scale import EPOCH, MACHINE_ROWS, PROVIDER, address
+from bench.scale import EPOCH, MACHINE_ROWS, PROVIDER, listed
 from shepherd.providers.base import ProviderMachine
 from shepherd.workflows import updater
 
@@ -77,10 +77,7 @@ def listing(size: int, *, moved: bool = False, dropped: bool = False
         special = n % EVERY == 0
         if dropped and special:
             continue
-        yield ProviderMachine(
-            provider_id=f"bench-{n}", address=f"10.255.{n >> 8 & 255}.{n & 255}"
-            if moved and special else address(n), ssh_port=22, location=f"rack-{n % 50}",
-            reservation_id=None, status=bmdb.ProviderStatus.RUNNING, failed=False)
+        yield listed(n, f"10.255.{n >> 8 & 255}.{n & 255}" if moved and special else None)
 
 
 @dataclass

@@ -30,8 +30,7 @@ import fabric
 import paramiko
 from paramiko.ssh_exception import NoValidConnectionsError
 
-from shepherd.inventory.host_keys import ALGORITHMS
-from shepherd.inventory.host_keys import key_line_fingerprint as fingerprint
+from shepherd.inventory.host_keys import ALGORITHMS, key_line_fingerprint
 from shepherd.providers.ssh_keys import same_key
 
 
@@ -70,7 +69,8 @@ class HostKeyMismatch(RemoteError):
 
     def __init__(self, where: str, seen: str, expected: str) -> None:
         super().__init__(f"{where}: host key mismatch: the machine presented {seen} "
-                         f"({fingerprint(seen)}), expected {expected} ({fingerprint(expected)})")
+                         f"({key_line_fingerprint(seen)}), expected {expected} "
+                         f"({key_line_fingerprint(expected)})")
         self.seen = seen
         self.expected = expected
 

@@ -24,10 +24,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from shepherd import cli
+from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers import ssh_keys
 from shepherd.providers.base import register_provided
 from shepherd.providers.static import load_inventory
-from shepherd.remote import fingerprint
 from shepherd.up.supervisor import progress_line
 from tests.bmc_fixtures import RedfishBmc, running_redfish
 from tests.operator_fixtures import THRESHOLD_ENV, Fleet, seed_fleet
@@ -406,22 +406,22 @@ def test_host_key_forget(racks: Racks, capsys) -> None:
     node1, pinned = racks.ids["node-1"], racks.ids["pinned"]
     for machine in (node1, pinned):
         racks.db.read(lambda tx, m=machine: bmdb.host_keys.pin(tx, m, recorded,
-                                                               fingerprint(recorded)))
+                                                               key_line_fingerprint(recorded)))
     status, out, _ = run(capsys, "show", str(node1))
-    assert f"recorded at the first takeover: {fingerprint(recorded)}" in out
+    assert f"recorded at the first takeover: {key_line_fingerprint(recorded)}" in out
 
     # The inventory pins this one: the file is where it changes.
     status, _, err = run(capsys, "host-key", "forget", str(pinned))
     assert status == 1
     line = one_line(err)
-    assert f"its host key ({fingerprint(racks.pin)}) is pinned in the inventory " \
+    assert f"its host key ({key_line_fingerprint(racks.pin)}) is pinned in the inventory " \
            f"{racks.inventory} (entry pinned): edit host_key there instead" in line
     assert racks.db.read(lambda tx: bmdb.host_keys.pinned(tx, pinned)) == recorded
 
     status, out, _ = run(capsys, "host-key", "forget", str(node1), "--by", "carol", "--json")
     assert status == 0
     assert json.loads(out) == {"machine": str(node1), "host_key": recorded,
-                               "fingerprint": fingerprint(recorded)}
+                               "fingerprint": key_line_fingerprint(recorded)}
     assert racks.db.read(lambda tx: bmdb.host_keys.pinned(tx, node1)) is None
     assert history(racks.db, node1)[-1] == ("HostKey", "Forgotten", "by carol")
     status, out, _ = run(capsys, "host-key", "forget", str(node1))

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import bmdb
+from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers import ssh_keys
-from shepherd.remote import fingerprint
 from shepherd.simulator.racks import Racks
 from shepherd.simulator.redfish import available as sushy_available
 from tests.celery_fixtures import ControlPlane, control_plane, overlapping_work, wait_until
@@ -94,7 +94,8 @@ def test_a_racked_fleet_recovers_through_its_bmc(racked) -> None:
                                        bmdb.Process.AGENT_START.value)[-1:],
                           30, "the impostor's AgentStart to fail", cp)
     assert "host key mismatch" in failed["cause"]
-    assert fingerprint(new_key) in failed["cause"] and fingerprint(stale_pin) in failed["cause"]
+    assert key_line_fingerprint(new_key) in failed["cause"]
+    assert key_line_fingerprint(stale_pin) in failed["cause"]
     assert not any(cp.simulator.sandbox(impostor).glob("shepherd-agent*"))
     assert "AgentStarted" not in cp.tags(ids[impostor])
 

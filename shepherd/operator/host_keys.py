@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 import bmdb
-from shepherd.inventory.host_keys import key_line_fingerprint as fingerprint
+from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.operator.holds import require_text
 from shepherd.operator.reads import require_machine
 from shepherd.providers.base import NotFound, Provider
@@ -51,7 +51,7 @@ def inventory_pin(provider: Provider, provider_id: str) -> InventoryPin | None:
         return None
     path = getattr(provider, "path", None)
     where = f"the inventory {path}" if path else f"provider {provider.name}'s listing"
-    return InventoryPin(provider.name, provider_id, where, fingerprint(machine.host_key))
+    return InventoryPin(provider.name, provider_id, where, key_line_fingerprint(machine.host_key))
 
 
 def forget_host_key(session: bmdb.Session, machine_id: uuid.UUID, actor: str
@@ -64,6 +64,6 @@ def forget_host_key(session: bmdb.Session, machine_id: uuid.UUID, actor: str
         key = bmdb.host_keys.pinned(tx, machine_id)
         if key is None or not bmdb.host_keys.forget(tx, machine_id, actor):
             return HostKeyForgotten(machine_id, None, None)
-        return HostKeyForgotten(machine_id, key, fingerprint(key))
+        return HostKeyForgotten(machine_id, key, key_line_fingerprint(key))
 
     return session.transact(body)

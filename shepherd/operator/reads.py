@@ -12,7 +12,7 @@ import bmdb
 from bmdb import inspection
 from bmdb.inspection import MachineFilter, MachineList, SessionInfo
 from bmdb.refusals import Refusal
-from shepherd.inventory.host_keys import key_line_fingerprint as fingerprint
+from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.operator import stored
 from shepherd.operator.arguments import UnknownMachine
 from shepherd.operator.views import MachineDetail
@@ -63,7 +63,7 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
         history=bmdb.queries.history(tx, machine_id, limit=history_limit),
         holds=bmdb.holds.holds_of(tx, machine_id),
         host_key=host_key,
-        host_key_fingerprint=fingerprint(host_key) if host_key else None,
+        host_key_fingerprint=key_line_fingerprint(host_key) if host_key else None,
     )
 
 

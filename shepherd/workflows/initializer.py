@@ -32,12 +32,13 @@ from shepherd.agent.protocol import (
     new_nonce,
     parse_takeover_response,
 )
+from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers.base import (
     NotFound,
     Provider,
     ProviderMachine,
 )
-from shepherd.remote import HostKeyMismatch, Remote, RemoteError, fingerprint
+from shepherd.remote import HostKeyMismatch, Remote, RemoteError
 from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
     WorkflowFailure,
@@ -91,7 +92,7 @@ def initialize(work: bmdb.Work, provider: Provider,
             record_agent(tx, work.machine_id, taken)
             if pin is None:
                 bmdb.host_keys.pin(tx, work.machine_id, taken.host_key,
-                                   fingerprint(taken.host_key))
+                                   key_line_fingerprint(taken.host_key))
 
         return record
 
