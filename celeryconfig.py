@@ -29,7 +29,10 @@ from typing import Any
 
 from kombu import Exchange, Queue
 
+from bmdb import Process
+from shepherd import task_api
 from shepherd.config import Settings
+from shepherd.task_api import AGENT_START, RECOVERY, TaskCall
 
 CONTROL_QUEUE = "shepherd.control"
 MACHINES_QUEUE = "shepherd.machines"
@@ -43,8 +46,8 @@ ROUTING: dict[str, Any] = {
     "task_default_exchange": CONTROL_QUEUE,
     "task_default_routing_key": CONTROL_QUEUE,
     "task_routes": {
-        "shepherd.agent_start": {"queue": MACHINES_QUEUE},
-        "shepherd.recovery": {"queue": MACHINES_QUEUE},
+        AGENT_START.name: {"queue": MACHINES_QUEUE},
+        RECOVERY.name: {"queue": MACHINES_QUEUE},
         "shepherd.*": {"queue": CONTROL_QUEUE},
     },
 }
@@ -78,8 +81,8 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         # A lost broker connection must not cancel running SSH work: the redelivered
         # message fails to adopt its claim and ends as "gone" (see above).
         "worker_cancel_long_running_tasks_on_connection_loss": False,
-        "task_annotations": {"shepherd.agent_start": machine_task_limits,
-                             "shepherd.recovery": machine_task_limits},
+        "task_annotations": {AGENT_START.name: machine_task_limits,
+                             RECOVERY.name: machine_task_limits},
         # Flower shows every task with its name, arguments and result (which never
         # carry secrets).
         "worker_send_task_events": True,
@@ -102,24 +105,25 @@ def transport_options(url: str, settings: Settings) -> dict[str, object]:
     return {}
 
 
-def _every(seconds: float, task: str, *args: str) -> dict[str, object]:
+def _every(seconds: float, call: TaskCall[Any]) -> dict[str, object]:
     # A stale beat message (the next one is on its way) expires, so that a backed-up
     # control queue does not run the same periodic work many times over.
-    expires = max(seconds, MIN_EXPIRES)
-    return {"task": task, "schedule": seconds, "args": args, "options": {"expires": expires}}
+    return call.every(seconds, expires=max(seconds, MIN_EXPIRES))
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
     """What beat sends; an interval of 0 leaves that entry out (e.g. no reconcile)."""
-    schedule = {
-        "reconcile": (settings.reconcile_interval, "shepherd.reconcile"),
-        "update": (settings.update_interval, "shepherd.update"),
-        "source-agent-start": (settings.source_interval, "shepherd.source",
-                               "ShepherdAgentStart"),
-        "source-recovery": (settings.source_interval, "shepherd.source", "ShepherdRecovery"),
-        "sweep": (settings.sweep_interval, "shepherd.sweep"),
+    schedule: dict[str, tuple[float, TaskCall[Any]]] = {
+        "reconcile": (settings.reconcile_interval, task_api.RECONCILE.bind()),
+        "update": (settings.update_interval, task_api.UPDATE.bind()),
+        "source-agent-start": (settings.source_interval,
+                               task_api.SOURCE.bind(Process.AGENT_START.value)),
+        "source-recovery": (settings.source_interval,
+                            task_api.SOURCE.bind(Process.RECOVERY.value)),
+        "sweep": (settings.sweep_interval, task_api.SWEEP.bind()),
         # Nothing to prune when history is kept for ever.
         "prune-history": (settings.history_prune_interval if settings.history_keep else 0,
-                          "shepherd.prune_history"),
+                          task_api.PRUNE_HISTORY.bind()),
     }
-    return {name: _every(*entry) for name, entry in schedule.items() if entry[0] > 0}
+    return {name: _every(seconds, call) for name, (seconds, call) in schedule.items()
+            if seconds > 0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy.engine import Engine
 
@@ -14,6 +14,9 @@ from bmdb.backlog import Thresholds
 from bmdb.database import Tx, create_engine, ping, run_transaction
 from bmdb.sessions import Session
 from bmdb.sweep import SweepResult, sweep
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 T = TypeVar("T")
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -74,7 +77,7 @@ def connect(url: str, *, migrate: bool = False, thresholds: Thresholds | None = 
     return db
 
 
-def alembic_config(url: str):
+def alembic_config(url: str) -> Config:
     from alembic.config import Config
 
     config = Config()

@@ -25,6 +25,7 @@ from bmdb import counters, schema
 from bmdb.database import Tx
 from bmdb.processes import Process
 from bmdb.tags import ProviderStatus
+from bmdb.types import AnyCompound, AnySelect
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,10 @@ class Backlog:
     ``Tx`` it is a plain retriever: the statement with its values bound.
     """
 
-    statement: sa.Select | sa.CompoundSelect
+    statement: AnySelect | AnyCompound
     values: Callable[[Tx], dict[str, Any]]
 
-    def __call__(self, tx: Tx) -> sa.Select:
+    def __call__(self, tx: Tx) -> AnySelect:
         values = self.values(tx)
         return self.statement.params(**values) if values else self.statement  # type: ignore[return-value]
 
@@ -94,7 +95,7 @@ agent_start = Backlog(
 )
 
 
-def _recovery_statement() -> sa.CompoundSelect:
+def _recovery_statement() -> AnyCompound:
     """Agent started, but no heartbeat soon enough after start, or none lately; not held."""
     s, h = schema.agent_started, schema.agent_heartbeat
     never_heard = sa.select(s.c.machine_id).where(
@@ -120,7 +121,7 @@ def recovery_cutoffs(tx: Tx, thresholds: Thresholds) -> dict[str, dt.datetime]:
     }
 
 
-def recovery(tx: Tx, thresholds: Thresholds) -> sa.CompoundSelect:
+def recovery(tx: Tx, thresholds: Thresholds) -> AnyCompound:
     """Agent started, but no heartbeat soon enough after start, or none lately."""
     return RECOVERY.params(**recovery_cutoffs(tx, thresholds))
 

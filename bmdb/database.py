@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import functools
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from bmdb.errors import BMDBError
-from bmdb.types import db_now, sqlite_utcnow
+from bmdb.types import AnyResult, db_now, sqlite_utcnow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,9 +47,9 @@ class Tx:
 
     conn: Connection
     now: dt.datetime
-    session_id: Any = None
+    session_id: uuid.UUID | None = None
 
-    def execute(self, statement: Any, params: Any = None) -> sa.CursorResult:
+    def execute(self, statement: Any, params: Any = None) -> AnyResult:
         return self.conn.execute(statement, params)
 
     @property
@@ -156,7 +157,8 @@ def run_transaction(
         before_sleep=_log_retry,
         reraise=True,
     )
-    return retrying(_attempt, engine, body, opener, connection)
+    result: T = retrying(_attempt, engine, body, opener, connection)
+    return result
 
 
 def _transient_on(connection: Connection, error: BaseException) -> bool:

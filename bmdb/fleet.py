@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from bmdb import backlog, counters, schema
 from bmdb.database import Tx
 from bmdb.processes import Process
+from bmdb.types import AnySelect
 from bmdb.work import Event, eligible
 
 #: History events that end a work item (what ``task_outcomes`` reports besides Started).
@@ -45,8 +46,10 @@ def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
     ``counters``; the rest count only rows that are few in a working fleet (backlogs,
     work, backoffs, heartbeats gone stale), each through an index.
     """
-    def count(query: sa.Select) -> int:
-        return tx.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
+    def count(query: AnySelect) -> int:
+        counted: int = tx.execute(
+            sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
+        return counted
 
     def per_process(table: sa.Table, *where: sa.ColumnElement[bool]) -> dict[str, int]:
         rows = tx.execute(
@@ -125,7 +128,7 @@ def agents_started(tx: Tx, among: Iterable[uuid.UUID] | None = None) -> int:
                .scalar_one())
 
 
-def _silent_statement() -> sa.Select:
+def _silent_statement() -> AnySelect:
     silent = backlog.RECOVERY.subquery()
     return sa.select(sa.func.count(sa.distinct(silent.c.machine_id)))
 
@@ -144,7 +147,7 @@ def silent_machines(tx: Tx, thresholds: backlog.Thresholds) -> int:
 HOUR = dt.timedelta(hours=1)
 
 
-def _recovery_starts_statement() -> sa.Select:
+def _recovery_starts_statement() -> AnySelect:
     h = schema.history
     started = h.alias("started")
     canceled = sa.exists().where(h.c.work_id == started.c.work_id, h.c.event == Event.CANCELED)

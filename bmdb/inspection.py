@@ -15,6 +15,7 @@ import binascii
 import datetime as dt
 import functools
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from bmdb import backlog, counters, schema
 from bmdb.database import Tx
 from bmdb.processes import Process
 from bmdb.queries import TAG_TABLES
+from bmdb.types import AnySelect
 
 #: Filter value meaning "any process" for ``MachineFilter.work`` / ``.backoff``.
 ANY = "any"
@@ -202,7 +204,7 @@ def _allowed_states(f: MachineFilter, states: dict[int, int]) -> list[int]:
     return sorted(s for s in states if s & need == need and not s & refuse)
 
 
-def _columns() -> sa.Select:
+def _columns() -> AnySelect:
     m, p = schema.machines, schema.provided
     return sa.select(m.c.id, m.c.created_at, m.c.tag_bits, p.c.provider, p.c.provider_id,
                      p.c.provider_status, p.c.address
@@ -226,7 +228,7 @@ def _conditions(tx: Tx, f: MachineFilter) -> list[sa.ColumnElement[bool]]:
     return where
 
 
-def _page(tx: Tx, f: MachineFilter, allowed: list[int]) -> sa.Select:
+def _page(tx: Tx, f: MachineFilter, allowed: list[int]) -> AnySelect:
     """One page plus one row (to know whether another page follows)."""
     m = schema.machines
     where = _conditions(tx, f)
@@ -243,7 +245,7 @@ def _page(tx: Tx, f: MachineFilter, allowed: list[int]) -> sa.Select:
     return sa.select(merged).order_by(merged.c.created_at, merged.c.id).limit(size)
 
 
-def _with_work_and_backoffs(tx: Tx, page: sa.Select) -> sa.Select:
+def _with_work_and_backoffs(tx: Tx, page: AnySelect) -> AnySelect:
     """The page's rows, each with its work's and active backoffs' processes (comma
     separated), in the same statement: per row two index probes, instead of sending
     the page's ids back in two more statements."""
@@ -283,14 +285,14 @@ def _matched(tx: Tx, f: MachineFilter, states: dict[int, int], allowed: list[int
     return max(_estimated_rows(tx, query), n), True
 
 
-def _estimated_rows(tx: Tx, query: sa.Select) -> int:
+def _estimated_rows(tx: Tx, query: AnySelect) -> int:
     """The PostgreSQL planner's row estimate for ``query`` (no rows are read)."""
     compiled = query.compile(dialect=tx.conn.dialect, compile_kwargs={"literal_binds": True})
     plan = tx.execute(sa.text(f"EXPLAIN (FORMAT JSON) {compiled}")).scalar_one()
     return int(plan[0]["Plan"]["Plan Rows"])
 
 
-def _summaries(rows: list[Any]) -> list[MachineSummary]:
+def _summaries(rows: Sequence[sa.Row[Any]]) -> list[MachineSummary]:
     return [
         MachineSummary(id=row.id, created_at=row.created_at, provider=row.provider,
                        provider_id=row.provider_id, provider_status=row.provider_status,
@@ -429,7 +431,7 @@ _JSON_COLUMNS = {name: frozenset(c.name for c in table.c if isinstance(c.type, s
 
 
 @functools.cache
-def _stored_query(dialect: str, name: str) -> sa.Select:
+def _stored_query(dialect: str, name: str) -> AnySelect:
     """The tag's row without ``machine_id``, JSON columns cast to text (bytes on
     SQLite), so that no driver decodes them. Built once per dialect and tag."""
     table = TAG_TABLES[name]

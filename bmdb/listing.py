@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from bmdb import schema, tags
 from bmdb.database import Tx
 from bmdb.sessions import Session
 from bmdb.tags import PROVIDER_VIEW, ProviderStatus
+from bmdb.types import AnyCompound, AnySelect
 
 __all__ = ["CHUNK_ROWS", "Applied", "Comparison", "ListedView", "Listing", "open_listing"]
 
@@ -161,7 +163,7 @@ class Listing:
         between transactions, so a slow provider holds nothing open."""
         iterator, loaded = iter(rows), 0
         while chunk := list(itertools.islice(iterator, CHUNK_ROWS)):
-            self._transact(lambda tx, chunk=chunk: _load(tx, chunk))
+            self._transact(functools.partial(_load, rows=chunk))
             loaded += len(chunk)
         return loaded
 
@@ -172,8 +174,8 @@ class Listing:
     def apply(self, batch_size: int) -> Applied:
         """Write what ``compare`` stored, ``batch_size`` machines per transaction."""
         after, applied = 0, Applied()
-        while step := self._transact(
-                lambda tx, after=after: _apply_batch(tx, self, after, batch_size)):
+        while step := self._transact(functools.partial(
+                _apply_batch, listing=self, after=after, batch_size=batch_size)):
             after, updated, marked = step
             applied = Applied(applied.updated + updated,
                               applied.marked_missing + marked, applied.batches + 1)
@@ -202,7 +204,10 @@ def _load(tx: Tx, rows: list[ListedView]) -> None:
     run for all the rows (SQLite, another PostgreSQL driver)."""
     if tx.dialect == "postgresql":
         # The DBAPI connection itself: ``driver_connection`` is None once detached.
-        with contextlib.closing(tx.conn.connection.dbapi_connection.cursor()) as cursor:
+        dbapi = tx.conn.connection.dbapi_connection
+        if dbapi is None:
+            raise RuntimeError("the listing's connection was closed mid-load")
+        with contextlib.closing(dbapi.cursor()) as cursor:
             if hasattr(cursor, "copy_expert"):
                 _copy(tx, cursor, rows)
                 return
@@ -283,7 +288,7 @@ def _compare(tx: Tx, provider: str, since: dt.datetime) -> Comparison:
     return _counts(tx, provider)
 
 
-def _differences(dialect: str, provider: str, since: dt.datetime) -> sa.Select:
+def _differences(dialect: str, provider: str, since: dt.datetime) -> AnySelect | AnyCompound:
     """Rows for ``changes``: every tag whose view differs or that is not listed, and
     (for counting) every provider id listed without a tag."""
     p = schema.provided
@@ -297,7 +302,7 @@ def _differences(dialect: str, provider: str, since: dt.datetime) -> sa.Select:
                         _unregistered(provider))
 
 
-def _judged(ours: sa.Subquery, joined: sa.Join, since: dt.datetime) -> sa.Select:
+def _judged(ours: sa.Subquery, joined: sa.Join, since: dt.datetime) -> AnySelect:
     gone = listed.c.provider_id.is_(None)
     unregistered = ours.c.machine_id.is_(None)
     differs = sa.or_(*(listed.c[n].is_distinct_from(ours.c[n]) for n in PROVIDER_VIEW))
@@ -314,7 +319,7 @@ def _judged(ours: sa.Subquery, joined: sa.Join, since: dt.datetime) -> sa.Select
     )
 
 
-def _unregistered(provider: str) -> sa.Select:
+def _unregistered(provider: str) -> AnySelect:
     p = schema.provided
     known = sa.exists().where(p.c.provider == provider,
                               p.c.provider_id == listed.c.provider_id)

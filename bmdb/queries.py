@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from bmdb import schema
 from bmdb.database import Tx
 from bmdb.processes import Process
+from bmdb.types import AnySelect
 
 __all__ = [
     "TAG_NAMES",
@@ -106,7 +107,7 @@ def takeover_view(tx: Tx, machine_id: uuid.UUID) -> TakeoverView:
                         None if key is None else bytes(key))
 
 
-def _takeover_view_statement() -> sa.Select:
+def _takeover_view_statement() -> AnySelect:
     m, p, k, a = schema.machines, schema.provided, schema.host_keys, schema.agent_started
     host_key = sa.select(k.c.host_key).where(k.c.machine_id == m.c.id).scalar_subquery()
     agent_key = sa.select(a.c.public_key).where(a.c.machine_id == m.c.id).scalar_subquery()
@@ -198,7 +199,7 @@ class AgentCredentials:
                                                     "request": request}
 
 
-def _credentials_statements() -> tuple[sa.Select, sa.Select]:
+def _credentials_statements() -> tuple[AnySelect, AnySelect]:
     s, h = schema.agent_started, schema.agent_heartbeat
     q, r = schema.os_installation_request, schema.os_installation_report
     lock = (sa.select(s.c.machine_id)

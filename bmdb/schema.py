@@ -27,6 +27,8 @@ Invariants and where they are enforced:
 
 from __future__ import annotations
 
+import uuid
+
 import sqlalchemy as sa
 from sqlalchemy import (
     JSON,
@@ -73,7 +75,7 @@ machines = Table(
 )
 
 
-def _machine_key() -> Column:
+def _machine_key() -> Column[uuid.UUID]:
     return Column(
         "machine_id",
         Uuid,

@@ -11,6 +11,7 @@ so two claimants racing for a dead holder's name cannot both win.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ def try_acquire(tx: Tx, name: str) -> bool:
             where=holder_dead,
         )
     )
-    holder = tx.execute(sa.select(t.c.session_id).where(t.c.name == name)).scalar_one()
+    holder: uuid.UUID = tx.execute(sa.select(t.c.session_id).where(t.c.name == name)).scalar_one()
     return holder == tx.session_id
 
 

@@ -10,7 +10,9 @@ periodically from any one component; running it from several at once is safe.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -66,7 +68,8 @@ def _lock_dead_sessions(tx: Tx) -> list[uuid.UUID]:
     ).scalars())
 
 
-def _release(tx: Tx, condition: sa.ColumnElement[bool], event: str, cause) -> int:
+def _release(tx: Tx, condition: sa.ColumnElement[bool], event: str,
+             cause: Callable[[sa.Row[Any]], str]) -> int:
     w = schema.work
     rows = tx.execute(
         sa.delete(w).where(condition).returning(w.c.id, w.c.machine_id, w.c.process, w.c.session_id)

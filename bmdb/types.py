@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, TypeAlias
 
-from sqlalchemy import DateTime, TypeDecorator
+from sqlalchemy import CompoundSelect, CursorResult, DateTime, Select, TypeDecorator
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
 UTC = dt.UTC
 
+# Statements and results of any row shape. The BMDB composes its queries from parts
+# whose columns differ (a backlog's retriever, a page with or without its work), so
+# their row types are left open here and rows are read by column name.
+AnySelect: TypeAlias = Select[*tuple[Any, ...]]
+AnyCompound: TypeAlias = CompoundSelect[*tuple[Any, ...]]
+AnyResult: TypeAlias = CursorResult[*tuple[Any, ...]]
 
-class UTCDateTime(TypeDecorator):
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
     """Timezone-aware UTC in Python; ``timestamptz`` on PostgreSQL, naive UTC text on SQLite.
 
     Every timestamp the BMDB hands out is aware and in UTC, whatever the backend.
@@ -35,7 +42,7 @@ class UTCDateTime(TypeDecorator):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-class db_now(FunctionElement):
+class db_now(FunctionElement[dt.datetime]):
     """The database's clock: ``now()`` on PostgreSQL.
 
     Deadlines written by one host and checked by another must come from one clock;

@@ -36,13 +36,14 @@ from bmdb.backoff import Backoff, default_backoff, next_interval
 from bmdb.database import Tx
 from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, SessionExpired, WorkGone
 from bmdb.processes import Process, exclusion_group
+from bmdb.types import AnyCompound, AnySelect
 
 if TYPE_CHECKING:
     from bmdb.sessions import Session
 
 #: Selects candidate machine ids (a SELECT of one column). Composed into the
 #: claim's locking statement and its re-check, so it runs inside both.
-Retriever = Callable[[Tx], sa.Select]
+Retriever = Callable[[Tx], AnySelect]
 
 
 class Event:
@@ -146,12 +147,12 @@ _ADD_WORK = sa.insert(schema.work)
 # -- claiming ---------------------------------------------------------------
 
 
-def eligible(tx: Tx, process: Process, retriever: Retriever) -> sa.Select:
+def eligible(tx: Tx, process: Process, retriever: Retriever) -> AnySelect:
     """Machines the retriever selects that are free in the group and not in backoff."""
     return _eligible(process, retriever(tx)).params(now=tx.now)
 
 
-def _eligible(process: Process, candidates: sa.Select | sa.CompoundSelect) -> sa.Select:
+def _eligible(process: Process, candidates: AnySelect | AnyCompound) -> AnySelect:
     """``eligible`` with the time as a bind parameter (``now``)."""
     group = exclusion_group(process)
     m = schema.machines
@@ -172,11 +173,11 @@ class _ClaimStatements:
     and re-check the ``locked`` ones. Bind parameters throughout, so one pair serves
     every claim of a backlog (``_backlog_statements``)."""
 
-    lock: sa.Select
-    recheck: sa.Select
+    lock: AnySelect
+    recheck: AnySelect
 
     @classmethod
-    def of(cls, query: sa.Select, wait: bool) -> _ClaimStatements:
+    def of(cls, query: AnySelect, wait: bool) -> _ClaimStatements:
         m = schema.machines
         lock = (query.where(m.c.id.not_in(sa.bindparam("seen", expanding=True)))
                 .limit(sa.bindparam("limit"))
@@ -198,7 +199,7 @@ def any_claimable(tx: Tx, process: Process, backlog: Backlog) -> bool:
 
 
 @functools.cache
-def _probe_statement(process: Process, backlog: Backlog) -> sa.Select:
+def _probe_statement(process: Process, backlog: Backlog) -> AnySelect:
     return _eligible(process, backlog.statement).limit(1)
 
 
@@ -254,22 +255,22 @@ def _insert_work(
     if not machine_ids:
         return []
     deadline = tx.now + dt.timedelta(seconds=dispatch_ttl) if dispatch_ttl is not None else None
+    claimed = [Work(uuid.uuid4(), machine_id, process, session) for machine_id in machine_ids]
     rows = [
         {
-            "id": uuid.uuid4(),
-            "machine_id": machine_id,
+            "id": work.id,
+            "machine_id": work.machine_id,
             "process": process.value,
             "exclusion_group": exclusion_group(process),
             "session_id": session.id,
             "started_at": tx.now,
             "dispatch_deadline": deadline,
         }
-        for machine_id in machine_ids
+        for work in claimed
     ]
     # Candidates are locked and re-checked, so a conflict here cannot happen
     # between claimers; the constraint is the last line, not the mechanism.
     tx.execute(_ADD_WORK, rows[0] if len(rows) == 1 else rows)
-    claimed = [Work(r["id"], r["machine_id"], process, session) for r in rows]
     _record(tx, claimed, Event.STARTED)
     return claimed
 
@@ -285,7 +286,7 @@ def claim_machine(session: Session, process: Process, machine_id: uuid.UUID, *,
     process = Process(process)
     in_backlog = backlog.retriever(process, session.db.thresholds)
 
-    def only_this(tx: Tx) -> sa.Select:
+    def only_this(tx: Tx) -> AnySelect:
         candidates = in_backlog(tx).subquery()
         return sa.select(candidates.c[0]).where(candidates.c[0] == machine_id)
 

@@ -3,10 +3,11 @@
 One frozen object built once per process (``Settings.from_env()``) by the entry point
 (``shepherd serve``, the CLI, a Celery worker or beat, ``shepherd up``), which passes
 what is needed down; command-line flags override by building a new one with
-``with_overrides``. This module is the only reader of the environment (apart from
-the agent and the simulator, which are programs of their own), and nothing reads it
-at import. Secrets (the provider API token) come only from the environment or
-files, never from flags, and never appear in ``repr``.
+``dataclasses.replace`` (which the type checker checks field by field). This module
+is the only reader of the environment (apart from the agent and the simulator,
+which are programs of their own), and nothing reads it at import. Secrets (the
+provider API token) come only from the environment or files, never from flags, and
+never appear in ``repr``.
 
 Why a hand-written parser rather than pydantic-settings: secrets read from files,
 shell-split argument lists, ``initial,maximum,exponent`` backoff triples, percent
@@ -17,7 +18,6 @@ table of ``_float``/``_int``/``_bool`` calls whose errors already name the varia
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import math
 import os
@@ -324,9 +324,6 @@ class Settings:
         return bmdb.Thresholds(
             first_heartbeat=self.first_heartbeat_timeout, heartbeat=self.heartbeat_timeout
         )
-
-    def with_overrides(self, **changes: object) -> Settings:
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -376,8 +376,7 @@ class CachedExposition:
                 return self._value
             if self._computing:
                 generation = self._generation
-                while self._computing:
-                    self._lock.wait()
+                self._lock.wait_for(lambda: not self._computing)
                 if self._generation != generation and self._value is not None:
                     return self._value  # the computation we waited for
             self._computing = True

@@ -79,7 +79,9 @@ def _other_key_algorithms(pin: str) -> list[str]:
     """Every host-key algorithm but those of the pin's type: a server with several host
     keys shows the one the client prefers, and it must be the pinned one's type."""
     wanted = ALGORITHMS.get(pin.split()[0], ()) if pin.split() else ()
-    return [name for name in paramiko.Transport._preferred_keys if name not in wanted]
+    # A class attribute paramiko documents nowhere, so its stubs leave it out.
+    preferred: tuple[str, ...] = paramiko.Transport._preferred_keys  # type: ignore[attr-defined]
+    return [name for name in preferred if name not in wanted]
 
 
 class _PinPolicy(paramiko.MissingHostKeyPolicy):
@@ -180,9 +182,9 @@ class Remote:
         if (isinstance(error, TimeoutError) or elapsed >= self.connect_timeout * 0.9
                 or "timed out" in text):
             return ConnectTimeout(f"{where}: no SSH session within {self.connect_timeout}s "
-                                  f"({error or type(error).__name__})")
+                                  f"({_said(error)})")
         if isinstance(error, paramiko.SSHException | OSError | EOFError):
-            return RemoteError(f"{where}: SSH failed: {error or type(error).__name__}")
+            return RemoteError(f"{where}: SSH failed: {_said(error)}")
         return RemoteError(f"{where}: unexpected {type(error).__name__}: {error}")
 
     @property
@@ -190,8 +192,8 @@ class Remote:
         return f"{self.address}:{self.port}"
 
     def _transport(self) -> paramiko.Transport:
-        transport = self.connection.client.get_transport()
-        if transport is None or not transport.active:
+        transport: paramiko.Transport | None = self.connection.client.get_transport()
+        if transport is None or not transport.is_active():
             raise RemoteError(f"{self.where}: the SSH session is gone")
         return transport
 
@@ -223,7 +225,7 @@ class Remote:
                     raise UploadTimeout(f"{self.where}: upload to {remote} did not finish "
                                         f"within {limit}s (SFTP stopped answering)") from error
                 raise RemoteError(f"{self.where}: upload to {remote} failed: "
-                                  f"{error or type(error).__name__}") from error
+                                  f"{_said(error)}") from error
 
     def run(self, command: str, stdin: bytes | str | None = None,
             timeout: float | None = None) -> RunResult:
@@ -245,15 +247,15 @@ class Remote:
                     raise ExecTimeout(f"{self.where}: {command!r} did not finish within "
                                       f"{limit}s") from error
                 raise RemoteError(f"{self.where}: running {command!r} failed: "
-                                  f"{error or type(error).__name__}") from error
+                                  f"{_said(error)}") from error
         if done.exit_code < 0 and deadline.fired.is_set():  # closed before any exit status
             raise ExecTimeout(f"{self.where}: {command!r} did not finish within {limit}s")
         if done.stdin_error is not None:
             # The command exited (or the channel closed) while its stdin was still
             # being written: whatever it answered is not an answer to what we sent.
-            error = done.stdin_error
+            failure = done.stdin_error
             raise RemoteError(f"{self.where}: streams to {command!r} failed: "
-                              f"{type(error).__name__}: {error}")
+                              f"{type(failure).__name__}: {failure}")
         return RunResult(done.exit_code, done.stdout, done.stderr)
 
     def close(self) -> None:
@@ -372,3 +374,9 @@ def _feed(channel: paramiko.Channel, data: bytes, failures: list[BaseException])
         channel.shutdown_write()
     except (OSError, EOFError, paramiko.SSHException) as error:
         failures.append(error)
+
+
+def _said(error: BaseException) -> str:
+    """What ``error`` says, or its type when it says nothing (paramiko raises some
+    errors without a message; an exception object itself is always true)."""
+    return str(error) or type(error).__name__

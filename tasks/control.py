@@ -14,16 +14,16 @@ from typing import Any
 
 import bmdb
 from celeryconfig import MACHINES_QUEUE
-from shepherd import runtime
+from shepherd import runtime, task_api
 from shepherd.workflows import guard, retention, sourcing
 from tasks.celery_app import app
 from tasks.errors import ReconcileRefused, ShepherdTaskError
-from tasks.machines import TASKS, count_pauses
+from tasks.machines import count_pauses
 
 log = logging.getLogger(__name__)
 
 
-@app.task(name="shepherd.reconcile", throws=(ShepherdTaskError,))
+@task_api.RECONCILE.implement(app, throws=(ShepherdTaskError,))
 def reconcile() -> dict[str, Any]:
     """Bring provider machines into the BMDB and create more; once at a time fleet-wide."""
     from shepherd.workflows.provisioner import FleetMismatch
@@ -43,7 +43,7 @@ def reconcile() -> dict[str, Any]:
     return result.to_json()
 
 
-@app.task(name="shepherd.update", throws=(ShepherdTaskError,))
+@task_api.UPDATE.implement(app, throws=(ShepherdTaskError,))
 def update() -> dict[str, Any]:
     """Refresh every Provided tag (provider status, address...) from one listing."""
     from shepherd.workflows.updater import update as run_update
@@ -52,7 +52,7 @@ def update() -> dict[str, Any]:
     return run_update(rt.session, rt.provider, runtime.updater_settings(rt.settings)).to_json()
 
 
-@app.task(name="shepherd.sweep")
+@task_api.SWEEP.implement(app)
 def sweep() -> dict[str, Any]:
     """Release work of dead sessions and claims nobody adopted in time."""
     result = app.runtime.db.sweep()
@@ -62,7 +62,7 @@ def sweep() -> dict[str, Any]:
     return dataclasses.asdict(result)
 
 
-@app.task(name="shepherd.prune_history")
+@task_api.PRUNE_HISTORY.implement(app)
 def prune_history() -> dict[str, Any]:
     """Delete history older than SHEPHERD_HISTORY_RETENTION days, a bounded share per
     run in short transactions (the rules: ``shepherd.workflows.retention``)."""
@@ -73,14 +73,14 @@ def prune_history() -> dict[str, Any]:
     return result.to_json()
 
 
-@app.task(name="shepherd.recovery_guard")
+@task_api.RECOVERY_GUARD.implement(app)
 def recovery_guard_status() -> dict[str, Any]:
     """What the blast-radius guard says now (for operators: ``celery -A tasks call``)."""
     rt = app.runtime
     return guard.evaluate(rt.db, rt.settings.thresholds, rt.guard_limits()).to_json()
 
 
-@app.task(name="shepherd.source", throws=(ShepherdTaskError,))
+@task_api.SOURCE.implement(app, throws=(ShepherdTaskError,))
 def source(process: str) -> dict[str, Any]:
     """Claim a batch of ``process``'s backlog and dispatch one per-machine task per claim
     (the rules: ``shepherd.workflows.sourcing``).
@@ -89,15 +89,15 @@ def source(process: str) -> dict[str, Any]:
     before the sweep released the claim would only end as "gone" anyway.
     """
     chosen = bmdb.Process(process)
-    task = TASKS.get(chosen)
+    task = task_api.MACHINE_TASKS.get(chosen)
     if task is None:
         raise ValueError(f"no per-machine task for process {process!r}")
     rt = app.runtime
     settings = runtime.sourcing_settings(rt.settings)
 
     def dispatch(work: bmdb.Work) -> None:
-        task.apply_async(args=[str(work.machine_id), str(work.id)],
-                         expires=settings.dispatch_ttl, queue=MACHINES_QUEUE)
+        task.bind(str(work.machine_id), str(work.id)).send(
+            app, expires=settings.dispatch_ttl, queue=MACHINES_QUEUE)
 
     return sourcing.source(rt.session, chosen, settings, rt.guard_limits(), dispatch,
                            on_decision=count_pauses)

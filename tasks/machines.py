@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import bmdb
-from shepherd import metrics, runtime
+from shepherd import metrics, runtime, task_api
 from shepherd.workflows import WorkflowResult, guard, initialize, recover, recovery_claims
 from shepherd.workflows.common import NOT_OURS, fail
 from tasks.celery_app import app
@@ -124,7 +124,7 @@ def paused_at_execution(work: bmdb.Work) -> str | None:
     return decision.paused
 
 
-@app.task(name="shepherd.agent_start", throws=(ShepherdTaskError,))
+@task_api.AGENT_START.implement(app, throws=(ShepherdTaskError,))
 def agent_start(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
     """Start the agent on one machine (AgentStart)."""
     process = bmdb.Process.AGENT_START
@@ -136,7 +136,7 @@ def agent_start(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
     return run(process, work, _initialize)
 
 
-@app.task(name="shepherd.recovery", throws=(ShepherdTaskError,))
+@task_api.RECOVERY.implement(app, throws=(ShepherdTaskError,))
 def recovery(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
     """Reboot one silent machine and send it back to AgentStart (Recovery).
 
@@ -177,6 +177,3 @@ def claim_by_hand_under_guard(machine_id: str, wait: float = 10.0) -> bmdb.Work:
         raise MachineNotClaimable(f"machine {machine_id}: {busy}") from None
     return work
 
-
-#: The per-machine task of each process that sourcing dispatches.
-TASKS = {bmdb.Process.AGENT_START: agent_start, bmdb.Process.RECOVERY: recovery}

@@ -1,7 +1,7 @@
 """``shepherd reconcile`` and ``shepherd start`` through the broker: the CLI as a
 subprocess, a real Redis broker and a real ``celery worker`` that adopts the claims.
-The CLI sends tasks by name; these tests also check the names against the tasks the
-workers register."""
+The CLI sends tasks by name, as ``shepherd.task_api`` declares them (whose own tests
+check the declarations against the tasks the workers register)."""
 
 # The fixture is imported from tests.celery_fixtures and used as an argument:
 # ruff: noqa: F401, F811
@@ -15,18 +15,9 @@ import time
 import pytest
 
 import bmdb
-from shepherd.cli.workers import MACHINE_TASKS, RECONCILE_TASK
 from tests.celery_fixtures import control_plane
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def test_the_cli_sends_tasks_the_workers_register() -> None:
-    from tasks import app
-    from tasks.machines import TASKS
-
-    assert {p: t.name for p, t in TASKS.items()} == MACHINE_TASKS
-    assert {*MACHINE_TASKS.values(), RECONCILE_TASK} <= set(app.tasks)
 
 
 @pytest.mark.slow

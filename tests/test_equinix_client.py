@@ -493,6 +493,35 @@ def test_redirects_are_refused_and_the_token_stays_home() -> None:
     assert TOKEN not in str(refused.value)
 
 
+class _ListReplier(BaseHTTPRequestHandler):
+    """Answers 200 with ``server.reply``: JSON, but not the object the API promises."""
+
+    def do_GET(self) -> None:
+        body = self.server.reply  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reply", [b"[1, 2]", b'"a device"', b"42", b""])
+def test_a_reply_that_is_not_an_object_is_refused_by_name(reply: bytes) -> None:
+    with _serving(_ListReplier) as api:
+        api.reply = reply  # type: ignore[attr-defined]
+        client = EquinixClient(ClientConfig(
+            token=TOKEN, project_id="p", base_url=f"http://127.0.0.1:{api.server_address[1]}"
+            "/metal/v1", retries=0, min_interval=0.0, connect_timeout=2.0, read_timeout=2.0))
+        with pytest.raises(PermanentError) as refused:
+            client.get_device("d1")
+    expected = "an empty reply" if not reply else "JSON that is not an object"
+    assert str(refused.value).startswith("GET /devices/d1: ")
+    assert expected in str(refused.value)
+
+
 # -- idempotent create --------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ the workers build."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 
@@ -161,4 +162,4 @@ def test_a_ladder_longer_than_the_brokers_patience_is_refused() -> None:
                                   "SHEPHERD_STATIC_INVENTORY": "x.toml"})
     with pytest.raises(SettingsError, match="SHEPHERD_VISIBILITY_TIMEOUT=3600 must exceed"):
         runtime.check_settings(settings)
-    runtime.check_settings(settings.with_overrides(visibility_timeout=7200.0))
+    runtime.check_settings(dataclasses.replace(settings, visibility_timeout=7200.0))

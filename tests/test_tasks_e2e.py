@@ -421,18 +421,18 @@ def add_running(db: bmdb.BMDB, count: int, *, agent_started_ago: float | None = 
 
 
 def test_sourcing_dispatches_claims_within_the_caps(state, monkeypatch) -> None:
-    from tasks import control, machines
+    from tasks import control
 
     ids = add_running(state.db, 5)
     sent: list[dict] = []
-    monkeypatch.setattr(machines.agent_start, "apply_async",
-                        lambda **kwargs: sent.append(kwargs))
+    monkeypatch.setattr(control.app, "send_task",
+                        lambda name, **kwargs: sent.append({"name": name, **kwargs}))
 
     first = control.source.run("ShepherdAgentStart")
     assert first == {"process": "ShepherdAgentStart", "claimed": 3, "dispatched": 3,
                      "refused": 0, "active": 0}
-    assert all(call["expires"] == 30 and call["queue"] == "shepherd.machines"
-               for call in sent)
+    assert all(call["name"] == "shepherd.agent_start" and call["expires"] == 30
+               and call["queue"] == "shepherd.machines" for call in sent)
     work = state.db.read(lambda tx: {(str(r.machine_id), str(r.id)) for r in
                                      tx.execute(bmdb.schema.work.select())})
     assert {tuple(call["args"]) for call in sent} == work
@@ -522,11 +522,11 @@ def healthy_callback_server(state):
 def test_sourcing_recovery_stays_within_the_hourly_budget(state, healthy_callback_server,
                                                           monkeypatch) -> None:
     from shepherd import metrics
-    from tasks import control, machines
+    from tasks import control
 
     add_running(state.db, 3, agent_started_ago=60)  # three silent machines, budget of two
-    sent: list[dict] = []
-    monkeypatch.setattr(machines.recovery, "apply_async", lambda **kw: sent.append(kw))
+    sent: list[str] = []
+    monkeypatch.setattr(control.app, "send_task", lambda name, **kw: sent.append(name))
     budget_pauses = metrics.RECOVERY_PAUSES.labels(reason="reboot_budget")
     before = budget_pauses._value.get()
 
@@ -535,7 +535,7 @@ def test_sourcing_recovery_stays_within_the_hourly_budget(state, healthy_callbac
     second = control.source.run("ShepherdRecovery")
     assert "reboots in the last hour" in second["paused"], second
     assert second["guard"]["causes"] == ["reboot_budget"]
-    assert len(sent) == 2
+    assert sent == ["shepherd.recovery"] * 2
     assert budget_pauses._value.get() == before + 1
 
 
@@ -588,7 +588,7 @@ def test_settings_and_celery_config_from_the_environment() -> None:
     assert "reconcile" not in config["beat_schedule"]   # interval 0: off
     assert config["beat_schedule"]["source-recovery"] == {
         "task": "shepherd.source", "schedule": 2.0, "args": ("ShepherdRecovery",),
-        "options": {"expires": 10.0}}
+        "kwargs": {}, "options": {"expires": 10.0}}
     assert config["broker_transport_options"]["visibility_timeout"] == 7200
     limit = settings.machine_task_time_limit
     assert config["broker_transport_options"]["visibility_timeout"] > limit

@@ -11,7 +11,11 @@ config = context.config
 
 
 def run_migrations_online() -> None:
-    engine = create_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:
+        raise RuntimeError("no sqlalchemy.url: run the migrations through bmdb (BMDB.migrate "
+                           "or `shepherd migrate`), which sets it")
+    engine = create_engine(url)
     try:
         with engine.connect() as connection:
             context.configure(

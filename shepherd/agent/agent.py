@@ -60,7 +60,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
 PID_FILE = "agent.pid"
@@ -124,9 +124,20 @@ def set_interval(args: argparse.Namespace, init_interval: float) -> None:
     args.max_backoff = max(args.interval, args.max_backoff)
 
 
-def read_init(raw: str) -> tuple:
-    """Parse and check the TakeoverInit; returns (the object as sent, machine id, endpoint,
-    CA, nonce, the server's answer key, the heartbeat interval)."""
+class Init(NamedTuple):
+    """A checked TakeoverInit."""
+
+    sent: dict[str, Any]  # the object as sent
+    machine_id: str
+    endpoint: str  # without a trailing slash
+    ca: str | None  # PEM
+    nonce: str
+    answer_key: bytes  # raw ed25519 public key
+    interval: float  # seconds between heartbeats
+
+
+def read_init(raw: str) -> Init:
+    """Parse and check the TakeoverInit."""
     try:
         init = json.loads(raw)
     except ValueError as error:
@@ -139,7 +150,8 @@ def read_init(raw: str) -> tuple:
         raise TakeoverFailed("TakeoverInit.machine_id is not a UUID") from error
     endpoint = init.get("bmaas_endpoint")
     parts = urllib.parse.urlsplit(endpoint if isinstance(endpoint, str) else "")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if not isinstance(endpoint, str) or parts.scheme not in ("http", "https") or (
+            not parts.hostname):
         raise TakeoverFailed("TakeoverInit.bmaas_endpoint must be an http(s) URL")
     ca = init.get("ca_certificate")
     if ca is not None and not isinstance(ca, str):
@@ -158,7 +170,7 @@ def read_init(raw: str) -> tuple:
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
             0 < interval < float("inf")):
         raise TakeoverFailed("TakeoverInit.heartbeat_interval must be a positive number")
-    return init, machine_id, endpoint.rstrip("/"), ca, nonce, answer_key, float(interval)
+    return Init(init, machine_id, endpoint.rstrip("/"), ca, nonce, answer_key, float(interval))
 
 
 def ssl_context(endpoint: str, ca: str | None) -> ssl.SSLContext | None:
@@ -212,8 +224,9 @@ def remove_old_key(state_dir: str, warnings: list[str]) -> None:
 def raw_public_key(key: Any) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.public_key().public_bytes(serialization.Encoding.Raw,
-                                         serialization.PublicFormat.Raw)
+    raw: bytes = key.public_key().public_bytes(serialization.Encoding.Raw,
+                                               serialization.PublicFormat.Raw)
+    return raw
 
 
 # -- what is signed (the shepherd's copy: shepherd/agent/protocol.py) ---------------
@@ -305,7 +318,7 @@ def setup_logging(state_dir: str) -> None:
 
 def hardware_report(root: str = "/") -> dict[str, Any]:
     """CPU, memory, disks and NICs from /proc and /sys, with a warning for each gap."""
-    warnings = []
+    warnings: list[str] = []
     return {
         "cpu": read_cpu(root, warnings),
         "memory_bytes": read_memory(root, warnings),
@@ -345,7 +358,8 @@ def read_cpu(root: str, warnings: list[str]) -> dict[str, Any]:
 
 def parse_cpuinfo(text: str) -> tuple[str | None, list[dict[str, str]]]:
     """The first model name, and the fields of each ``processor`` entry (logical CPU)."""
-    model, processors = None, []
+    model: str | None = None
+    processors: list[dict[str, str]] = []
     for line in text.splitlines():
         name, _, value = (part.strip() for part in line.partition(":"))
         if name == "processor":
@@ -440,10 +454,12 @@ class Heartbeater:
         self.context = context
         self.args = args
         self.stop = threading.Event()
-        self.hardware = hardware_report(args.sys_root)
-        self.installation_report = None
-        self.reported_generation = None
-        handlers = [urllib.request.ProxyHandler({})]
+        hardware = hardware_report(args.sys_root)
+        self.hardware: dict[str, Any] | None = hardware  # None once delivered
+        self.hardware_warnings: list[str] = hardware["warnings"]
+        self.installation_report: dict[str, Any] | None = None
+        self.reported_generation: object = None
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
         if context is not None:
             handlers.append(urllib.request.HTTPSHandler(context=context))
         self.opener = urllib.request.build_opener(*handlers)
@@ -466,9 +482,11 @@ class Heartbeater:
         log.info("agent stopping (superseded=%s)", superseded(pid_path))
 
     def delay(self, failures: int) -> float:
+        interval: float = self.args.interval
         if failures == 0:
-            return self.args.interval
-        return min(self.args.max_backoff, self.args.interval * 2 ** min(failures, 20))
+            return interval
+        backoff: float = self.args.max_backoff
+        return min(backoff, interval * 2.0 ** min(failures, 20))
 
     def beat(self) -> None:
         try:
@@ -482,7 +500,7 @@ class Heartbeater:
 
     def body(self) -> dict[str, Any]:
         """The heartbeat, with whichever optional reports are still to be delivered."""
-        body = {"machine_id": self.machine_id}
+        body: dict[str, Any] = {"machine_id": self.machine_id}
         if self.hardware is not None:
             body["hardware_report"] = self.hardware
         if self.installation_report is not None:
@@ -615,7 +633,7 @@ def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
         answer_public = load_public_key(answer_key)
     except ValueError as error:
         raise TakeoverFailed(f"TakeoverInit.answer_key is not an ed25519 key: {error}") from error
-    warnings = []
+    warnings: list[str] = []
     try:
         os.makedirs(args.state_dir, mode=0o700, exist_ok=True)
     except OSError as error:
@@ -664,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.foreground:
             write_pid(pid_path)
         elif not detach(pid_path):
-            answer(success(taken, heartbeater.hardware["warnings"]))
+            answer(success(taken, heartbeater.hardware_warnings))
             return 0
     except TakeoverFailed as error:
         answer({"error": {"message": str(error)}})
@@ -673,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         answer({"error": {"message": f"agent failed: {error!r}"}})
         return 1
     if args.foreground:
-        answer(success(taken, heartbeater.hardware["warnings"]))
+        answer(success(taken, heartbeater.hardware_warnings))
     signal.signal(signal.SIGTERM, lambda *_: heartbeater.stop.set())
     log.info("agent %d started for machine %s, heartbeats to %s every %.2fs",
              os.getpid(), taken.machine_id, heartbeater.url, args.interval)

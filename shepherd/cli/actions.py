@@ -91,7 +91,7 @@ def sweep(ctx: Context) -> int:
 
 def actor(ctx: Context) -> str:
     """Who is doing this, for history: ``--by``, else the login name."""
-    given = getattr(ctx.args, "by", None)
+    given: str | None = getattr(ctx.args, "by", None)
     if given is not None:
         return given
     try:

@@ -69,7 +69,8 @@ class Runner:
     name: str
 
     def resolve(self) -> Callable[[Any], int]:
-        return getattr(importlib.import_module(self.module), self.name)
+        command: Callable[[Any], int] = getattr(importlib.import_module(self.module), self.name)
+        return command
 
     def __call__(self, ctx: Any) -> int:
         return self.resolve()(ctx)
@@ -143,7 +144,8 @@ class _Commands:
     def add(self, name: str, text: str, run: Callable[[Any], int], *,
             json: bool = True) -> argparse.ArgumentParser:
         parents = [self.url, self.json] if json else [self.url]
-        command = self.sub.add_parser(name, help=text, parents=parents)
+        command: argparse.ArgumentParser = self.sub.add_parser(name, help=text,
+                                                               parents=parents)
         command.set_defaults(run=run)
         return command
 

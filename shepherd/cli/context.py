@@ -9,6 +9,7 @@ limits as the workers and ``shepherd serve`` (all three start from ``Settings``)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ class Context:
         """Settings from the environment, ``--bmdb-url`` over them."""
         settings = Settings.from_env()
         if getattr(args, "bmdb_url", None):
-            settings = settings.with_overrides(bmdb_url=args.bmdb_url)
+            settings = dataclasses.replace(settings, bmdb_url=args.bmdb_url)
         return cls(args, settings, workers)
 
     @property

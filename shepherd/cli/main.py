@@ -30,7 +30,9 @@ def main(argv: Sequence[str] | None = None,
     if args.command in DELEGATED:
         if args.bmdb_url and args.command == "serve":
             rest = ["--bmdb-url", args.bmdb_url, *rest]
-        return importlib.import_module(DELEGATED[args.command][0]).main(rest)
+        delegate: Callable[[list[str]], int] = importlib.import_module(
+            DELEGATED[args.command][0]).main
+        return delegate(rest)
     if rest:
         top.error(f"unrecognized arguments: {' '.join(rest)}")
     return run(args, workers)
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace,
     ctx: Context | None = None
     try:
         ctx = Context.build(args, workers or CeleryWorkers)
-        return args.run(ctx)
+        command: Callable[[Context], int] = args.run
+        return command(ctx)
     except (BadArgument, SettingsError) as error:
         return _fail(args, error, EXIT_BAD_ARGUMENT)
     except Failed as error:

@@ -56,7 +56,7 @@ def check_revision(url: str, revision: str) -> None:
 
 def refused(revision: str, shown: str, error: Exception) -> Exception:
     if RELATIVE_REVISION.search(revision):
-        return BadArgument(f"cannot migrate to {revision!r}: {error or 'no such revision'}")
+        return BadArgument(f"cannot migrate to {revision!r}: {str(error) or 'no such revision'}")
     return Failed(f"cannot migrate the BMDB at {shown} to {revision!r}: {error}")
 
 

@@ -1,10 +1,10 @@
 """The CLI's way to the worker layer: tasks sent by name through the broker.
 
 Why by name (``send_task``) and not by importing ``tasks``: the CLI needs none of
-the task code, only the broker the workers listen on and the task names, which are
-the contract between the two layers (``tests/test_cli_workers.py`` checks them
-against the registered tasks). The CLI builds its own small Celery client from the
-same ``Settings`` the workers use, so both agree on broker, routes and backend.
+the task code, only the broker the workers listen on and the tasks' declarations
+(``shepherd.task_api``), the contract between the two layers. The CLI builds its
+own small Celery client from the same ``Settings`` the workers use, so both agree on
+broker, routes and backend.
 
 ``shepherd start`` claims the machine itself (so it can say at once why a machine is
 not claimable) and hands the claim over exactly as sourcing does: the per-machine
@@ -15,15 +15,14 @@ budget, once at a time fleet-wide.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import bmdb
+from shepherd import task_api
 from shepherd.config import Settings
 
-#: The per-machine task of each process, as the workers register them.
-MACHINE_TASKS = {bmdb.Process.AGENT_START: "shepherd.agent_start",
-                 bmdb.Process.RECOVERY: "shepherd.recovery"}
-RECONCILE_TASK = "shepherd.reconcile"
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 class WorkerLayer(Protocol):
@@ -44,10 +43,10 @@ class CeleryWorkers:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._app: Any = None
+        self._app: Celery | None = None
 
     @property
-    def app(self) -> Any:
+    def app(self) -> Celery:
         if self._app is None:
             from celery import Celery
 
@@ -60,16 +59,15 @@ class CeleryWorkers:
     def dispatch(self, work: bmdb.Work) -> str:
         # Expires with the claim: a message nobody took before the sweep cancels the
         # claim would only end as "gone" anyway.
-        result = self.app.send_task(MACHINE_TASKS[work.process],
-                                    args=[str(work.machine_id), str(work.id)],
-                                    expires=self.settings.dispatch_ttl)
+        call = task_api.MACHINE_TASKS[work.process].bind(str(work.machine_id), str(work.id))
+        result = call.send(self.app, expires=self.settings.dispatch_ttl)
         return str(result.id)
 
     def reconcile(self) -> Any:
         from celery.exceptions import TimeoutError as CeleryTimeout
 
         wait = self.settings.reconcile_wait
-        result = self.app.send_task(RECONCILE_TASK)
+        result = task_api.RECONCILE.bind().send(self.app)
         try:
             return result.get(timeout=wait, propagate=True, disable_sync_subtasks=False)
         except CeleryTimeout:

@@ -14,6 +14,7 @@ has its own timeouts, but a library that ignores one must not keep the command
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -83,9 +84,9 @@ def probe_machines(machines: Sequence[ProviderMachine], *, timeout: float = 10.0
     reported as unanswered."""
     jobs: list[Callable[[], object]] = []
     for machine in machines:
-        jobs.append(lambda m=machine: probe_ssh(m, timeout=timeout))
+        jobs.append(functools.partial(probe_ssh, machine, timeout=timeout))
         if machine.bmc is not None:
-            jobs.append(lambda spec=machine.bmc: probe_bmc(spec, timeout=timeout))
+            jobs.append(functools.partial(probe_bmc, machine.bmc, timeout=timeout))
     waves = -(-len(jobs) // max(1, parallel))
     results = _run(jobs, parallel=parallel, deadline=waves * 4 * timeout + 5)
     found: list[MachineProbe] = []

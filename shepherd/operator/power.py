@@ -80,7 +80,7 @@ class PowerResult:
     seconds: float
     work: uuid.UUID
     #: Holds of the machine (``maintenance``, ``quarantine``) at the claim.
-    holds: list[str]
+    holds: list[bmdb.holds.Kind]
 
 
 def locate(session: bmdb.Session, provider_of: Callable[[], Provider], power_for: PowerFor,

@@ -86,9 +86,9 @@ class IpmiPower(BmcDriver):
         return self.retried(what, lambda: self._once(what, op))
 
     def _once(self, what: str, op: str) -> dict[str, Any]:
+        password = self.spec.read_password()
         request = {"host": self.spec.address, "port": self.spec.port,
-                   "username": self.spec.username, "password": self.spec.read_password(),
-                   "op": op}
+                   "username": self.spec.username, "password": password, "op": op}
         try:
             child = subprocess.run([sys.executable, "-P", str(CHILD)], input=json.dumps(request),
                                    capture_output=True, text=True, timeout=self.timeout)
@@ -100,7 +100,7 @@ class IpmiPower(BmcDriver):
             # Never echo the child's output: it could hold anything. Its exit code
             # and the last line of stderr (a traceback's last line) are enough.
             tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
-            tail = tail.replace(request["password"], "***")
+            tail = tail.replace(password, "***")
             raise PowerError(f"{self.description}: {what}: the IPMI helper failed "
                              f"(exit {child.returncode}): {tail[:200]}") from None
         kind = answer.get("error")

@@ -224,8 +224,12 @@ class EquinixClient:
     # -- transport ----------------------------------------------------------
 
     def _once(self, method: str, path: str, params: dict[str, Any] | None = None,
-              body: Any = None) -> Any:
-        """One HTTP exchange; raises typed errors, ``_Transient`` for retryable ones."""
+              body: Any = None) -> dict[str, Any] | None:
+        """One HTTP exchange: the reply's JSON object, or None for an empty reply.
+
+        Raises typed errors, ``_Transient`` for retryable ones. Every reply of the API
+        is an object: any other JSON is refused here, so that no caller reads a list
+        or a number as one."""
         what = f"{method} {path}"
         response = self._send(what, method, path, params, body)
         status = response.status_code
@@ -242,9 +246,14 @@ class EquinixClient:
         if not response.content:
             return None
         try:
-            return response.json()
+            document = response.json()
         except ValueError:
             pass  # raised below, so the decode error is not the new error's __context__
+        else:
+            if isinstance(document, dict):
+                return document
+            raise PermanentError(f"{what}: HTTP {status} with JSON that is not an object "
+                                 f"({type(document).__name__})", status)
         raise _Transient(f"{what}: HTTP {status} with a body that is not JSON", status)
 
     def _send(self, what: str, method: str, path: str, params: dict[str, Any] | None,
@@ -288,9 +297,10 @@ class EquinixClient:
             retry=tenacity.retry_if_exception_type(_Transient),
             stop=tenacity.stop_after_attempt(self.config.retries + 1),
             wait=wait,
-            before_sleep=lambda s: log.info("Equinix %s: %s; retry %d", what,
-                                            self.scrub(str(s.outcome.exception())),
-                                            s.attempt_number),
+            before_sleep=lambda s: log.info(
+                "Equinix %s: %s; retry %d", what,
+                self.scrub(str(s.outcome.exception() if s.outcome else None)),
+                s.attempt_number),
             reraise=True,
         )
         with self.scrubbed():
@@ -302,7 +312,7 @@ class EquinixClient:
                                      f"attempts: {last}")
 
     def request(self, method: str, path: str, params: dict[str, Any] | None = None,
-                body: Any = None) -> Any:
+                body: Any = None) -> dict[str, Any] | None:
         """One call with retries (only for calls that are safe to repeat)."""
         return self._retrying(f"{method} {path}", lambda: self._once(method, path, params, body))
 
@@ -335,7 +345,8 @@ class EquinixClient:
         return self._items(f"/projects/{self.config.project_id}/devices", "devices")
 
     def get_device(self, device_id: str) -> dict[str, Any]:
-        return self.request("GET", f"/devices/{_segment(device_id)}")
+        path = f"/devices/{_segment(device_id)}"
+        return _object("GET", path, self.request("GET", path))
 
     def list_reservations(self) -> list[dict[str, Any]]:
         return self._paginated(f"/projects/{self.config.project_id}/hardware-reservations",
@@ -343,7 +354,8 @@ class EquinixClient:
 
     def get_reservation(self, reservation_id: str, include_device: bool = True) -> dict[str, Any]:
         params = {"include": "device"} if include_device else None
-        return self.request("GET", f"/hardware-reservations/{_segment(reservation_id)}", params)
+        path = f"/hardware-reservations/{_segment(reservation_id)}"
+        return _object("GET", path, self.request("GET", path, params))
 
     def list_ssh_keys(self) -> list[dict[str, Any]]:
         body = self.request("GET", f"/projects/{self.config.project_id}/ssh-keys") or {}
@@ -366,7 +378,8 @@ class EquinixClient:
                 if existing is not None:
                     return existing
             try:
-                return self._once("POST", path, body={"label": label, "key": key})
+                return _object("POST", path,
+                               self._once("POST", path, body={"label": label, "key": key}))
             except _Transient as error:
                 maybe_applied = maybe_applied or error.status != 429
                 raise
@@ -382,7 +395,8 @@ class EquinixClient:
     def update_ssh_key(self, key_id: str, *, label: str | None = None,
                        key: str | None = None) -> dict[str, Any]:
         body = {k: v for k, v in (("label", label), ("key", key)) if v is not None}
-        return self.request("PUT", f"/ssh-keys/{_segment(key_id)}", body=body)
+        path = f"/ssh-keys/{_segment(key_id)}"
+        return _object("PUT", path, self.request("PUT", path, body=body))
 
     def reboot_device(self, device_id: str) -> None:
         """Request a reboot (202); the action is not idempotent.
@@ -428,7 +442,7 @@ class EquinixClient:
             if existing is not None:
                 return existing
             try:
-                return self._once("POST", path, body=body)
+                return _object("POST", path, self._once("POST", path, body=body))
             except PermanentError as error:
                 if error.status != 422:
                     raise
@@ -688,3 +702,10 @@ def _reservation_id(device: dict[str, Any]) -> str | None:
         return str(reservation["id"])
     href = reservation.get("href")
     return _id_from_href(href) if href else None
+
+
+def _object(method: str, path: str, document: dict[str, Any] | None) -> dict[str, Any]:
+    """The object a call must answer with; an empty reply is refused."""
+    if document is None:
+        raise PermanentError(f"{method} {path}: an empty reply where an object was expected")
+    return document

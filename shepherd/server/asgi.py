@@ -84,7 +84,7 @@ class RequestHeaders(dict[str, str]):
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         return headers
 
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, name: str, default: Any = None) -> Any:
         return super().get(name.lower(), default)
 
 

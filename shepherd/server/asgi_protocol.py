@@ -309,8 +309,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._real is not None:
             self._real.close()
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         """The client is done sending: while lingering, that is the end."""
         if self._lingering and self._real is not None:
             self._real.close()
-        return None

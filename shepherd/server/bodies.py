@@ -50,7 +50,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Union
+from types import GenericAlias
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Union
 
 from pydantic import (
     AfterValidator,
@@ -145,8 +146,10 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     document = dict(pairs)
     if len(document) != len(pairs):
         seen: set[str] = set()
-        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise _DuplicateKey(duplicate)
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return document
 
 
@@ -232,8 +235,11 @@ def _json_value(levels: int) -> Any:
     ]
     if levels > 1:
         inner = _json_value(levels - 1)
-        choices += [Annotated[list[inner], Field(max_length=MAX_ITEMS), tag("array")],
-                    Annotated[dict[Name, inner], Field(max_length=MAX_KEYS), tag("object")]]
+        # GenericAlias, not ``list[inner]``: the item type is a value built at run time.
+        choices += [Annotated[GenericAlias(list, (inner,)), Field(max_length=MAX_ITEMS),
+                              tag("array")],
+                    Annotated[GenericAlias(dict, (Name, inner)), Field(max_length=MAX_KEYS),
+                              tag("object")]]
     else:
         choices += [Annotated[Any, PlainValidator(_too_deep), tag(kind)]
                     for kind in ("array", "object")]
@@ -246,7 +252,15 @@ def _at_level(level: int) -> Any:
     return _json_value(MAX_DEPTH - level + 1)
 
 
-FREE_AT_2, FREE_AT_3, FREE_AT_4, FREE_AT_5 = (_at_level(level) for level in (2, 3, 4, 5))
+if TYPE_CHECKING:
+    # What a type checker sees: JSON. Pydantic sees the bounded type of each level.
+    _JSON: TypeAlias = "bool | int | float | str | list[_JSON] | dict[str, _JSON] | None"
+    FREE_AT_2: TypeAlias = _JSON
+    FREE_AT_3: TypeAlias = _JSON
+    FREE_AT_4: TypeAlias = _JSON
+    FREE_AT_5: TypeAlias = _JSON
+else:
+    FREE_AT_2, FREE_AT_3, FREE_AT_4, FREE_AT_5 = (_at_level(level) for level in (2, 3, 4, 5))
 
 
 class _Known(BaseModel):

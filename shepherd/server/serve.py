@@ -22,6 +22,7 @@ workers' guard).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -29,8 +30,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import cast
 
 from a2wsgi import WSGIMiddleware
+from a2wsgi.wsgi_typing import WSGIApp
+from starlette.types import ASGIApp
 
 import bmdb
 from shepherd.config import Settings, SettingsError, parse_listen
@@ -162,11 +166,14 @@ def _start(config: ServerConfig, host: str, port: int, tls_cert: str | None,
     if operator_listen is not None or metrics_here:
         metrics = asgi.Metrics(runtime, limits, config.metrics_cache)
         closers.append(metrics.close)
-        views = None
+        views: ASGIApp | None = None
         if config.operator_views and (operator_listen is not None or views_here):
-            wsgi = WSGIMiddleware(create_web_app(config, runtime, limits), workers=VIEW_THREADS)
+            # a2wsgi, Flask and Starlette each type the same WSGI and ASGI protocols
+            # their own way; the casts join them.
+            flask_app = cast("WSGIApp", create_web_app(config, runtime, limits))
+            wsgi = WSGIMiddleware(flask_app, workers=VIEW_THREADS)
             closers.append(lambda: wsgi.executor.shutdown(wait=False, cancel_futures=True))
-            views = wsgi
+            views = cast("ASGIApp", wsgi)
         operators = asgi.operator_routes(health, metrics, views)
 
     agents = Listener("agents", asgi.agents_app(api, health, operators if metrics_here else None),
@@ -261,7 +268,8 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
 
 def with_flags(settings: Settings, args: argparse.Namespace) -> Settings:
     """``settings`` with the command line's values (defaults being the settings' own)."""
-    return settings.with_overrides(
+    return dataclasses.replace(
+        settings,
         serve_listen=args.listen, serve_tls_cert=args.tls_cert or "",
         serve_tls_key=args.tls_key or "", bmdb_url=args.bmdb_url,
         serve_max_body=args.max_body, serve_clock_window=args.clock_window,
@@ -278,7 +286,7 @@ def serve(settings: Settings) -> RunningServer:
     bench/heartbeat_ingest.py: a quarter fewer heartbeats/s at the default 5).
     """
     pool = max(settings.bmdb_pool_size, settings.serve_threads + HEALTH_THREADS)
-    runtime = Runtime(settings.with_overrides(bmdb_pool_size=pool), COMPONENT)
+    runtime = Runtime(dataclasses.replace(settings, bmdb_pool_size=pool), COMPONENT)
     operator = settings.serve_operator_listen
     operator_listen = parse_listen(operator) if operator else None
     host, port = parse_listen(settings.serve_listen)

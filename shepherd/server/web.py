@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 from typing import Any
+from urllib.parse import urlencode
 
 from flask import Blueprint, Flask, current_app, redirect, render_template, request, url_for
 from werkzeug.wrappers import Response
@@ -47,7 +48,8 @@ def register(app: Flask, limits: GuardLimits) -> None:
 
 
 def _db() -> bmdb.BMDB:
-    return current_app.extensions["shepherd"].db
+    db: bmdb.BMDB = current_app.extensions["shepherd"].db
+    return db
 
 
 @bp.app_template_filter("when")
@@ -102,8 +104,10 @@ def machines() -> tuple[str, int] | str:
                                              operator.refusals(tx)))
     next_page = None
     if found.next_cursor:
-        query = {**request.args.to_dict(flat=False), "after": found.next_cursor}
-        next_page = url_for("web.machines", **query)
+        # Encoded here, not as url_for's keywords: a query key such as ``_external``
+        # would be taken for one of url_for's own options.
+        query = {**request.args.to_dict(flat=False), "after": [found.next_cursor]}
+        next_page = url_for("web.machines") + "?" + urlencode(query, doseq=True)
     return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
                            next_page=next_page,
                            short_tags=operator.SHORT_TAGS, held=found.held_counts,

@@ -42,7 +42,7 @@ Route = tuple[str, re.Pattern[str], Callable[..., Reply]]
 NOTIFY_PATH = "/bmc-notify"
 
 
-class ApiRequest(tuple):
+class ApiRequest(tuple[str, str, int | str]):
     """One request as served: ``(method, path, status)`` (status: the code answered, or
     ``"lost"``), so it compares and unpacks as a plain 3-tuple, with attributes:
 

@@ -348,7 +348,8 @@ class RedfishEmulator:
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 # -- inside the emulator process ---------------------------------------------------
@@ -375,13 +376,13 @@ def _freezable_driver() -> None:
         except (OSError, ValueError):
             frozen = set()
         if uuid not in frozen:
-            return original(self, identity, state)
+            original(self, identity, state)
+            return
         if "On" not in state and "Restart" not in state and state not in (
                 "ForceOff", "GracefulShutdown"):
             raise error.NotSupportedError(f"Power state {state} is not supported")
-        return None
 
-    FakeDriver.set_power_state = set_power_state  # type: ignore[method-assign]
+    FakeDriver.set_power_state = set_power_state
 
 
 def main() -> int:

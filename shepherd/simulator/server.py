@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shepherd.processes import kill_marked
-from shepherd.simulator.api import ApiServer
+from shepherd.simulator.api import ApiRequest, ApiServer
 from shepherd.simulator.faults import Faults
 from shepherd.simulator.ssh import INSTANCE_MARKER, DeviceSSH, generate_host_key
 from shepherd.simulator.state import API_PREFIX, Device, SimState
@@ -107,7 +107,7 @@ class Simulator:
     def start_api(self) -> None:
         """The API back on the port it had (clients keep their base URL)."""
         if self._api is None and not self._stopped:
-            self._serve_api(self._http_port)
+            self._serve_api(self.http_port)
 
     def stop(self) -> None:
         """Stop every thread and socket, kill every device process, drop the sandboxes."""
@@ -276,7 +276,7 @@ class Simulator:
 
     # -- inspection ---------------------------------------------------------
 
-    def requests(self, method: str | None = None, path_prefix: str = "") -> list[tuple]:
+    def requests(self, method: str | None = None, path_prefix: str = "") -> list[ApiRequest]:
         """The API requests served so far: (method, path, status or "lost")."""
         with self.state.lock:
             return [r for r in self.state.requests
@@ -309,4 +309,5 @@ class Simulator:
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((Simulator.HOST, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port

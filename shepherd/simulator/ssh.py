@@ -25,11 +25,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import paramiko
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from paramiko.common import (
+    AUTH_FAILED,
+    AUTH_SUCCESSFUL,
+    OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED,
+    OPEN_SUCCEEDED,
+)
+from paramiko.sftp import SFTP_OK, SFTP_OP_UNSUPPORTED
+from typing_extensions import Buffer
 
 from shepherd.processes import kill_marked
 
@@ -59,11 +67,16 @@ class SandboxHandle(paramiko.SFTPHandle):
     at once unless the "SFTP stalls" fault holds the write (and so every later reply,
     as the SFTP server answers requests in order)."""
 
+    # Set by whoever opens the handle (paramiko's convention, absent from its stubs).
+    filename: str
+    readfile: IO[bytes]
+    writefile: IO[bytes]
+
     def __init__(self, flags: int = 0, stall: Callable[[], None] = lambda: None) -> None:
         super().__init__(flags)
         self.stall = stall
 
-    def write(self, offset: int, data: bytes) -> int:
+    def write(self, offset: int, data: Buffer) -> int:
         self.stall()
         return super().write(offset, data)
 
@@ -71,14 +84,14 @@ class SandboxHandle(paramiko.SFTPHandle):
         try:
             return paramiko.SFTPAttributes.from_stat(os.fstat(self.readfile.fileno()))
         except OSError as error:
-            return paramiko.SFTPServer.convert_errno(error.errno)
+            return SandboxSFTP._errno(error)
 
     def chattr(self, attr: paramiko.SFTPAttributes) -> int:
         try:
             paramiko.SFTPServer.set_file_attr(self.filename, attr)
         except OSError as error:
-            return paramiko.SFTPServer.convert_errno(error.errno)
-        return paramiko.SFTP_OK
+            return SandboxSFTP._errno(error)
+        return SFTP_OK
 
 
 class SandboxSFTP(paramiko.SFTPServerInterface):
@@ -104,7 +117,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
 
     @staticmethod
     def _errno(error: OSError) -> int:
-        return paramiko.SFTPServer.convert_errno(error.errno)
+        return paramiko.SFTPServer.convert_errno(error.errno or errno.EIO)
 
     def canonicalize(self, path: str) -> str:
         return posixpath.normpath("/" + path)
@@ -141,7 +154,8 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
         except OSError as error:
             return self._errno(error)
         if flags & os.O_CREAT and attr is not None:
-            attr._flags &= ~attr.FLAG_PERMISSIONS
+            # The mode was given to open; paramiko keeps which fields are set privately.
+            attr._flags &= ~attr.FLAG_PERMISSIONS  # type: ignore[attr-defined]
             paramiko.SFTPServer.set_file_attr(local, attr)
         if flags & os.O_WRONLY:
             fmode = "ab" if flags & os.O_APPEND else "wb"
@@ -164,7 +178,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
             action()
         except OSError as error:
             return self._errno(error)
-        return paramiko.SFTP_OK
+        return SFTP_OK
 
     def remove(self, path: str) -> int:
         return self._simple(lambda: os.remove(self._local(path)))
@@ -192,7 +206,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
         return self._simple(lambda: paramiko.SFTPServer.set_file_attr(self._local(path), attr))
 
     def symlink(self, target_path: str, path: str) -> int:
-        return paramiko.SFTP_OP_UNSUPPORTED  # a link could point out of the sandbox
+        return SFTP_OP_UNSUPPORTED  # a link could point out of the sandbox
 
 
 # -- SSH server ------------------------------------------------------------------
@@ -210,13 +224,13 @@ class DeviceInterface(paramiko.ServerInterface):
     def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
         # Read at auth time: a key registered a moment ago must work now.
         if username == "root" and key.get_base64() in self.endpoint.authorized_keys():
-            return paramiko.AUTH_SUCCESSFUL
-        return paramiko.AUTH_FAILED
+            return AUTH_SUCCESSFUL
+        return AUTH_FAILED
 
     def check_channel_request(self, kind: str, chanid: int) -> int:
         if kind == "session":
-            return paramiko.OPEN_SUCCEEDED
-        return paramiko.OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
+            return OPEN_SUCCEEDED
+        return OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
 
     def check_channel_exec_request(self, channel: paramiko.Channel, command: bytes) -> bool:
         text = command.decode("utf-8", "replace")

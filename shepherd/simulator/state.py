@@ -17,7 +17,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shepherd.simulator.api import ApiRequest
 
 API_PREFIX = "/metal/v1"
 FACILITIES = (("sv15", "sv", "Silicon Valley"), ("da11", "da", "Dallas"),
@@ -156,7 +159,7 @@ class SimState:
         self.reservations: dict[str, Reservation] = {}
         self.devices: dict[str, Device] = {}
         self.ssh_keys: dict[str, SSHKey] = {}
-        self.requests: list[tuple[str, str, int | str]] = []
+        self.requests: list[ApiRequest] = []
         self._device_count = 0
         for index in range(reservations):
             facility, metro, metro_name = FACILITIES[index % len(FACILITIES)]
@@ -178,8 +181,8 @@ class SimState:
                 raise ApiError(422, f"{required} is required")
         rid = body.get("hardware_reservation_id")
         with self.lock:
-            reservation = self.reservations.get(rid or "")
-            if reservation is None:
+            reservation = self.reservations.get(rid) if isinstance(rid, str) else None
+            if reservation is None or not isinstance(rid, str):
                 raise ApiError(422, f"hardware reservation {rid!r} is not available")
             if reservation.device_id is not None or not reservation.provisionable:
                 raise ApiError(422, f"hardware reservation {rid} is not provisionable")
@@ -275,9 +278,9 @@ class SimState:
         label, key = body.get("label"), body.get("key")
         if not label or not isinstance(label, str):
             raise ApiError(422, "label is required")
-        self._check_key(key)
+        checked = self._check_key(key)
         with self.lock:
-            ssh_key = SSHKey(str(uuid.uuid4()), label, key.strip())
+            ssh_key = SSHKey(str(uuid.uuid4()), label, checked)
             self.ssh_keys[ssh_key.id] = ssh_key
             return ssh_key
 
@@ -285,8 +288,7 @@ class SimState:
         with self.lock:
             ssh_key = self.get_ssh_key(key_id)
             if "key" in body:
-                self._check_key(body["key"])
-                ssh_key.key = body["key"].strip()
+                ssh_key.key = self._check_key(body["key"])
             if "label" in body:
                 if not body["label"]:
                     raise ApiError(422, "label must not be empty")
@@ -312,7 +314,8 @@ class SimState:
                     if len(k.key.split()) > 1 and (not named or k.id in named)}
 
     @staticmethod
-    def _check_key(key: Any) -> None:
+    def _check_key(key: Any) -> str:
+        """``key`` without surrounding blanks, if it is an OpenSSH public key."""
         parts = key.split() if isinstance(key, str) else []
         if len(parts) < 2 or not parts[0].startswith(("ssh-", "ecdsa-")):
             raise ApiError(422, "key is not an OpenSSH public key")
@@ -320,6 +323,7 @@ class SimState:
             base64.b64decode(parts[1], validate=True)
         except ValueError as error:
             raise ApiError(422, "key is not an OpenSSH public key") from error
+        return str(key).strip()
 
     # -- JSON shapes --------------------------------------------------------
 

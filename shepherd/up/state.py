@@ -59,7 +59,10 @@ def prepare_broker(broker: str, backend: str) -> None:
 
         _create_sqlite_tables(broker.removeprefix("sqla+"), metadata)
     if backend.startswith("db+sqlite"):
-        from celery.backends.database.models import ResultModelBase
+        # Celery's stubs leave out the result tables' declarative base.
+        from celery.backends.database.models import (  # type: ignore[attr-defined]
+            ResultModelBase,
+        )
 
         _create_sqlite_tables(backend.removeprefix("db+"), ResultModelBase.metadata)
 

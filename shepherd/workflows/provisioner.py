@@ -46,6 +46,7 @@ The safety rails (docs/ARCHITECTURE.md section 5) and why they exist:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -274,8 +275,9 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
     pace = _Pacer(settings.spacing)
     for item in capacity:
         pace.wait()
-        session.transact(lambda tx, i=item: bmdb.capacity.record_intent(
-            tx, provider.name, i.reservation_id, i.request_id))
+        session.transact(functools.partial(
+            bmdb.capacity.record_intent, provider=provider.name,
+            capacity_id=item.reservation_id, witness=item.request_id))
         try:
             machine = provider.create_machine(item)  # no transaction open: see above
         except ProviderError as error:
@@ -284,12 +286,12 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
             if isinstance(error, TransientExhausted):  # it may have landed: keep the intent
                 log.warning("%s: stopping this run's creations after %s", provider.name, cause)
                 break
-            session.transact(lambda tx, i=item: bmdb.capacity.forget_intent(
-                tx, provider.name, i.request_id))
+            session.transact(functools.partial(
+                bmdb.capacity.forget_intent, provider=provider.name, witness=item.request_id))
             cool_down(session, provider.name, item.reservation_id, settings.cooldown, cause)
             continue
-        session.transact(lambda tx, i=item, m=machine: register_created(
-            tx, provider.name, i, m))
+        session.transact(functools.partial(
+            register_created, provider=provider.name, capacity=item, machine=machine))
         log.info("%s: created %s from reservation %s", provider.name, machine.provider_id,
                  item.reservation_id)
         created.append(machine.provider_id)
