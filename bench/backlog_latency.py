@@ -66,7 +66,9 @@ def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, 
             found = len(conn.execute(query).all())
             library.append((time.perf_counter() - started) * 1000)
             sql = str(query.compile(conn, compile_kwargs={"literal_binds": True}))
-            cursor = conn.connection.dbapi_connection.cursor()
+            dbapi = conn.connection.dbapi_connection
+            assert dbapi is not None  # checked out by conn
+            cursor = dbapi.cursor()
             started = time.perf_counter()
             cursor.execute(sql)
             cursor.fetchall()

@@ -25,6 +25,7 @@ import os
 import ssl
 import time
 import uuid
+from multiprocessing.sharedctypes import SynchronizedArray
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
@@ -81,7 +82,7 @@ async def _idle(host: str, port: int, stop: Event, held: list[int]) -> None:
 
 
 def attack(host: str, port: int, ca_file: str, slow: int, idle: int, stop: Event,
-           ready: Event, peak: multiprocessing.Array) -> None:  # type: ignore[type-arg]
+           ready: Event, peak: SynchronizedArray[int]) -> None:
     """The attacker process: hold ``slow`` and ``idle`` connections until ``stop``."""
     tls = ssl.create_default_context(cafile=ca_file)
     held = [0, 0]

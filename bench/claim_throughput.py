@@ -10,6 +10,7 @@ psycopg2 on one connection, with the same session check and the same commits.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import time
 import uuid
@@ -17,7 +18,7 @@ import uuid
 import psycopg2
 
 import bmdb
-from bench.common import arguments, postgres, psycopg2_dsn
+from bench.common import arguments, fetch_one, postgres, psycopg2_dsn
 from bmdb import Process
 
 SESSION_CHECK = "SELECT deadline, now() FROM sessions WHERE id = %s FOR KEY SHARE"
@@ -70,7 +71,8 @@ def library_loop(url: str, seconds: float) -> int:
             if not claimed:
                 break
             work = claimed[0]
-            work.finish(lambda tx, m=work.machine_id: bmdb.tags.set_agent_started(tx, m, key))
+            work.finish(functools.partial(bmdb.tags.set_agent_started,
+                                          machine_id=work.machine_id, public_key=key))
             done += 1
     db.close()
     return done
@@ -86,7 +88,7 @@ def raw_loop(url: str, seconds: float) -> int:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         cur.execute(SESSION_CHECK, (sid,))
-        _, now = cur.fetchone()
+        _, now = fetch_one(cur)
         cur.execute(LOCK, (now,))
         row = cur.fetchone()
         if row is None:
@@ -102,7 +104,7 @@ def raw_loop(url: str, seconds: float) -> int:
         cur.execute(INSERT_HISTORY, (machine, "Started", now, work_id, sid))
         conn.commit()
         cur.execute(SESSION_CHECK, (sid,))
-        _, now = cur.fetchone()
+        _, now = fetch_one(cur)
         cur.execute(DELETE_WORK, (work_id, sid))
         cur.execute(DELETE_BACKOFF, (machine,))
         cur.execute(UPSERT_STARTED, (machine, now, psycopg2.Binary(b"k" * 32), machine))

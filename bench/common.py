@@ -6,11 +6,15 @@ import argparse
 import contextlib
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 import bmdb
 from tests.servers import PostgresServer
+
+if TYPE_CHECKING:
+    from psycopg2.extensions import cursor
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
@@ -51,3 +55,10 @@ def psycopg2_dsn(url: str) -> str:
     return (
         f"host={parsed.host} port={parsed.port} user={parsed.username} dbname={parsed.database}"
     )
+
+
+def fetch_one(cur: cursor) -> tuple[Any, ...]:
+    """The row of a statement that always returns one (psycopg2's is optional)."""
+    row = cur.fetchone()
+    assert row is not None
+    return row

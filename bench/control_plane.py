@@ -145,8 +145,8 @@ class Bench:
                        "--without-mingle", agent=agent)
         deadline = time.monotonic() + 60
         while True:
-            answered = {name.split("@")[0] for reply in self.client.control.ping(timeout=1)
-                        for name in reply}
+            replies = self.client.control.ping(timeout=1) or []  # None only without reply
+            answered = {name.split("@")[0] for reply in replies for name in reply}
             if set(names) <= answered:
                 return
             if time.monotonic() > deadline:

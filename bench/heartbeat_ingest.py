@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 import bmdb
-from bench.common import arguments, postgres, psycopg2_dsn
+from bench.common import arguments, fetch_one, postgres, psycopg2_dsn
 from shepherd.agent.protocol import (
     HEADER_MACHINE,
     HEADER_SIGNATURE,
@@ -408,10 +408,10 @@ def bare(url: str, per_client: list[list[Heartbeat]], threads: int
         for h in heartbeats:
             machine = str(h.agent.machine)
             cur.execute(SESSION_CHECK, (str(session.id),))
-            _, now = cur.fetchone()
+            _, now = fetch_one(cur)
             cur.execute(LOCK, (machine,))
             cur.execute(CREDENTIALS, (machine,))
-            public, nonce, seen, last, _, _, _ = cur.fetchone()
+            public, nonce, seen, last, _, _, _ = fetch_one(cur)
             signed_at = dt.datetime.fromtimestamp(float(h.stamp), dt.UTC)
             try:
                 Ed25519PublicKey.from_public_bytes(bytes(public)).verify(

@@ -29,6 +29,7 @@ import bmdb
 import shepherd.workflows.initializer as initializer
 from shepherd.agent.protocol import new_nonce
 from shepherd.providers.base import Provider, ProviderMachine
+from shepherd.workflows.common import WorkflowFailure
 from shepherd.workflows.initializer import InitializerSettings
 from tasks import app
 
@@ -55,7 +56,7 @@ def banner_takeover(machine: ProviderMachine, machine_id: uuid.UUID,
                                   timeout=settings.connect_timeout) as conn:
         conn.settimeout(settings.connect_timeout)
         if not conn.recv(64).startswith(b"SSH-"):
-            raise initializer.WorkflowFailure("bench: no SSH banner")
+            raise WorkflowFailure("bench: no SSH banner")
     return initializer.Takeover(os.urandom(32), BENCH_HOST_KEY, new_nonce())
 
 

@@ -399,7 +399,8 @@ def measure(step: Step, runs: int, budget: float, least: int = 3) -> Timing:
     """One warm-up, then ``runs`` timed runs; fewer (but ``least``) once ``budget``
     seconds are spent, so a slow baseline still finishes."""
     _run(step)
-    spent, times = 0.0, []
+    spent = 0.0
+    times: list[float] = []
     while len(times) < runs and (len(times) < least or spent < budget):
         took = _run(step)
         times.append(took * 1000)

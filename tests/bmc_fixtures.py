@@ -238,9 +238,10 @@ class IpmiBmc:
              "-U", USERNAME, "-f", str(self.password_file), *args],
             capture_output=True, text=True, timeout=20)
 
-    @property
-    def power(self) -> bool:
-        """The chassis power as the simulated machine has it."""
+    def powered(self) -> bool:
+        """The chassis power as the simulated machine has it (on: True). A method, not a
+        property: each call reads it anew, and the type checker must not assume that
+        two reads around a power action agree."""
         return (self.directory / "power").read_text().strip() == "1"
 
     @property

@@ -32,7 +32,10 @@ def pg_server() -> Iterator[PostgresServer | None]:
 
 @pytest.fixture(scope="session")
 def pg_admin_url(pg_server: PostgresServer | None) -> str:
-    return os.environ.get("SHEPHERD_TEST_PG_URL") or pg_server.url
+    if url := os.environ.get("SHEPHERD_TEST_PG_URL"):
+        return url
+    assert pg_server is not None  # started by pg_server when the variable is unset
+    return pg_server.url
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +109,10 @@ def redis_server() -> Iterator[RedisServer | None]:
 
 @pytest.fixture(scope="session")
 def redis_url(redis_server: RedisServer | None) -> str:
-    return os.environ.get("SHEPHERD_TEST_REDIS_URL") or redis_server.url
+    if url := os.environ.get("SHEPHERD_TEST_REDIS_URL"):
+        return url
+    assert redis_server is not None  # started by redis_server when the variable is unset
+    return redis_server.url
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -87,25 +87,25 @@ def assert_plain(value: object, what: str) -> None:
     """``value`` is what ``shepherd.operator.stored`` promises: plain JSON types, finite
     numbers, integers within int64, encodable strings, within its bounds. Walked
     without recursion, so that a value nested 900 deep fails here, not in the walk."""
-    from shepherd.operator import stored
+    from shepherd.agent import protocol  # the bounds stored.py applies
 
     pending = [(value, 1)]
     while pending:
         item, level = pending.pop()
-        assert level <= stored.MAX_DEPTH, what
+        assert level <= protocol.MAX_DEPTH, what
         if isinstance(item, dict):
-            assert len(item) <= stored.MAX_KEYS + 1, what
+            assert len(item) <= protocol.MAX_KEYS + 1, what
             pending += [(key, level + 1) for key in item]
             pending += [(v, level + 1) for v in item.values()]
         elif isinstance(item, list):
-            assert len(item) <= stored.MAX_ITEMS + 1, what
+            assert len(item) <= protocol.MAX_ITEMS + 1, what
             pending += [(v, level + 1) for v in item]
         elif isinstance(item, str):
-            assert len(item) <= stored.MAX_TEXT + 40, what
+            assert len(item) <= protocol.MAX_TEXT + 40, what
             item.encode("utf-8")  # no lone surrogate
         elif isinstance(item, float):
             assert math.isfinite(item), what
         elif isinstance(item, int) and not isinstance(item, bool):
-            assert stored.INT64_MIN <= item <= stored.INT64_MAX, what
+            assert protocol.INT64_MIN <= item <= protocol.INT64_MAX, what
         else:
             assert item is None or isinstance(item, bool), (what, type(item))

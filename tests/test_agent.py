@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import importlib.util
 import ipaddress
 import itertools
@@ -137,17 +138,24 @@ def test_an_installation_request_reaches_the_agent_and_its_report_returns(
 
     for generation in (5, 6):
         request = {"kind": f"debian-{generation}"}
-        session.transact(lambda tx, g=generation, r=request:
-                         bmdb.tags.set_os_installation_request(tx, machine, g, r))
+        session.transact(functools.partial(bmdb.tags.set_os_installation_request,
+                                           machine_id=machine, generation=generation,
+                                           request=request))
         report = wait_for(
-            lambda g=generation: (r := tags_of(db, machine).get("OSInstallationReport"))
-            and r["generation"] == g and r,
+            functools.partial(installation_report, db, machine, generation),
             what=f"installation report {generation}",
         )
         assert report["result"]["status"] == "error"
         assert f"debian-{generation}" in report["result"]["message"]
     credentials = db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine))
     assert credentials is not None and credentials.pending_installation() is None
+
+
+def installation_report(db: bmdb.BMDB, machine: uuid.UUID,
+                        generation: int) -> dict[str, Any] | None:
+    """The machine's OSInstallationReport, once it is the one of ``generation``."""
+    report = tags_of(db, machine).get("OSInstallationReport")
+    return report if report and report["generation"] == generation else None
 
 
 BACKOFF_INTERVAL, MAX_BACKOFF = 0.1, 0.8
@@ -171,8 +179,8 @@ def test_agent_without_a_recorded_key_is_refused_and_backs_off(
                               interval=BACKOFF_INTERVAL,
                               env={"SHEPHERD_AGENT_MAX_BACKOFF": str(MAX_BACKOFF)})
     assert response.ok
-    failures = wait_for(lambda: len(f := failures_in(run.log())) >= 6 and f, timeout=15,
-                        what="six refused heartbeats")[:6]
+    failures = wait_for(lambda: f if len(f := failures_in(run.log())) >= 6 else None,
+                        timeout=15, what="six refused heartbeats")[:6]
 
     assert [count for count, _ in failures] == [1, 2, 3, 4, 5, 6]
     gaps = [(b - a).total_seconds() for (_, a), (_, b) in itertools.pairwise(failures)]
@@ -222,11 +230,16 @@ def test_reports_the_server_refuses_are_dropped_so_heartbeats_go_on(
         wait_for(lambda: "dropping installation report 7" in run.log(), what="the drop")
         for _ in range(2):
             last = heartbeat_at(db, machine)
-            wait_for(lambda last=last: (heartbeat_at(db, machine) or last) > last,
+            assert last is not None  # heartbeats were waited for above
+            wait_for(functools.partial(heartbeat_after, db, machine, last),
                      what="heartbeats after the installation report was dropped")
     assert_warned(run, "dropping installation report 7", "413")
     assert "OSInstallationReport" not in tags_of(db, machine)
     assert run.log().count("OS installation request 7") == 1, "installed only once"
+
+
+def heartbeat_after(db: bmdb.BMDB, machine: uuid.UUID, last: dt.datetime) -> bool:
+    return (heartbeat_at(db, machine) or last) > last
 
 
 def assert_warned(run: AgentRun, what: str, why: str) -> None:

@@ -14,12 +14,16 @@ def test_pool_size_is_the_callers(pg_url: str, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("SHEPHERD_BMDB_POOL_SIZE", "9")  # ignored: Settings reads it
     db = bmdb.connect(pg_url, pool_size=3)
     try:
-        assert db.engine.pool.size() == 3
+        pool = db.engine.pool
+        assert isinstance(pool, sa.pool.QueuePool)
+        assert pool.size() == 3
     finally:
         db.close()
     db = bmdb.connect(pg_url)
     try:
-        assert db.engine.pool.size() == 5
+        pool = db.engine.pool
+        assert isinstance(pool, sa.pool.QueuePool)
+        assert pool.size() == 5
     finally:
         db.close()
 

@@ -21,11 +21,8 @@ import sqlalchemy as sa
 import bmdb
 from bmdb.inspection import StoredJSON
 from shepherd.agent import agent
-from shepherd.agent.protocol import HEARTBEAT_PATH
-from shepherd.operator import stored
-from shepherd.server import bodies
-from shepherd.server.bodies import (
-    GENERATION_MAX,
+from shepherd.agent.protocol import (
+    HEARTBEAT_PATH,
     INT64_MAX,
     INT64_MIN,
     MAX_DEPTH,
@@ -33,9 +30,10 @@ from shepherd.server.bodies import (
     MAX_KEYS,
     MAX_NAME,
     MAX_TEXT,
-    BadBody,
-    parse_heartbeat,
 )
+from shepherd.operator import stored
+from shepherd.server import bodies
+from shepherd.server.bodies import GENERATION_MAX, BadBody, parse_heartbeat
 from tests.agent_fixtures import (
     add_machine,
     bmdb_rows,
@@ -50,10 +48,11 @@ from tests.agent_fixtures import (
 __all__ = ["callback_server", "http"]  # fixtures, imported for pytest to find
 
 MACHINE = "6f1c8e2a-1b2c-4d3e-8f90-0123456789ab"
-HONEST = {"cpu": {"model": "Test CPU", "cores": 4, "threads": 8}, "memory_bytes": 1 << 30,
-          "block_devices": [{"name": "nvme0n1", "size_bytes": 1 << 40}],
-          "network_interfaces": [{"name": "eth0", "mac": "02:00:00:00:00:01"}],
-          "warnings": []}
+HONEST: dict[str, Any] = {
+    "cpu": {"model": "Test CPU", "cores": 4, "threads": 8}, "memory_bytes": 1 << 30,
+    "block_devices": [{"name": "nvme0n1", "size_bytes": 1 << 40}],
+    "network_interfaces": [{"name": "eth0", "mac": "02:00:00:00:00:01"}],
+    "warnings": []}
 
 
 def raw(document: Any) -> bytes:

@@ -21,8 +21,8 @@ import sqlalchemy as sa
 
 import bmdb
 from shepherd.agent.protocol import HEADER_SIGNATURE, HEARTBEAT_PATH, new_nonce
+from shepherd.config import parse_listen
 from shepherd.server import RunningServer, ServerConfig, start_server
-from shepherd.server.serve import parse_listen
 from tests.agent_fixtures import (
     CLOCK_WINDOW,
     MAX_BODY,

@@ -120,7 +120,7 @@ def run(capsys: pytest.CaptureFixture, *argv: str,
     return status, out, err
 
 
-def one_line_error(err: str, status: int, expected: int = 2) -> str:
+def one_line_error(err: str, status: int | str | None, expected: int = 2) -> str:
     assert status == expected
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -169,7 +169,8 @@ def test_machines_bad_filters_are_one_line_and_status_2(fleet: Fleet, capsys) ->
 
 
 def test_machines_pages_on_with_the_printed_cursor(fleet: Fleet, capsys) -> None:
-    seen, after = [], []
+    seen: list[str] = []
+    after: list[str] = []
     for _ in range(3):
         status, out, _ = run(capsys, "machines", "--json", "--limit", "4", *after)
         assert status == 0

@@ -3,6 +3,7 @@ every kind of write, after cascades, after concurrent writers, after compaction.
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 
@@ -13,7 +14,7 @@ import bmdb
 from bmdb import counters
 from tests.bmdb_helpers import seed_provided
 
-KINDS = ("maintenance", "quarantine")
+KINDS: tuple[bmdb.holds.Kind, ...] = ("maintenance", "quarantine")
 
 
 def recounted(tx: bmdb.Tx) -> tuple[dict[int, int], dict[tuple[str, str], int]]:
@@ -64,7 +65,8 @@ def test_every_kind_of_write_is_counted(db: bmdb.BMDB, session: bmdb.Session) ->
 def test_holds_set_and_clear_their_bits(db: bmdb.BMDB, session: bmdb.Session) -> None:
     a, b = seed_provided(session, 2)
     for kind in KINDS:
-        session.transact(lambda tx, k=kind: bmdb.holds.put(tx, a, k, "rack work", "test"))
+        session.transact(functools.partial(bmdb.holds.put, machine_id=a, kind=kind,
+                                           reason="rack work", actor="test"))
     session.transact(lambda tx: bmdb.holds.put(tx, b, "maintenance", "rack work", "test"))
     assert_counters_agree(db)
     assert db.read(bmdb.fleet.held_counts) == {"maintenance": 2, "quarantine": 1}
@@ -102,7 +104,7 @@ def test_concurrent_writers_agree_with_a_recount_after_compaction(pg_url: str) -
         try:
             with db.start_session(f"writer-{seed}", interval=5) as session:
                 for round_ in range(15):
-                    session.transact(lambda tx, r=round_: churn(tx, seed, r))
+                    session.transact(functools.partial(churn, seed=seed, round_=round_))
                     if round_ % 5 == 0:
                         session.transact(counters.compact)
         except BaseException as error:

@@ -608,8 +608,11 @@ def test_href_only_reservation_device_is_found_by_its_href(
     follow it, both to recognise its own lost create and to see a lost race."""
     ours, theirs = simulator.state.project_reservations()[:2]
     original = client.get_reservation
-    client.get_reservation = lambda rid, include_device=True: original(  # type: ignore
-        rid, include_device=False)
+
+    def href_only(reservation_id: str, include_device: bool = True) -> dict:
+        return original(reservation_id, include_device=False)
+
+    client.get_reservation = href_only  # type: ignore[method-assign]
     simulator.faults.lose_next(1, method="POST")
     device = client.create_device(ours.id, _body(simulator, ours.id, "h"), "w-href")
     assert client.get_reservation(ours.id)["device"] == {

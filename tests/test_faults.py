@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
+from tests.celery_fixtures import wait_until
 from tests.fault_fixtures import (
     FaultPlane,
     api_request_bound,
@@ -28,7 +29,6 @@ from tests.fault_fixtures import (
     fault_plane,
     overlapping_holds,
     record_recovery,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(150)]
@@ -411,11 +411,11 @@ def test_the_invariant_checks_see_what_they_look_for(pg_url: str) -> None:
     # at each end: 2 * 6 * 3 = 36.
     assert api_request_bound(20, processes=2) == 2 * 6 * 3 < 2 * (20 / 0.2 + 1)
 
-    work = uuid.uuid4()
-    assert unclosed_work([{"event": "Started", "work_id": work}]) == [
-        {"event": "Started", "work_id": work}]
-    assert unclosed_work([{"event": "Started", "work_id": work},
-                          {"event": "Abandoned", "work_id": work}]) == []
+    work_id = uuid.uuid4()
+    assert unclosed_work([{"event": "Started", "work_id": work_id}]) == [
+        {"event": "Started", "work_id": work_id}]
+    assert unclosed_work([{"event": "Started", "work_id": work_id},
+                          {"event": "Abandoned", "work_id": work_id}]) == []
     task = str(uuid.uuid4())
     received = f"[x: INFO/MainProcess] Task shepherd.agent_start[{task}] received"
     did_work = (f"[x: INFO/ForkPoolWorker-1] Task shepherd.agent_start[{task}] succeeded "

@@ -230,7 +230,7 @@ def test_the_workflow_prunes_on_the_databases_clock(db: bmdb.BMDB) -> None:
     before = db_now(db)
     capped = retention.prune(db, retention.RetentionSettings(DAY, batch_size=2, max_batches=1))
     assert (capped.deleted, capped.capped) == (2, True)
-    assert before - DAY <= capped.cutoff <= db_now(db) - DAY
+    assert capped.cutoff is not None and before - DAY <= capped.cutoff <= db_now(db) - DAY
     rest = retention.prune(db, retention.RetentionSettings(DAY, batch_size=2, max_batches=5))
     assert (rest.deleted, rest.capped) == (1, False)
     assert ids(db) == keep
@@ -265,7 +265,9 @@ def test_beat_prunes_only_what_is_kept_for_a_while() -> None:
 # -- shepherd history prune ----------------------------------------------------------------
 
 
-def run(capsys: pytest.CaptureFixture, url: str, *argv: str) -> tuple[int, str, str]:
+def run(capsys: pytest.CaptureFixture, url: str, *argv: str
+        ) -> tuple[int | str | None, str, str]:
+    status: int | str | None  # a SystemExit's code, or what main returned
     try:
         status = cli.main(["--bmdb-url", url, "history", "prune", *argv])
     except SystemExit as exit_:  # argparse's usage errors

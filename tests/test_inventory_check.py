@@ -93,7 +93,7 @@ def rack(simulator: Simulator, devices: list[str], tmp_path: Path) -> Iterator[R
         yield Rack(simulator, bmc, devices, password_file, wrong)
 
 
-def check(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+def check(capsys: pytest.CaptureFixture, *argv: str | Path) -> tuple[int, str, str]:
     status = main(["inventory", "check", *map(str, argv)])
     out, err = capsys.readouterr()
     return status, out, err
@@ -331,7 +331,7 @@ def test_a_silent_ssh_server_is_bounded_by_the_timeout(simulator: Simulator,
     (found,) = probe_machines(load_inventory(path), timeout=1)
     assert time.monotonic() - started < 4
     assert not found.ok and found.ssh.fingerprint is None
-    assert found.ssh.error.startswith(f"{endpoint.address}:{endpoint.port}: ")
+    assert (found.ssh.error or "").startswith(f"{endpoint.address}:{endpoint.port}: ")
 
 
 def test_probe_reads_an_ipmi_bmc(ipmi_bmc: IpmiBmc, simulator: Simulator, devices: list[str],

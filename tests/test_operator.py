@@ -3,9 +3,11 @@ handoff) against a seeded BMDB, on PostgreSQL and SQLite."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import uuid
+from typing import Any
 
 import pytest
 import requests
@@ -30,7 +32,7 @@ def ids(found: operator.MachineList) -> set[uuid.UUID]:
 
 
 def test_list_filters_combine(db: bmdb.BMDB, fleet: Fleet) -> None:
-    def listed(**kw: object) -> set[uuid.UUID]:
+    def listed(**kw: Any) -> set[uuid.UUID]:
         return db.read(lambda tx: ids(operator.list_machines(tx, operator.MachineFilter(**kw))))
 
     assert listed() == set(fleet.all)
@@ -67,8 +69,8 @@ def test_explain_agrees_with_what_a_claim_would_take(db: bmdb.BMDB, session: bmd
             eligible = set()
         claimable = set()
         for machine_id in fleet.all:
-            found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds,
-                                                                      limits))
+            found = db.read(functools.partial(operator.explain, machine_id=machine_id,
+                                              thresholds=db.thresholds, limits=limits))
             mine = next(p for p in found.processes if p.process == process.value)
             if mine.claimable:
                 claimable.add(machine_id)
@@ -111,7 +113,8 @@ def test_explain_asks_the_callback_server_like_the_guard(db: bmdb.BMDB, session:
         recovery = next(p for p in found.processes if p.process == "ShepherdRecovery")
         assert not recovery.claimable and recovery.guard["callback_healthy"] is False
         assert recovery.paused == guard.evaluate(db, db.thresholds, limits).paused
-        assert recovery.paused.startswith(f"recovery paused: callback server {url} unreachable")
+        assert (recovery.paused or "").startswith(
+            f"recovery paused: callback server {url} unreachable")
         with pytest.raises(operator.RecoveryPaused, match="callback server"):
             operator.claim_for_handoff(session, bmdb.Process.RECOVERY, fleet.silent, 30, limits)
     with healthy_callback_server() as endpoint:
@@ -148,13 +151,15 @@ def test_a_held_machine_is_in_no_backlog_and_explain_says_why(
     """Maintenance and quarantine: in neither backlog (the claims agree), the hold is the
     reason given for both processes, with who, why and the command that lifts it."""
     put = operator.put_maintenance(session, fleet.new, "  swap the NIC ", "alice")
-    assert put.changed and (put.hold.reason, put.hold.actor) == ("swap the NIC", "alice")
+    assert put.changed and put.hold is not None
+    assert (put.hold.reason, put.hold.actor) == ("swap the NIC", "alice")
     session.transact(lambda tx: bmdb.holds.put(tx, fleet.quiet, bmdb.holds.QUARANTINE,
                                                "ladder exhausted 3 times", "shepherd recovery"))
     limits = guard.GuardLimits(max_share=1.0)
     for machine_id, words in ((fleet.new, "in maintenance since"),
                               (fleet.quiet, "quarantined since")):
-        found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds, limits))
+        found = db.read(functools.partial(operator.explain, machine_id=machine_id,
+                                          thresholds=db.thresholds, limits=limits))
         assert [h.machine_id for h in found.holds] == [machine_id]
         for p in found.processes:
             assert not p.in_backlog and not p.claimable, p
@@ -176,7 +181,8 @@ def test_a_held_machine_is_in_no_backlog_and_explain_says_why(
     assert lifted.changed and lifted.remaining == []
     assert not operator.lift_maintenance(session, fleet.new, "alice").changed
     cleared = operator.clear_quarantine(session, fleet.quiet, "bob")
-    assert cleared.changed and cleared.hold.reason == "ladder exhausted 3 times"
+    assert cleared.changed and cleared.hold is not None
+    assert cleared.hold.reason == "ladder exhausted 3 times"
     for process in operator.BACKLOG_PROCESSES:
         claimable = claimed_one_by_one(session, process, [fleet.new, fleet.quiet], limits)
         assert claimable == {fleet.new if process is bmdb.Process.AGENT_START else fleet.quiet}
@@ -224,19 +230,20 @@ def test_whatever_a_document_holds_show_and_explain_work(db: bmdb.BMDB,
     gives plain, bounded documents that JSON and terminals take, and ``explain`` (which
     needs no document) works too."""
     for name, machine_id in seed_garbage(db, session).items():
-        detail = db.read(lambda tx, m=machine_id: operator.show_machine(tx, m))
+        detail = db.read(functools.partial(operator.show_machine, machine_id=machine_id))
         for tag, (_, column) in DOCUMENTS.items():
             assert_plain(detail.tags[tag][column], f"{name}: {tag}")
         json.dumps(operator.jsonable(detail), allow_nan=False)
-        found = db.read(lambda tx, m=machine_id: operator.explain(tx, m, db.thresholds))
+        found = db.read(functools.partial(operator.explain, machine_id=machine_id,
+                                          thresholds=db.thresholds))
         assert set(DOCUMENTS) <= set(found.tags), name
-        assert why_not(db, bmdb.Process.RECOVERY, machine_id), name
+        assert why_not(db, bmdb.Process.RECOVERY, machine_id).reason, name
 
 
 def test_what_garbage_is_shown_as(db: bmdb.BMDB, session: bmdb.Session) -> None:
     machines = seed_garbage(db, session)
 
-    def report(name: str) -> object:
+    def report(name: str) -> Any:  # each case is of its own shape
         return db.read(lambda tx: operator.show_machine(tx, machines[name])
                        ).tags["HardwareReport"]["report"]
 

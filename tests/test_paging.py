@@ -4,6 +4,7 @@ gone, a page over the cap, a cursor no page gave out); counts, exact or estimate
 
 from __future__ import annotations
 
+import functools
 import uuid
 
 import pytest
@@ -20,8 +21,8 @@ def all_pages(db: bmdb.BMDB, **filters) -> tuple[list[uuid.UUID], int]:
     seen: list[uuid.UUID] = []
     after, pages = None, 0
     while True:
-        found = db.read(lambda tx, a=after: inspection.list_machines(
-            tx, MachineFilter(after=a, **filters)))
+        found = db.read(functools.partial(inspection.list_machines,
+                                          f=MachineFilter(after=after, **filters)))
         pages += 1
         seen += [m.id for m in found.machines]
         if found.next_cursor is None:
@@ -31,7 +32,8 @@ def all_pages(db: bmdb.BMDB, **filters) -> tuple[list[uuid.UUID], int]:
 
 
 def creation_order(db: bmdb.BMDB, ids) -> list[uuid.UUID]:
-    created = {i: db.read(lambda tx, i=i: inspection.machine_created_at(tx, i)) for i in ids}
+    created = {i: db.read(functools.partial(inspection.machine_created_at, machine_id=i))
+               for i in ids}
     return sorted(ids, key=lambda i: (created[i], i))
 
 

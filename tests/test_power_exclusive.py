@@ -148,8 +148,12 @@ def test_threads_sharing_one_session_never_overlap(db: bmdb.BMDB, tmp_path: Path
     bmc = SharedBmc(tmp_path, hold=0.05)
     with db.start_session("shared", interval=2) as session:
         power = ExclusivePower(bmc, session, LOCK, wait=30)
-        threads = [threading.Thread(target=lambda: [power.act(PowerAction.POWER_ON)
-                                                    for _ in range(3)]) for _ in range(4)]
+
+        def power_on_three_times() -> None:
+            for _ in range(3):
+                power.act(PowerAction.POWER_ON)
+
+        threads = [threading.Thread(target=power_on_three_times) for _ in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -49,13 +49,13 @@ def test_reads_the_power_as_ipmitool_does(ipmi_bmc: IpmiBmc) -> None:
 def test_off_on_and_reset_reach_the_chassis(ipmi_bmc: IpmiBmc) -> None:
     power = IpmiPower(ipmi_bmc.spec(), timeout=10)
     power.act(PowerAction.POWER_OFF)
-    assert not ipmi_bmc.power
+    assert not ipmi_bmc.powered()
     assert power.power_state() == PowerState.OFF and ipmitool_power(ipmi_bmc) == "off"
     power.act(PowerAction.POWER_ON)
-    assert ipmi_bmc.power
+    assert ipmi_bmc.powered()
     assert power.power_state() == PowerState.ON and ipmitool_power(ipmi_bmc) == "on"
     power.act(PowerAction.FORCE_RESTART)
-    assert ipmi_bmc.resets == 1 and ipmi_bmc.power
+    assert ipmi_bmc.resets == 1 and ipmi_bmc.powered()
     changes = [line for line in ipmi_bmc.chassis_log if " set " in line]
     assert changes == ["0x20 set power 0", "0x20 set power 1", "0x20 set reset 1"]
 
@@ -94,7 +94,7 @@ def test_wrong_credentials_are_refused_and_never_shown(
     assert time.monotonic() - started < 5, "a refusal is not retried"
     with pytest.raises(BmcAuthFailed, match="Unauthorized name"):
         IpmiPower(ipmi_bmc.spec(username="nobody")).act(PowerAction.POWER_OFF)
-    assert ipmi_bmc.power  # nothing happened
+    assert ipmi_bmc.powered()  # nothing happened
     message = str(refused.value)
     assert f"127.0.0.1:{ipmi_bmc.port}" in message
     captured = capsys.readouterr()

@@ -161,6 +161,8 @@ class Proxy:
 
 def proxy_handler(proxy: Proxy) -> type[http_server.BaseHTTPRequestHandler]:
     target = urllib.parse.urlsplit(proxy.upstream)
+    assert target.hostname is not None, proxy.upstream
+    host = target.hostname
 
     class Handler(http_server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -168,7 +170,7 @@ def proxy_handler(proxy: Proxy) -> type[http_server.BaseHTTPRequestHandler]:
             headers = {k: v for k, v in self.headers.items()
                        if k.lower().startswith("x-shepherd") or k.lower() == "content-type"}
             request = Captured(self.path, headers, body)
-            connection = http_client.HTTPConnection(target.hostname, target.port, timeout=10)
+            connection = http_client.HTTPConnection(host, target.port, timeout=10)
             try:
                 connection.request("POST", self.path, body, headers)
                 response = connection.getresponse()

@@ -194,7 +194,7 @@ def test_intents_are_recorded_first_and_forgotten_with_the_outcome(session, prov
             return provider.create_machine(capacity)
 
     simulator.faults.fail_next(1, 422, method="POST")  # one definite failure
-    result = reconcile(session, Watching(), settings())  # type: ignore[arg-type]
+    result = reconcile(session, Watching(), settings())
     assert len(result.created) == 2 and len(result.failed) == 1
     assert [len(pending) for pending in seen] == [1, 1, 1]  # each one's own, committed
     assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
@@ -262,7 +262,9 @@ def sqlite_writable(db: bmdb.BMDB) -> bool | None:
     what an HTTP call inside a transaction body used to block for its whole length."""
     if db.engine.dialect.name != "sqlite":
         return None
-    probe = sqlite3.connect(db.engine.url.database, timeout=2.0, isolation_level=None)
+    path = db.engine.url.database
+    assert path is not None  # sqlite_url names a file
+    probe = sqlite3.connect(path, timeout=2.0, isolation_level=None)
     try:
         probe.execute("BEGIN IMMEDIATE")
         probe.execute("ROLLBACK")
@@ -366,16 +368,16 @@ class RacingProvider:
 
 def test_lost_race_cools_down_and_is_skipped(session, provider, simulator):
     racing = RacingProvider(provider, simulator)
-    first = reconcile(session, racing, settings())  # type: ignore[arg-type]
+    first = reconcile(session, racing, settings())
     assert racing.stolen is not None
     stolen = racing.stolen.reservation_id
     assert list(first.failed) == [stolen] and "RaceLost" in first.failed[stolen]
     assert len(first.created) == 2  # the failed attempt counts against the chunk
     cooling = session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name))
     assert "RaceLost" in cooling[stolen]
-    second = reconcile(session, racing, settings())  # type: ignore[arg-type]
+    second = reconcile(session, racing, settings())
     assert second.skipped_cooling == 1 and second.failed == {}
-    reconcile(session, racing, settings())  # type: ignore[arg-type]
+    reconcile(session, racing, settings())
     assert len(ours(simulator)) == RESERVATIONS - 1 and len(simulator.devices) == RESERVATIONS
     assert stolen not in {d.reservation_id for d in ours(simulator)}
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 
@@ -48,10 +49,16 @@ def device(provider: EquinixProvider, simulator: Simulator) -> str:
     return device["id"]
 
 
-def _remote(provider: EquinixProvider, device: str, key: Path, **kwargs: float) -> Remote:
+class Timeouts(TypedDict, total=False):
+    connect_timeout: float
+    exec_timeout: float
+
+
+def _remote(provider: EquinixProvider, device: str, key: Path,
+            **timeouts: Unpack[Timeouts]) -> Remote:
     machine = provider.get_machine(device)
     assert machine.address is not None
-    return Remote(machine.address, machine.ssh_port, key, **kwargs)
+    return Remote(machine.address, machine.ssh_port, key, **timeouts)
 
 
 def test_upload_then_run_with_stdin(provider: EquinixProvider, simulator: Simulator,
@@ -276,7 +283,7 @@ def test_simulator_stop_leaves_no_processes(tmp_path: Path, ssh_key: Path) -> No
     assert find_processes(MARKER, dev) == []
 
 
-def _wait_until(predicate, message: str, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+def _wait_until(predicate: Callable[[], object], message: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

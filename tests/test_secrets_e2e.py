@@ -26,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -148,7 +149,7 @@ def redis_contents(url: str) -> dict[str, str]:
     client = redis.Redis.from_url(url)
     out: dict[str, str] = {}
     for key in client.scan_iter():
-        kind = client.type(key).decode()
+        kind = cast(bytes, client.type(key)).decode()  # bytes: no decode_responses
         if kind == "string":
             value: object = client.get(key)
         elif kind == "list":

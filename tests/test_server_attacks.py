@@ -15,6 +15,7 @@ import base64
 import contextlib
 import os
 import re
+import select
 import selectors
 import signal
 import socket
@@ -27,10 +28,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 import requests
 import sqlalchemy as sa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from shepherd.agent.protocol import (
@@ -89,7 +92,7 @@ class Served:
     db: bmdb.BMDB
     tls: ssl.SSLContext | None
     machine: uuid.UUID
-    key: object
+    key: Ed25519PrivateKey
     answer_key: bytes
 
     @property
@@ -118,7 +121,7 @@ class Served:
         a valid answer signature within ``HONEST_TIMEOUT``."""
         for _ in range(count):
             body = heartbeat_body(self.machine)
-            headers = signed_headers(self.key, self.machine, body)  # type: ignore[arg-type]
+            headers = signed_headers(self.key, self.machine, body)
             with requests.Session() as client:
                 client.trust_env = False
                 client.verify = self.verify
@@ -159,8 +162,8 @@ def serve(url: str, workdir: Path, name: str, tls: bool = False,
                SHEPHERD_SESSION_INTERVAL="2", PYTHONUNBUFFERED="1", **(extra or {}))
     context = None
     if tls:
-        cert, key = self_signed(workdir)
-        env.update(SHEPHERD_SERVE_TLS_CERT=cert, SHEPHERD_SERVE_TLS_KEY=key)
+        cert, tls_key = self_signed(workdir)
+        env.update(SHEPHERD_SERVE_TLS_CERT=cert, SHEPHERD_SERVE_TLS_KEY=tls_key)
         context = ssl.create_default_context(cafile=cert)
     log = workdir / f"{name}.log"
     db = bmdb.connect(url)
@@ -283,16 +286,16 @@ class Crowd:
         deadline = time.monotonic() + within
         while len(done) < len(self.sockets) and time.monotonic() < deadline:
             for key, _ in selector.select(timeout=0.2):
-                sock = key.fileobj
+                sock = cast(socket.socket, key.fileobj)  # one of ours, registered above
                 try:
-                    chunk = sock.recv(65536)  # type: ignore[union-attr]
+                    chunk = sock.recv(65536)
                 except BlockingIOError:
                     continue
                 except OSError:
                     chunk = b""
-                results[sock] += chunk  # type: ignore[index]
+                results[sock] += chunk
                 if not chunk:
-                    done.add(sock)  # type: ignore[arg-type]
+                    done.add(sock)
                     selector.unregister(sock)
         selector.close()
         self.stop.set()
@@ -335,7 +338,7 @@ def test_slow_headers_get_408_while_honest_heartbeats_pass(server: Served) -> No
 
 def test_a_slow_body_gets_408(server: Served) -> None:
     body = heartbeat_body(server.machine)
-    headers = signed_headers(server.key, server.machine, body)  # type: ignore[arg-type]
+    headers = signed_headers(server.key, server.machine, body)
     request = head(HEARTBEAT_PATH, "POST", *(f"{k}: {v}" for k, v in headers.items()),
                    f"Content-Length: {len(body)}") + body[:10]
     with crowd(server, 20, request) as slow:
@@ -386,7 +389,7 @@ def test_a_huge_header_gets_431_before_it_is_read_whole(server: Served) -> None:
             with contextlib.suppress(OSError):
                 sock.sendall(piece)
                 sent += len(piece)
-            readable, _, _ = selectors.select.select([sock], [], [], 0.05)
+            readable, _, _ = select.select([sock], [], [], 0.05)
             if readable:
                 answer = read_answer(sock, SLACK)
         server.honest(2)
@@ -398,7 +401,7 @@ def test_a_huge_timestamp_header_is_clipped_in_the_log(server: Served) -> None:
     """A heartbeat with a 6,000-character timestamp (under the head limit) is refused
     401 and logged in one short line; a 5 MiB one gets 431. Before, it was logged whole."""
     body = heartbeat_body(server.machine)
-    headers = signed_headers(server.key, server.machine, body)  # type: ignore[arg-type]
+    headers = signed_headers(server.key, server.machine, body)
     marker = "7" * 6000
     mark = server.log_mark()
     with requests.Session() as client:
@@ -455,7 +458,7 @@ def assert_400_with_one_short_line(server: Served, request: bytes) -> None:
 def test_an_oversize_chunked_body_gets_a_signed_413_before_it_is_read(server: Served) -> None:
     """10 MiB in chunks: a signed 413 arrives while the client is still sending."""
     body = heartbeat_body(server.machine)
-    headers = signed_headers(server.key, server.machine, body)  # type: ignore[arg-type]
+    headers = signed_headers(server.key, server.machine, body)
     sent, answer = 0, b""
     with server.connect() as sock:
         sock.sendall(head(HEARTBEAT_PATH, "POST", "Transfer-Encoding: chunked",
@@ -465,7 +468,7 @@ def test_an_oversize_chunked_body_gets_a_signed_413_before_it_is_read(server: Se
             with contextlib.suppress(OSError):
                 sock.sendall(chunk)
                 sent += 0x1000
-            readable, _, _ = selectors.select.select([sock], [], [], 0.05)
+            readable, _, _ = select.select([sock], [], [], 0.05)
             if readable:
                 answer = read_answer(sock, SLACK)
         server.honest(2)

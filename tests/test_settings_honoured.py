@@ -380,8 +380,12 @@ def test_up_keeps_state_in_the_state_dir(tmp_path: Path,
 
     state = tmp_path / "elsewhere"
     planned = []
-    monkeypatch.setattr(up_command, "main",
-                        lambda options, env: planned.append(plan(options, env)) or 0)
+
+    def plan_only(options, env):
+        planned.append(plan(options, env))
+        return 0
+
+    monkeypatch.setattr(up_command, "main", plan_only)
     monkeypatch.setenv("SHEPHERD_STATE_DIR", str(state))
     assert cli.main(["up", "--no-flower"]) == 0
     (chosen,) = planned
@@ -401,6 +405,8 @@ def test_the_runtime_pools_as_configured(pg_url: str) -> None:
         with contextlib.ExitStack() as stack:  # four at once: two beyond the pool
             for _ in range(4):
                 stack.enter_context(rt.db.engine.connect())
-        assert rt.db.engine.pool.checkedin() == 2  # the overflow was closed on return
+        pool = rt.db.engine.pool
+        assert isinstance(pool, sa.pool.QueuePool)
+        assert pool.checkedin() == 2  # the overflow was closed on return
     finally:
         rt.close()

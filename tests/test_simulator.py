@@ -243,7 +243,7 @@ def test_echo_token_fault_quotes_the_request_token_in_error_texts(
     assert TOKEN not in _api(simulator, "GET", "/devices/nope").text
 
 
-def test_stop_ends_threads_and_sockets(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_stop_ends_threads_and_sockets(tmp_path: Path) -> None:
     before = {t.ident for t in threading.enumerate()}
     sim = Simulator(reservations=2, token=TOKEN, ssh_port=free_port(), provision_delay=0.0,
                     workdir=tmp_path / "s").start()
@@ -264,7 +264,7 @@ def test_stop_ends_threads_and_sockets(tmp_path) -> None:  # type: ignore[no-unt
             socket.create_connection(endpoint, timeout=1).close()
 
 
-def test_cli_runs_until_sigterm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_runs_until_sigterm(tmp_path: Path) -> None:
     env = {**os.environ, "SHEPHERD_SIMULATOR_TOKEN": TOKEN,
            "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(

@@ -353,7 +353,8 @@ def test_one_redfish_bmc_may_serve_machines_with_their_own_systems(tmp_path: Pat
                    f'address = "https://chassis", system = "/redfish/v1/Systems/{i}" }}\n'
                    for i in (1, 2))
     machines = load_inventory(_write(tmp_path, text))
-    assert [m.bmc.system for m in machines] == ["/redfish/v1/Systems/1", "/redfish/v1/Systems/2"]
+    assert [m.bmc and m.bmc.system for m in machines] == ["/redfish/v1/Systems/1",
+                                                          "/redfish/v1/Systems/2"]
 
 
 PASSWORD_LEAKS = {

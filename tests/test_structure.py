@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeGuard
 
 import pytest
 
@@ -82,7 +83,7 @@ def schema_uses(tree: ast.AST) -> list[int]:
     return [node.lineno for node in ast.walk(tree) if _names_schema(node)]
 
 
-def _names_schema(node: ast.AST) -> bool:
+def _names_schema(node: ast.AST) -> TypeGuard[ast.Import | ast.ImportFrom | ast.Attribute]:
     """``import bmdb.schema``, ``from bmdb(.schema) import ...schema...``, ``bmdb.schema``."""
     if isinstance(node, ast.Import):
         return any(a.name.startswith("bmdb.schema") for a in node.names)

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections import Counter
+from typing import Any, cast
 
 import pytest
 
@@ -181,7 +182,7 @@ def test_two_workers_share_the_work_and_survive_a_lost_one(control_plane) -> Non
     pools = {"w1": cp.pool_pids("w1"), "w2": cp.pool_pids("w2")}
     sessions = cp.db.read(lambda tx: {r.id: int(r.holder.rsplit(":", 1)[1]) for r in
                                       tx.execute(bmdb.schema.sessions.select())})
-    by_node = Counter()
+    by_node: Counter[str] = Counter()
     for h in events(cp, bmdb.Process.AGENT_START, bmdb.Event.FINISHED):
         pid = sessions.get(h["session_id"])
         by_node.update(node for node, pids in pools.items() if pid in pids)
@@ -421,11 +422,11 @@ def add_running(db: bmdb.BMDB, count: int, *, agent_started_ago: float | None = 
 
 
 def test_sourcing_dispatches_claims_within_the_caps(state, monkeypatch) -> None:
-    from tasks import control
+    from tasks import app, control
 
     ids = add_running(state.db, 5)
     sent: list[dict] = []
-    monkeypatch.setattr(control.app, "send_task",
+    monkeypatch.setattr(app, "send_task",
                         lambda name, **kwargs: sent.append({"name": name, **kwargs}))
 
     first = control.source.run("ShepherdAgentStart")
@@ -442,6 +443,8 @@ def test_sourcing_dispatches_claims_within_the_caps(state, monkeypatch) -> None:
 
 
 def test_a_broker_refusal_cancels_the_claim_at_once(state, monkeypatch) -> None:
+    from kombu.connection import ConnectionPool
+
     from tasks import app, control
 
     ids = add_running(state.db, 2)
@@ -451,8 +454,10 @@ def test_a_broker_refusal_cancels_the_claim_at_once(state, monkeypatch) -> None:
     try:
         result = control.source.run("ShepherdAgentStart")
     finally:
-        app.pool.force_close_all()
-        app._pool = None
+        # Celery.pool is kombu's ConnectionPool (celery-types says ProducerPool), kept in
+        # Celery's private _pool: closed and forgotten, so that the next use connects anew.
+        cast(ConnectionPool, app.pool).force_close_all()
+        cast(Any, app)._pool = None
     assert result["claimed"] == 2 and result["refused"] == 2, result
     for machine_id in ids:  # the second was not even tried once the broker had refused
         history = state.db.read(lambda tx, m=machine_id: bmdb.queries.history(tx, m))
@@ -522,11 +527,11 @@ def healthy_callback_server(state):
 def test_sourcing_recovery_stays_within_the_hourly_budget(state, healthy_callback_server,
                                                           monkeypatch) -> None:
     from shepherd import metrics
-    from tasks import control
+    from tasks import app, control
 
     add_running(state.db, 3, agent_started_ago=60)  # three silent machines, budget of two
     sent: list[str] = []
-    monkeypatch.setattr(control.app, "send_task", lambda name, **kw: sent.append(name))
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append(name))
     budget_pauses = metrics.RECOVERY_PAUSES.labels(reason="reboot_budget")
     before = budget_pauses._value.get()
 
@@ -565,7 +570,7 @@ def test_the_hourly_reboot_budget_counts_history_fleet_wide(state) -> None:
     assert (decision.allowed, decision.reboots_last_hour, decision.paused) == (1, 1, None)
     started(10, uuid.uuid4())
     decision = guard.evaluate(state.db, state.settings.thresholds, limits)
-    assert decision.allowed == 0 and "2 reboots in the last hour" in decision.paused
+    assert decision.allowed == 0 and "2 reboots in the last hour" in (decision.paused or "")
     unbudgeted = guard.evaluate(state.db, state.settings.thresholds, limits, budget=False)
     assert unbudgeted.paused is None
 

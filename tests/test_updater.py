@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -15,7 +16,12 @@ import sqlalchemy as sa
 
 import bmdb
 from bmdb.database import run_transaction
-from shepherd.providers.base import ProviderMachine, TransientExhausted, register_provided
+from shepherd.providers.base import (
+    Capacity,
+    ProviderMachine,
+    TransientExhausted,
+    register_provided,
+)
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.simulator import Simulator
 from shepherd.workflows.provisioner import ProvisionerSettings, reconcile
@@ -191,18 +197,33 @@ def machine(provider_id: str, **changes: Any) -> ProviderMachine:
 
 @dataclasses.dataclass
 class Rack:
-    """A provider listing ``machines`` (an iterator each time, as a streaming one)."""
+    """A provider listing ``machines`` (an iterator each time, as a streaming one).
+    ``update`` only lists; the rest of ``Provider`` is there to be one."""
 
     machines: list[ProviderMachine]
     name: str = RACK
+    authoritative: bool = False
 
     def list_machines(self) -> Iterator[ProviderMachine]:
         return iter(self.machines)
 
+    def get_machine(self, provider_id: str) -> ProviderMachine:
+        raise NotImplementedError("update only lists")
+
+    def list_capacity(self) -> list[Capacity]:
+        raise NotImplementedError("update only lists")
+
+    def create_machine(self, capacity: Capacity) -> ProviderMachine:
+        raise NotImplementedError("update only lists")
+
+    def reboot(self, provider_id: str) -> None:
+        raise NotImplementedError("update only lists")
+
 
 def register(session: bmdb.Session, *machines: ProviderMachine) -> dict[str, Any]:
     """provider id -> machine id of each, registered as Provided now."""
-    return {m.provider_id: session.transact(lambda tx, m=m: register_provided(tx, RACK, m))
+    return {m.provider_id: session.transact(functools.partial(register_provided, provider=RACK,
+                                                              machine=m))
             for m in machines}
 
 

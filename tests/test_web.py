@@ -168,7 +168,9 @@ def test_machines_page_shows_tags_counts_and_filters(web, browse) -> None:
 
 def test_machines_pages_follow_the_next_link_and_refuse_bad_pages(web, browse) -> None:
     server, _, fleet = web
-    seen, url, pages = [], f"{server.url}/machines?tag=Provided&limit=4", 0
+    seen: list[str] = []
+    url: str | None = f"{server.url}/machines?tag=Provided&limit=4"
+    pages = 0
     while url:
         page = browse(url)
         seen += [a["data-machine"] for a, _ in page.rows_with("data-machine")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import threading
 import time
 import uuid
@@ -156,7 +157,7 @@ def test_stored_intervals_grow_and_reset_after_finish(db, session):
     (machine,) = seed_provided(session, 1)
     backoff = bmdb.Backoff(initial=1, maximum=5, exponent=2)
 
-    def fail_once() -> int:
+    def fail_once() -> int | None:
         expire_backoff(db, machine, Process.AGENT_START)
         work = session.claim_machine(Process.AGENT_START, machine)
         work.fail("boom", backoff)
@@ -408,7 +409,8 @@ def test_a_claim_passes_over_machines_finished_meanwhile_and_fills_its_batch(pg_
         time.sleep(0.3)  # the claimer's statement has its snapshot and is pausing
         for machine in done_elsewhere:
             (work,) = other.claim(Process.AGENT_START, only(machine))
-            work.finish(lambda tx, m=machine: bmdb.tags.set_agent_started(tx, m, b"k" * 32))
+            work.finish(functools.partial(bmdb.tags.set_agent_started, machine_id=machine,
+                                          public_key=b"k" * 32))
         claimer.join(20)
     db.close()
     assert [w.machine_id for w in result[0]] == [left]

@@ -80,6 +80,7 @@ def test_killed_holder_releases_the_machine(db_url):
         (machine,) = seed_provided(session, 1)
         holder = run_program("hold_claim", db_url, machine, interval)
         try:
+            assert holder.stdout is not None  # a pipe: run_program's stdout=PIPE
             work_id, holder_session = holder.stdout.readline().split()
             assert backlog_ids(session, Process.AGENT_START) == set()
         finally:

@@ -247,8 +247,7 @@ def test_recovery_of_an_unknown_device_fails(
 
     machine_id = session.transact(body)
     now_silent = bmdb.Thresholds(first_heartbeat=0, heartbeat=0)
-    [work] = session.claim(bmdb.Process.RECOVERY,
-                           lambda tx: bmdb.backlog.recovery(tx, now_silent), 1)
+    [work] = session.claim(bmdb.Process.RECOVERY, bmdb.backlog.recovery_backlog(now_silent), 1)
     result = recover(work, provider, api_reboot(provider), FAST)
     assert result.outcome == "failed" and "not found" in (result.cause or "")
     assert "AgentStarted" in tags_of(db, machine_id)  # nothing dropped on failure
@@ -264,8 +263,12 @@ def test_recovery_guard_pauses_on_a_fleet_wide_silence(
         with guard_db.start_session("guard-test", interval=2) as session:
             machines = [add_machine(session, bytes([i]) * 32) for i in range(20)]
             now = dt.datetime.now(dt.UTC)
-            session.transact(lambda tx: [bmdb.tags.record_heartbeat(tx, m, now)
-                                         for m in machines[:17]])
+
+            def heard(tx: bmdb.Tx) -> None:
+                for m in machines[:17]:
+                    bmdb.tags.record_heartbeat(tx, m, now)
+
+            session.transact(heard)
         lenient = bmdb.Thresholds(first_heartbeat=3600, heartbeat=3600)
         strict = bmdb.Thresholds(first_heartbeat=0, heartbeat=3600)  # 3 never heard: 15 %
         assert recovery_paused(guard_db, lenient) is None
