@@ -26,8 +26,8 @@ SEED = [
     "FROM generate_series(1, %(n)s)",
     "INSERT INTO provided (machine_id, provider, provider_id, provider_status, updated_at, "
     "agent_started) SELECT id, 'bench', id::text, 'Running', now(), true FROM machines",
-    "INSERT INTO agent_started (machine_id, started_at, public_key, heartbeat_seen) "
-    "SELECT id, now() - interval '2 hours', '\\x00'::bytea, true FROM machines",
+    "INSERT INTO agent_started (machine_id, started_at, public_key, nonce, heartbeat_seen) "
+    "SELECT id, now() - interval '2 hours', '\\x00'::bytea, id::text, true FROM machines",
     "INSERT INTO agent_heartbeat (machine_id, last_heartbeat_at, last_signed_at) "
     "SELECT id, now(), now() FROM machines",
     # The handful: five never got an agent, five went quiet an hour ago.

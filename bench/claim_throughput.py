@@ -10,8 +10,10 @@ psycopg2 on one connection, with the same session check and the same commits.
 
 from __future__ import annotations
 
+import base64
 import functools
 import multiprocessing
+import secrets
 import time
 import uuid
 
@@ -40,10 +42,12 @@ INSERT_HISTORY = """INSERT INTO history (machine_id, process, event, at, work_id
     VALUES (%s, 'ShepherdAgentStart', %s, %s, %s, %s, NULL)"""
 DELETE_WORK = "DELETE FROM work WHERE id = %s AND session_id = %s"
 DELETE_BACKOFF = "DELETE FROM backoff WHERE machine_id = %s AND process = 'ShepherdAgentStart'"
-UPSERT_STARTED = """INSERT INTO agent_started (machine_id, started_at, public_key, heartbeat_seen)
-    VALUES (%s, %s, %s, EXISTS (SELECT 1 FROM agent_heartbeat WHERE machine_id = %s))
+UPSERT_STARTED = """INSERT INTO agent_started
+    (machine_id, started_at, public_key, nonce, heartbeat_seen)
+    VALUES (%s, %s, %s, %s, EXISTS (SELECT 1 FROM agent_heartbeat WHERE machine_id = %s))
     ON CONFLICT (machine_id) DO UPDATE
-    SET started_at = excluded.started_at, public_key = excluded.public_key"""
+    SET started_at = excluded.started_at, public_key = excluded.public_key,
+        nonce = excluded.nonce"""
 MARK = "UPDATE provided SET agent_started = true WHERE machine_id = %s AND agent_started != true"
 
 
@@ -107,7 +111,8 @@ def raw_loop(url: str, seconds: float) -> int:
         _, now = fetch_one(cur)
         cur.execute(DELETE_WORK, (work_id, sid))
         cur.execute(DELETE_BACKOFF, (machine,))
-        cur.execute(UPSERT_STARTED, (machine, now, psycopg2.Binary(b"k" * 32), machine))
+        nonce = base64.b64encode(secrets.token_bytes(32)).decode()  # as bmdb.tags does
+        cur.execute(UPSERT_STARTED, (machine, now, psycopg2.Binary(b"k" * 32), nonce, machine))
         cur.execute(MARK, (machine,))
         cur.execute(INSERT_HISTORY, (machine, "Finished", now, work_id, sid))
         conn.commit()

@@ -52,9 +52,9 @@ class Backlog:
     statement: AnySelect | AnyCompound
     values: Callable[[Tx], dict[str, Any]]
 
-    def __call__(self, tx: Tx) -> AnySelect:
+    def __call__(self, tx: Tx) -> AnySelect | AnyCompound:
         values = self.values(tx)
-        return self.statement.params(**values) if values else self.statement  # type: ignore[return-value]
+        return self.statement.params(**values) if values else self.statement
 
 
 def _no_values(tx: Tx) -> dict[str, Any]:

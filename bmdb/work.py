@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 #: Selects candidate machine ids (a SELECT of one column). Composed into the
 #: claim's locking statement and its re-check, so it runs inside both.
-Retriever = Callable[[Tx], AnySelect]
+Retriever = Callable[[Tx], AnySelect | AnyCompound]
 
 
 class Event:

@@ -21,7 +21,6 @@ Nothing here imports Celery at run time: ``shepherd machines`` stays Celery-free
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast
@@ -81,10 +80,6 @@ class TaskDef(Generic[P, R]):
             return cast("CeleryTask[P, R]", decorate(function))
 
         return register
-
-    @property
-    def signature(self) -> inspect.Signature:
-        return inspect.signature(self.like)
 
 
 # -- the stubs: only their signatures are used -------------------------------------

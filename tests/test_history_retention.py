@@ -256,7 +256,7 @@ def test_beat_prunes_only_what_is_kept_for_a_while() -> None:
         return celeryconfig.beat_schedule(Settings.from_env(env))
 
     assert schedule()["prune-history"] == {"task": "shepherd.prune_history",
-                                           "schedule": 600.0, "args": (),
+                                           "schedule": 600.0, "args": (), "kwargs": {},
                                            "options": {"expires": 600.0}}
     assert "prune-history" not in schedule(SHEPHERD_HISTORY_RETENTION="0")
     assert "prune-history" not in schedule(SHEPHERD_HISTORY_PRUNE_INTERVAL="0")

@@ -209,7 +209,7 @@ def test_a_crash_between_create_and_register_is_registered_next_run(
     """The device was made, the process died before its registration transaction: the
     committed intent makes the next run register it instead of stopping on a mismatch."""
 
-    def dies(*args: Any) -> None:
+    def dies(*args: Any, **kwargs: Any) -> None:
         raise Killed
 
     monkeypatch.setattr(provisioner, "register_created", dies)

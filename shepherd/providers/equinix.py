@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import requests
 import tenacity
@@ -556,19 +556,22 @@ class ProviderConfig:
     name: str = "equinix"
 
 
-P = TypeVar("P", bound=Callable[..., Any])
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
+ProviderMethod = Callable[Concatenate["EquinixProvider", Params], Result]
 
 
-def _scrubbing(method: P) -> P:
+def _scrubbing(method: ProviderMethod[Params, Result]) -> ProviderMethod[Params, Result]:
     """Run a provider method inside its client's ``scrubbed()``: no error it raises,
     whatever built it (``ensure_registered`` quotes API ids), carries the token."""
 
     @functools.wraps(method)
-    def wrapper(self: EquinixProvider, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: EquinixProvider, /, *args: Params.args,
+                **kwargs: Params.kwargs) -> Result:
         with self.client.scrubbed():
             return method(self, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 class EquinixProvider:

@@ -119,6 +119,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- connection -------------------------------------------------------------------
 
+    # An event loop hands a stream protocol an asyncio.Transport (uvicorn's annotation
+    # says BaseTransport); uvicorn is given the lingering stand-in, which has the
+    # methods it calls but is no Transport subclass.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._real = transport
         super().connection_made(_Transport(transport, self))  # type: ignore[arg-type]

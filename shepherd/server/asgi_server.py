@@ -106,6 +106,7 @@ class EventLoopServer:
                 listener.app, http=LimitedHttpToolsProtocol, ws="none", lifespan="off",
                 interface="asgi3", log_config=None, access_log=False, server_header=False,
                 date_header=False, proxy_headers=False,
+                # A float works (it goes to loop.call_later); uvicorn annotates an int.
                 timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]
             config.load()
             factory = partial(LimitedHttpToolsProtocol, config, listener.state, {},
