@@ -1,7 +1,8 @@
 """Celery glue over the shepherd workflows: ``celery -A tasks worker``.
 
 Tasks stay thin: each adopts or claims BMDB work and calls a workflow in ``shepherd``,
-with what ``app.runtime`` (``tasks/celery_app.py``) built from the settings.
+with what ``app.runtime`` (``tasks/celery_app.py``) built from the settings. Each is
+declared, name and parameters, in ``shepherd/task_api.py``; send them through it.
 
 =====================  ===============================  ===================
 task                   arguments                        queue

@@ -62,6 +62,11 @@ def generate_host_key() -> paramiko.PKey:
 # -- SFTP ------------------------------------------------------------------------
 
 
+def _sftp_errno(error: OSError) -> int:
+    """The SFTP status for ``error`` (a failure without an errno is an I/O error)."""
+    return paramiko.SFTPServer.convert_errno(error.errno or errno.EIO)
+
+
 class SandboxHandle(paramiko.SFTPHandle):
     """An open file in the sandbox. ``stall`` is called before every write: it returns
     at once unless the "SFTP stalls" fault holds the write (and so every later reply,
@@ -84,13 +89,13 @@ class SandboxHandle(paramiko.SFTPHandle):
         try:
             return paramiko.SFTPAttributes.from_stat(os.fstat(self.readfile.fileno()))
         except OSError as error:
-            return SandboxSFTP._errno(error)
+            return _sftp_errno(error)
 
     def chattr(self, attr: paramiko.SFTPAttributes) -> int:
         try:
             paramiko.SFTPServer.set_file_attr(self.filename, attr)
         except OSError as error:
-            return SandboxSFTP._errno(error)
+            return _sftp_errno(error)
         return SFTP_OK
 
 
@@ -115,10 +120,6 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
         relative = posixpath.normpath("/" + path).lstrip("/")
         return os.path.join(self.root, relative)
 
-    @staticmethod
-    def _errno(error: OSError) -> int:
-        return paramiko.SFTPServer.convert_errno(error.errno or errno.EIO)
-
     def canonicalize(self, path: str) -> str:
         return posixpath.normpath("/" + path)
 
@@ -132,19 +133,19 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
                 out.append(attr)
             return out
         except OSError as error:
-            return self._errno(error)
+            return _sftp_errno(error)
 
     def stat(self, path: str) -> Any:
         try:
             return paramiko.SFTPAttributes.from_stat(os.stat(self._local(path)))
         except OSError as error:
-            return self._errno(error)
+            return _sftp_errno(error)
 
     def lstat(self, path: str) -> Any:
         try:
             return paramiko.SFTPAttributes.from_stat(os.lstat(self._local(path)))
         except OSError as error:
-            return self._errno(error)
+            return _sftp_errno(error)
 
     def open(self, path: str, flags: int, attr: paramiko.SFTPAttributes) -> Any:
         local = self._local(path)
@@ -152,7 +153,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
         try:
             fd = os.open(local, flags | getattr(os, "O_BINARY", 0), mode & 0o7777)
         except OSError as error:
-            return self._errno(error)
+            return _sftp_errno(error)
         if flags & os.O_CREAT and attr is not None:
             # The mode was given to open; paramiko keeps which fields are set privately.
             attr._flags &= ~attr.FLAG_PERMISSIONS  # type: ignore[attr-defined]
@@ -166,7 +167,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
         try:
             handle_file = os.fdopen(fd, fmode)
         except OSError as error:
-            return self._errno(error)
+            return _sftp_errno(error)
         handle = SandboxHandle(flags, self._stall)
         handle.filename = local
         handle.readfile = handle_file
@@ -177,7 +178,7 @@ class SandboxSFTP(paramiko.SFTPServerInterface):
         try:
             action()
         except OSError as error:
-            return self._errno(error)
+            return _sftp_errno(error)
         return SFTP_OK
 
     def remove(self, path: str) -> int:

@@ -182,7 +182,7 @@ class SimState:
         rid = body.get("hardware_reservation_id")
         with self.lock:
             reservation = self.reservations.get(rid) if isinstance(rid, str) else None
-            if reservation is None or not isinstance(rid, str):
+            if reservation is None:
                 raise ApiError(422, f"hardware reservation {rid!r} is not available")
             if reservation.device_id is not None or not reservation.provisionable:
                 raise ApiError(422, f"hardware reservation {rid} is not provisionable")
@@ -195,7 +195,7 @@ class SimState:
                 id=device_id or str(uuid.uuid4()),
                 hostname=str(body.get("hostname") or f"sim-{self._device_count}"),
                 tags=[str(t) for t in body.get("tags") or []],
-                reservation_id=rid,
+                reservation_id=reservation.id,
                 facility=reservation.facility,
                 metro=reservation.metro,
                 metro_name=reservation.metro_name,
@@ -314,16 +314,17 @@ class SimState:
                     if len(k.key.split()) > 1 and (not named or k.id in named)}
 
     @staticmethod
-    def _check_key(key: Any) -> str:
+    def _check_key(key: object) -> str:
         """``key`` without surrounding blanks, if it is an OpenSSH public key."""
         parts = key.split() if isinstance(key, str) else []
-        if len(parts) < 2 or not parts[0].startswith(("ssh-", "ecdsa-")):
+        if not isinstance(key, str) or len(parts) < 2 or not parts[0].startswith(
+                ("ssh-", "ecdsa-")):
             raise ApiError(422, "key is not an OpenSSH public key")
         try:
             base64.b64decode(parts[1], validate=True)
         except ValueError as error:
             raise ApiError(422, "key is not an OpenSSH public key") from error
-        return str(key).strip()
+        return key.strip()
 
     # -- JSON shapes --------------------------------------------------------
 
