@@ -19,6 +19,7 @@ kept text ends with a note saying how much was dropped.
 
 from __future__ import annotations
 
+import io
 import posixpath
 import select
 import threading
@@ -56,6 +57,17 @@ class ExecTimeout(RemoteError):
 
 class UploadTimeout(RemoteError):
     """The SFTP upload did not finish within its timeout (the machine stopped answering)."""
+
+
+class UploadRefused(RemoteError):
+    """The machine's SFTP server refused to write the file there (permissions, a
+    read-only or full file system): another place on the same machine may do."""
+
+
+class NoSftp(RemoteError):
+    """The SSH server started no working SFTP subsystem. sshd starts an external
+    sftp-server through the login shell, so a shell that runs no commands (nologin)
+    shows up here first, as do a missing sftp-server and a shell that prints a banner."""
 
 
 #: Bytes of stdout, and of stderr, kept from one command; the rest is read and dropped.
@@ -115,6 +127,7 @@ class Remote:
                  output_cap: int = OUTPUT_CAP) -> None:
         self.address = address
         self.port = port
+        self.user = user
         self.connect_timeout = connect_timeout
         #: The limit of one command, and of one upload (``timeout`` overrides it per call).
         self.exec_timeout = exec_timeout
@@ -197,9 +210,9 @@ class Remote:
             raise RemoteError(f"{self.where}: the SSH session is gone")
         return transport
 
-    def upload(self, local: Path | str, remote: str, mode: int = 0o755,
+    def upload(self, content: bytes, remote: str, mode: int = 0o755,
                timeout: float | None = None) -> None:
-        """Put ``local`` at ``remote`` (parents created) with ``mode``, atomically, within
+        """Put ``content`` at ``remote`` (parents created) with ``mode``, atomically, within
         ``timeout`` (default: the exec timeout) or ``UploadTimeout``.
 
         Written to a temporary name and renamed, so a running copy of the old file
@@ -212,20 +225,34 @@ class Remote:
         transport = self._transport()
         with _Deadline(transport, limit) as deadline:
             try:
-                sftp = paramiko.SFTPClient.from_transport(transport)
-                if sftp is None:
-                    raise paramiko.SSHException("no SFTP channel")
+                sftp = self._sftp(transport)
                 with sftp:
                     _makedirs(sftp, posixpath.dirname(remote))
-                    sftp.put(str(local), temp)
+                    sftp.putfo(io.BytesIO(content), temp)
                     sftp.chmod(temp, mode)
                     sftp.posix_rename(temp, remote)
             except (OSError, paramiko.SSHException, EOFError) as error:
                 if deadline.fired.is_set():
                     raise UploadTimeout(f"{self.where}: upload to {remote} did not finish "
                                         f"within {limit}s (SFTP stopped answering)") from error
-                raise RemoteError(f"{self.where}: upload to {remote} failed: "
-                                  f"{_said(error)}") from error
+                # paramiko raises OSError (IOError) for an SFTP status the server sent;
+                # a broken connection is an OSError too, but not a refusal.
+                refused = isinstance(error, OSError) and not isinstance(
+                    error, (ConnectionError, TimeoutError))
+                raise (UploadRefused if refused else RemoteError)(
+                    f"{self.where}: upload to {remote} failed: {_said(error)}") from error
+
+    def _sftp(self, transport: paramiko.Transport) -> paramiko.SFTPClient:
+        try:
+            sftp = paramiko.SFTPClient.from_transport(transport)
+        except paramiko.SFTPError as error:  # the subsystem's first bytes were not SFTP
+            raise NoSftp(
+                f"{self.where}: the SSH server's SFTP subsystem did not start ({error}): "
+                f"sshd runs it through the login shell of {self.user!r}, which must run "
+                "commands (not nologin) and print nothing of its own") from error
+        if sftp is None:
+            raise paramiko.SSHException("no SFTP channel")
+        return sftp
 
     def run(self, command: str, stdin: bytes | str | None = None,
             timeout: float | None = None) -> RunResult:

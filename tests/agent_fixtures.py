@@ -11,7 +11,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
-from shepherd.agent import AGENT_PATH
+from shepherd.agent import agent_bundle
 from shepherd.agent.protocol import (
     HEADER_MACHINE,
     HEADER_SIGNATURE,
@@ -48,6 +47,7 @@ MAX_BODY = 4096
 CLOCK_WINDOW = 30.0
 AGENT_INTERVAL = 0.3
 PYTHON = sys.executable  # the venv's python3, which has cryptography
+AGENT_FILE = "shepherd-agent.pyz"
 
 
 @pytest.fixture
@@ -210,12 +210,16 @@ class AgentLauncher:
         self.sandbox = sandbox
         self.pids: set[int] = set()
 
+    @property
+    def bundle(self) -> Path:
+        return self.sandbox / AGENT_FILE
+
     def upload(self) -> Path:
+        """The agent as the initializer uploads it: the bundle, mode 0755."""
         self.sandbox.mkdir(parents=True, exist_ok=True)
-        target = self.sandbox / "agent.py"
-        shutil.copyfile(AGENT_PATH, target)
-        target.chmod(0o755)
-        return target
+        self.bundle.write_bytes(agent_bundle())
+        self.bundle.chmod(0o755)
+        return self.bundle
 
     def run(self, stdin: bytes, *, argv: list[str] | None = None,
             env: dict[str, str] | None = None, interval: float = AGENT_INTERVAL) -> AgentRun:
@@ -310,7 +314,7 @@ def alive(pid: int) -> bool:
 
 def is_agent(pid: int) -> bool:
     try:
-        return b"agent.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return AGENT_FILE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -16,9 +16,11 @@ import itertools
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +34,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import bmdb
-from shepherd.agent import AGENT_PATH
+from shepherd.agent import AGENT_PATH, agent_bundle
+from shepherd.agent.bundle import bundle_members
 from shepherd.agent.protocol import (
     ProtocolError,
     TakeoverInit,
@@ -68,12 +71,20 @@ def parent_of(pid: int) -> int:
 # -- the real agent against the real server -----------------------------------------
 
 
+#: How the agent is run, by the Ed25519 it must then sign with: the venv's python3 has
+#: ``cryptography``; with -S it sees the standard library only, as on a stock machine,
+#: and must sign with the ``ecdsa`` in its bundle.
+SIGNING = {"cryptography": [], "ecdsa (pure Python)": ["-S"]}
+
+
+@pytest.mark.parametrize("signing", SIGNING)
 def test_takeover_answers_detaches_and_heartbeats_land(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
-    agents: AgentLauncher, answer_key: str,
+    agents: AgentLauncher, answer_key: str, signing: str,
 ) -> None:
+    argv = [sys.executable, *SIGNING[signing], str(agents.bundle)]
     machine, response, run = start_agent(agents, session, callback_server.url,
-                                         answer_key=answer_key)
+                                         answer_key=answer_key, argv=argv)
 
     # What the agent printed, not what the parser hands back (that is ``sent`` itself).
     assert response.init_message is not None
@@ -96,6 +107,7 @@ def test_takeover_answers_detaches_and_heartbeats_land(
     wait_for(lambda: (heartbeat_at(db, machine) or first) > first, what="a second heartbeat")
     report = tags_of(db, machine)["HardwareReport"]["report"]
     assert_report_describes_this_machine(report)
+    assert f"signing with Ed25519 from {signing}\n" in run.log()
 
 
 def host_cpu_counts() -> tuple[int, int | None]:
@@ -318,7 +330,7 @@ def test_a_second_takeover_makes_a_fresh_key_and_replaces_the_running_agent(
     # Run it as an executable (its shell prologue finds python3 on PATH).
     path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
     second, second_run = take_over(agents, machine, endpoint,
-                                   argv=[str(agents.sandbox / "agent.py")], env={"PATH": path})
+                                   argv=[str(agents.bundle)], env={"PATH": path})
 
     assert second.ok and first.key is not None and second.key is not None
     assert second.key != first.key, "every takeover must make a fresh key"
@@ -327,6 +339,51 @@ def test_a_second_takeover_makes_a_fresh_key_and_replaces_the_running_agent(
     assert second_run.pid() not in (None, old_pid)
     wait_for(lambda: not alive(old_pid), timeout=5, what="the old agent to stop")
     assert alive(second_run.pid() or 0)
+
+
+@pytest.fixture
+def world_reachable_dir() -> Iterator[Path]:
+    """A directory another user can reach (pytest's own are under a 0700 one)."""
+    with tempfile.TemporaryDirectory(prefix="shepherd-test-") as name:
+        path = Path(name)
+        path.chmod(0o755)
+        yield path
+
+
+def unused_uid() -> int:
+    """A user id no process runs as: RLIMIT_NPROC counts that user's processes only."""
+    busy = {path.stat().st_uid for path in Path("/proc").iterdir() if path.name.isdigit()}
+    return next(uid for uid in range(61000, 62000) if uid not in busy)
+
+
+@pytest.mark.parametrize(("nproc", "expected"), [
+    (1, "cannot fork the agent into the background: [Errno 11]"),
+    (2, "the agent could not start in the background: the second fork failed: [Errno 11]"),
+])
+def test_a_process_limit_that_refuses_a_fork_is_the_takeovers_error(
+    nproc: int, expected: str, world_reachable_dir: Path,
+) -> None:
+    """A real limit, not a stub: the agent runs as a user of its own with RLIMIT_NPROC
+    at 1 (the first fork fails) or 2 (the daemon's second fork does); either way the
+    answer says which step failed and why, and nothing is left running."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None:
+        pytest.skip("needs root (to run the agent as another user) and /usr/bin/python3")
+    uid, home = unused_uid(), world_reachable_dir
+    bundle = home / "shepherd-agent.pyz"
+    bundle.write_bytes(agent_bundle())
+    os.chown(home, uid, uid)
+    limited = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+               "prlimit", f"--nproc={nproc}", python, "-S", str(bundle)]
+    done = subprocess.run(limited, input=json.dumps(GOOD_INIT).encode(), capture_output=True,
+                          cwd=home, timeout=20, check=False,
+                          env={"PATH": "/usr/bin:/bin", "SHEPHERD_AGENT_MAX_BACKOFF": "1"})
+    answer = parse_takeover_response(done.stdout, takeover_init(uuid.uuid4(), "http://x"))
+    assert not answer.ok and expected in (answer.error or ""), (answer.error, done.stderr)
+    assert done.returncode == 1
+    assert not (home / "shepherd-agent.d" / "agent.pid").exists()
+    assert not [path for path in Path("/proc").iterdir()
+                if path.name.isdigit() and path.stat().st_uid == uid]
 
 
 def test_takeover_does_not_wait_for_stdin_to_close(agents: AgentLauncher, tmp_path: Path) -> None:
@@ -372,16 +429,20 @@ GOOD_INIT = takeover_init(uuid.uuid4(), "http://127.0.0.1:1").to_json()
      "heartbeat_interval"),
     ("text interval", json.dumps({**GOOD_INIT, "heartbeat_interval": "5"}).encode(), "python",
      "heartbeat_interval"),
-    ("no cryptography", json.dumps(GOOD_INIT).encode(), "python -S", "cryptography"),
     ("no python3", json.dumps(GOOD_INIT).encode(), "sh", "python3 is not installed"),
+    ("python3 3.8", json.dumps(GOOD_INIT).encode(), "python3.8",
+     "python3 3.8.10 is too old: the Shepherd agent needs 3.9 or newer"),
 ])
 def test_takeover_failures_answer_an_error_and_leave_nothing_running(
     case: str, stdin: bytes, argv_kind: str, expected: str, agents: AgentLauncher,
+    tmp_path: Path,
 ) -> None:
-    agent = str(agents.sandbox / "agent.py")
-    argv = {"python": [sys.executable, agent], "python -S": [sys.executable, "-S", agent],
-            "sh": ["/bin/sh", agent]}[argv_kind]
-    env = {"PATH": "/nonexistent"} if argv_kind == "sh" else None
+    agent = str(agents.bundle)
+    argv = {"python": [sys.executable, agent], "sh": ["/bin/sh", agent],
+            "python3.8": ["/bin/sh", agent]}[argv_kind]
+    env = {"sh": {"PATH": "/nonexistent"},
+           "python3.8": {"PATH": f"{pretend_python(tmp_path, '3.8.10')}:/usr/bin:/bin"},
+           }.get(argv_kind)
 
     run = agents.run(stdin, argv=argv, env=env)
 
@@ -392,12 +453,45 @@ def test_takeover_failures_answer_an_error_and_leave_nothing_running(
     assert run.pid() is None
 
 
-def test_the_agent_file_stands_alone() -> None:
+def pretend_python(directory: Path, version: str) -> Path:
+    """A ``python3`` (in the returned directory) that is this one claiming ``version``:
+    what the bundle's gate reads, for a version this machine does not have."""
+    major, minor, micro = (int(part) for part in version.split("."))
+    claim = (f"import runpy, sys; sys.version_info = ({major}, {minor}, {micro}, 'final', 0);"
+             f" sys.version = '{version} (pretend)'; sys.argv = sys.argv[1:];"
+             " runpy.run_path(sys.argv[0], run_name='__main__')")
+    shim = directory / "pretend-bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -c "{claim}" "$@"\n')
+    shim.chmod(0o755)
+    return shim.parent
+
+
+def test_the_bundle_is_one_self_contained_reproducible_file() -> None:
+    bundle = agent_bundle()
+    assert bundle.startswith(b"#!/bin/sh\n")
+    members = bundle_members(bundle)
+    assert {"__main__.py", "shepherd_agent.py", "ecdsa/eddsa.py", "six.py"} <= set(members)
+    assert any(name.startswith("LICENSES/ecdsa-") for name in members)
+    assert not [name for name in members if "test_" in name or name.endswith(".pyc")]
     source = AGENT_PATH.read_text()
     assert "shepherd" not in "".join(
-        line for line in source.splitlines() if line.startswith(("import ", "from "))
+        line for line in source.splitlines() if line.lstrip().startswith(("import ", "from "))
     )
-    assert source.startswith("#!/bin/sh\n")
+    agent_bundle.cache_clear()
+    assert agent_bundle() == bundle, "two builds of the same sources must be the same bytes"
+
+
+def test_both_ed25519_implementations_verify_each_other(agent_module: ModuleType) -> None:
+    """Standard Ed25519 either way: the server verifies a pure-Python signature as it
+    verifies one from ``cryptography``, and the agent the server's either way."""
+    fast, pure = agent_module._cryptography_ed25519(), agent_module._ecdsa_ed25519()
+    for signer_side, verifier_side in ((fast, pure), (pure, fast)):
+        key = signer_side.new_key()
+        signature = key.sign(b"payload")
+        verifier_side.verifier(key.public)(signature, b"payload")
+        with pytest.raises(Exception):  # noqa: B017 (each raises its own kind)
+            verifier_side.verifier(key.public)(signature, b"another payload")
 
 
 # -- the hardware report, on a fake /proc and /sys ------------------------------------

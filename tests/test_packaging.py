@@ -30,7 +30,9 @@ with db.engine.connect() as conn:
     tables = {row[0] for row in conn.exec_driver_sql(
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
 assert {"machines", "provided", "work", "history", "backoff", "sessions"} <= tables, tables
-assert shepherd.agent.agent_source().startswith(b"#!")
+from shepherd.agent.bundle import bundle_members
+bundle = shepherd.agent.agent_bundle()  # the launcher and the agent, from the wheel
+assert bundle.startswith(b"#!/bin/sh") and "__main__.py" in bundle_members(bundle)
 templates = Path(shepherd.server.web.__file__).with_name("templates")
 assert (templates / "machines.html").is_file(), sorted(templates.iterdir())
 print("ok")

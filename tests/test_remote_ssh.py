@@ -67,7 +67,7 @@ def test_upload_then_run_with_stdin(provider: EquinixProvider, simulator: Simula
     script.write_text("#!/bin/bash\ncat > got-stdin\necho out-$SHEPHERD_SIM_DEVICE\n"
                       "echo err >&2\nexit 3\n")
     with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as remote:
-        remote.upload(script, "opt/shepherd/agent", mode=0o755)
+        remote.upload(script.read_bytes(), "opt/shepherd/agent", mode=0o755)
         result = remote.run("opt/shepherd/agent", stdin=b"hello\x00world")
     assert result == (3, f"out-{device}\n", "err\n")
     sandbox = simulator.sandbox(device)
@@ -81,10 +81,8 @@ def test_upload_then_run_with_stdin(provider: EquinixProvider, simulator: Simula
 def test_absolute_upload_paths_stay_in_the_sandbox(provider: EquinixProvider,
                                                    simulator: Simulator, device: str,
                                                    ssh_key: Path, tmp_path: Path) -> None:
-    payload = tmp_path / "payload"
-    payload.write_text("x")
     with _remote(provider, device, ssh_key, connect_timeout=3) as remote:
-        remote.upload(payload, "/../../etc/shepherd-escape", mode=0o600)
+        remote.upload(b"x", "/../../etc/shepherd-escape", mode=0o600)
     assert (simulator.sandbox(device) / "etc/shepherd-escape").read_text() == "x"
     assert not Path("/etc/shepherd-escape").exists()
 
@@ -163,8 +161,7 @@ def test_a_stalled_sftp_upload_ends_with_a_clear_error(
         tmp_path: Path) -> None:
     """The machine takes the file, then never answers: the upload ends at its timeout
     (the exec timeout) with ``UploadTimeout``, and nothing is left at the target."""
-    payload = tmp_path / "agent"
-    payload.write_bytes(os.urandom(200_000))
+    payload = os.urandom(200_000)
     simulator.faults.set(device_id=device, sftp_stall=True)
     remote = _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=1)
     try:
@@ -177,8 +174,7 @@ def test_a_stalled_sftp_upload_ends_with_a_clear_error(
     assert not (simulator.sandbox(device) / "opt/shepherd/agent").exists()
     with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as again:
         again.upload(payload, "opt/shepherd/agent")
-    assert (simulator.sandbox(device) / "opt/shepherd/agent").read_bytes() == \
-        payload.read_bytes()
+    assert (simulator.sandbox(device) / "opt/shepherd/agent").read_bytes() == payload
 
 
 def test_an_unanswered_command_ends_at_the_exec_timeout(

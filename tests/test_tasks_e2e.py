@@ -279,7 +279,7 @@ def test_per_machine_task_by_hand(control_plane) -> None:
         assert type(result.result).__name__ == "MachineNotClaimable"
         assert "held by session" in str(result.result) and str(busy) in str(result.result)
         assert machine_events(cp, busy) == before
-        assert not (cp.simulator.sandbox(cp.provider_id(busy)) / "shepherd-agent.py").exists()
+        assert not (cp.simulator.sandbox(cp.provider_id(busy)) / "shepherd-agent.pyz").exists()
 
         held.fail("operator: testing", bmdb.Backoff(initial=60))
         shell = cp.cli("python", "-c", (

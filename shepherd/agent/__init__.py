@@ -1,17 +1,16 @@
-"""The Shepherd agent: ``agent.py`` is the single file uploaded to machines.
+"""The Shepherd agent: what the initializer uploads to a machine and runs there.
 
-``AGENT_PATH`` is where it lies in the installed package, for the initializer to
-upload; ``protocol`` holds the takeover messages as the shepherd side validates them.
+``agent.py`` is the agent; ``agent_bundle()`` is the single file actually uploaded
+(``bundle.py``: a shell prologue and a zip of the agent with a pure-Python Ed25519,
+so a machine needs python3 alone). ``AGENT_PATH`` is where ``agent.py`` lies, for
+tests that load it as a module; ``protocol`` holds the takeover messages as the
+shepherd side validates them.
 """
 
 from pathlib import Path
 
+from shepherd.agent.bundle import agent_bundle
+
 AGENT_PATH = Path(__file__).with_name("agent.py")
 
-
-def agent_source() -> bytes:
-    """The agent file's bytes, as uploaded (mode 0755) to a machine."""
-    return AGENT_PATH.read_bytes()
-
-
-__all__ = ["AGENT_PATH", "agent_source"]
+__all__ = ["AGENT_PATH", "agent_bundle"]

@@ -1,13 +1,10 @@
-#!/bin/sh
-"""":
-command -v python3 >/dev/null 2>&1 && exec python3 "$0" "$@"
-echo '{"error": {"message": "python3 is not installed on this machine"}}'
-exit 1
+"""The Shepherd agent: run on a machine over SSH, it heartbeats to the shepherd.
 
-The Shepherd agent: one file, uploaded to a machine and run there over SSH.
-
-The lines above make this file a shell script as well, so that a machine without
-python3 still answers a TakeoverResponse (run it as ``./agent.py`` or ``sh agent.py``).
+Uploaded inside the agent bundle (``shepherd/agent/bundle.py``) as
+``shepherd_agent``, and run by the bundle's ``__main__``; it needs python3 3.9 or
+newer and its standard library, nothing else: Ed25519 comes from the machine's
+``cryptography`` when it has one, else from the ``ecdsa`` bundled beside this
+module (``ed25519``). It must not import the shepherd package.
 
 Takeover (protocol v2): read one TakeoverInit JSON on stdin, make a FRESH ed25519
 key (every takeover: kept in memory only, never written or sent), detach into the
@@ -28,13 +25,14 @@ Signed answers carry OS installation requests. A report the server refuses with 
 signed 4xx other than 401 or 429 (a body over its size limit, say) is dropped with
 a warning, so that plain heartbeats still go through.
 
-Only the standard library and ``cryptography`` (imported lazily, so that its
-absence is reported instead of crashing). Kept to Python 3.8 syntax, since it runs
-on whatever python3 the machine has. It must not import the shepherd package.
+Kept to Python 3.9's syntax and standard library: it runs on whatever python3 the
+machine has. Every machine-side assumption it makes is checked where it is made
+and reported as a TakeoverResponse error (or a warning), never as a traceback.
 
 Configuration (flag, else environment variable, else default):
   --state-dir  SHEPHERD_AGENT_STATE_DIR   pid file and log; default
-               $SHEPHERD_SIM_SANDBOX/shepherd-agent, else shepherd-agent.d beside this file
+               $SHEPHERD_SIM_SANDBOX/shepherd-agent, else shepherd-agent.d beside the
+               uploaded file
   --interval   SHEPHERD_AGENT_HEARTBEAT_INTERVAL   seconds between heartbeats; default
                the TakeoverInit's heartbeat_interval
   --max-backoff SHEPHERD_AGENT_MAX_BACKOFF  longest wait after failures; default 60
@@ -46,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -60,6 +59,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
@@ -98,7 +98,7 @@ class BadAnswer(RuntimeError):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(sys.argv[0]))  # the bundle, not inside it
     sandbox = os.environ.get("SHEPHERD_SIM_SANDBOX")
     default_state = (os.path.join(sandbox, "shepherd-agent") if sandbox
                      else os.path.join(here, "shepherd-agent.d"))
@@ -186,26 +186,78 @@ def ssl_context(endpoint: str, ca: str | None) -> ssl.SSLContext | None:
 # -- the key -----------------------------------------------------------------
 
 
-def new_key() -> Any:
-    """A fresh ed25519 key for this takeover: never reused, never written to disk.
+class Signer(NamedTuple):
+    """A fresh ed25519 key: its raw public half, and what signs with its private half."""
 
-    Why fresh: the shepherd records it with this takeover's nonce and refuses the
-    key it had before, so that nothing signed for an earlier takeover (or by an
-    earlier agent on this machine) is accepted after this one.
+    public: bytes
+    sign: Callable[[bytes], bytes]
+
+
+class Ed25519(NamedTuple):
+    """One implementation of Ed25519; both make standard signatures (RFC 8032), so the
+    shepherd verifies them the same whichever the machine used."""
+
+    name: str
+    new_key: Callable[[], Signer]
+    #: A raw 32-byte public key -> verify(signature, data), which raises unless it holds.
+    verifier: Callable[[bytes], Callable[[bytes, bytes], object]]
+
+
+def ed25519() -> Ed25519:
+    """``cryptography`` when the machine's python3 has one that can do Ed25519 (C, about
+    fifty times faster), else the pure-Python ``ecdsa`` bundled with this agent.
+
+    Chosen and exercised once, at takeover: every module either needs is loaded then,
+    before the daemon detaches, because the next takeover replaces the file this agent
+    was loaded from and a later import from it would read the new one.
     """
-    try:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-    except ImportError as error:
-        raise TakeoverFailed(
-            f"the python3 package 'cryptography' is not installed on this machine ({error})"
-        ) from error
-    return ed25519.Ed25519PrivateKey.generate()
+    for make in (_cryptography_ed25519, _ecdsa_ed25519):
+        try:
+            implementation = make()
+            signer = implementation.new_key()
+            implementation.verifier(signer.public)(signer.sign(b"self-test"), b"self-test")
+        except Exception as error:  # absent (ImportError), or too old for Ed25519
+            log.info("Ed25519 from %s is not usable here: %r", make.__name__, error)
+            continue
+        return implementation
+    raise TakeoverFailed("no usable Ed25519: python3's 'cryptography' is missing and the "
+                         "bundled 'ecdsa' cannot be imported (was the agent run without "
+                         "its bundle?)")
 
 
-def load_public_key(raw: bytes) -> Any:
-    from cryptography.hazmat.primitives.asymmetric import ed25519
+def _cryptography_ed25519() -> Ed25519:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519 as c_ed25519
 
-    return ed25519.Ed25519PublicKey.from_public_bytes(raw)
+    def new_key() -> Signer:
+        key = c_ed25519.Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(serialization.Encoding.Raw,
+                                               serialization.PublicFormat.Raw)
+        return Signer(public, key.sign)
+
+    def verifier(raw: bytes) -> Callable[[bytes, bytes], object]:
+        return c_ed25519.Ed25519PublicKey.from_public_bytes(raw).verify
+
+    return Ed25519("cryptography", new_key, verifier)
+
+
+def _ecdsa_ed25519() -> Ed25519:
+    from ecdsa import Ed25519 as curve
+    from ecdsa import SigningKey, VerifyingKey
+
+    def new_key() -> Signer:
+        key = SigningKey.generate(curve=curve)  # from os.urandom
+
+        def sign(data: bytes) -> bytes:
+            return bytes(key.sign(data))
+
+        # bytes, as cryptography's: ecdsa hands out bytearrays.
+        return Signer(bytes(key.get_verifying_key().to_string()), sign)
+
+    def verifier(raw: bytes) -> Callable[[bytes, bytes], object]:
+        return VerifyingKey.from_string(raw, curve=curve).verify  # type: ignore[no-any-return]
+
+    return Ed25519("ecdsa (pure Python)", new_key, verifier)
 
 
 def remove_old_key(state_dir: str, warnings: list[str]) -> None:
@@ -219,14 +271,6 @@ def remove_old_key(state_dir: str, warnings: list[str]) -> None:
         warnings.append(f"cannot remove the old key {path}: {error}")
         return
     warnings.append(f"removed the old agent key {path}: every takeover makes a fresh one")
-
-
-def raw_public_key(key: Any) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    raw: bytes = key.public_key().public_bytes(serialization.Encoding.Raw,
-                                               serialization.PublicFormat.Raw)
-    return raw
 
 
 # -- what is signed (the shepherd's copy: shepherd/agent/protocol.py) ---------------
@@ -256,7 +300,12 @@ def answer_payload(machine: str, timestamp: str, status: int, body: bytes) -> by
 
 def detach(pid_path: str) -> bool:
     """Double fork + setsid. Returns True in the daemon; False in the original process
-    once the daemon has written its pid file and let go of stdin/stdout/stderr."""
+    once the daemon has written its pid file and let go of stdin/stdout/stderr.
+
+    Each step can be refused by the machine (a process limit, a seccomp profile, no
+    /dev/null in a chroot): the daemon-to-be sends why over the pipe, and the
+    original process raises it as the takeover's error.
+    """
     read_end, write_end = os.pipe()
     try:
         first = os.fork()
@@ -265,26 +314,33 @@ def detach(pid_path: str) -> bool:
     if first > 0:
         os.close(write_end)
         with os.fdopen(read_end, "rb") as ready:
-            signal_byte = ready.read(1)
+            said = ready.read(4096)
         os.waitpid(first, 0)
-        if signal_byte != b"1":
-            raise TakeoverFailed("the agent could not start in the background")
+        if said != b"1":
+            why = said.decode("utf-8", "replace") or "it exited without a word"
+            raise TakeoverFailed(f"the agent could not start in the background: {why}")
         return False
+    os.close(read_end)
+    step = "setsid"
     try:  # the children never return into main() except as the finished daemon
-        os.close(read_end)
         os.setsid()
+        step = "the second fork"
         if os.fork() > 0:
             os._exit(0)
         os.umask(0o077)
+        step = f"opening {os.devnull}"
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.close(null)
+        step = f"writing the pid file {pid_path}"
         write_pid(pid_path)
         os.write(write_end, b"1")
-        os.close(write_end)
-    except BaseException:
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            os.write(write_end, f"{step} failed: {error}".encode("utf-8", "replace"))
         os._exit(1)
+    os.close(write_end)
     return True
 
 
@@ -305,9 +361,11 @@ def superseded(pid_path: str) -> bool:
 
 
 def setup_logging(state_dir: str) -> None:
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    handler = logging.handlers.RotatingFileHandler(
-        os.path.join(state_dir, LOG_FILE), maxBytes=1 << 20, backupCount=2)
+    path = os.path.join(state_dir, LOG_FILE)
+    try:
+        handler = logging.handlers.RotatingFileHandler(path, maxBytes=1 << 20, backupCount=2)
+    except OSError as error:  # a full or read-only disk, say
+        raise TakeoverFailed(f"cannot write the agent's log {path}: {error}") from error
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -444,9 +502,8 @@ class Heartbeater:
 
     def __init__(self, taken: Taken, args: argparse.Namespace) -> None:
         self.key = taken.key
-        self.public_key = raw_public_key(taken.key)
         self.nonce = taken.nonce
-        self.answer_key = taken.answer_key
+        self.verify_answer = taken.verify_answer
         machine_id, endpoint, context = taken.machine_id, taken.endpoint, taken.context
         self.machine_id = machine_id
         self.url = endpoint + HEARTBEAT_PATH
@@ -552,7 +609,7 @@ class Heartbeater:
         neither kind's content but the status of a signed one.
         """
         timestamp = f"{time.time():.6f}"
-        payload = signing_payload(self.machine_id, self.public_key, self.nonce, "POST",
+        payload = signing_payload(self.machine_id, self.key.public, self.nonce, "POST",
                                   self.path, timestamp, body)
         headers = {
             "Content-Type": "application/json",
@@ -588,8 +645,8 @@ class Heartbeater:
             raise BadAnswer(f"answer {status} refused: not signed (no {HEADER_ANSWER_SIGNATURE});"
                             " nothing in it is acted on")
         try:
-            self.answer_key.verify(base64.b64decode(signature, validate=True),
-                                   answer_payload(self.machine_id, timestamp, status, answer))
+            self.verify_answer(base64.b64decode(signature, validate=True),
+                               answer_payload(self.machine_id, timestamp, status, answer))
         except Exception as error:  # InvalidSignature, binascii.Error: both mean "not ours"
             raise BadAnswer(
                 f"answer {status} refused: its signature does not verify with the server's "
@@ -612,15 +669,17 @@ def install_os(request: Any) -> dict[str, Any]:
 # -- main --------------------------------------------------------------------
 
 
-class Taken:
+class Taken(NamedTuple):
     """What a takeover gives the daemon."""
 
-    def __init__(self, init: dict[str, Any], machine_id: str, endpoint: str,
-                 context: ssl.SSLContext | None, key: Any, nonce: str, answer_key: Any,
-                 warnings: list[str]) -> None:
-        self.init, self.machine_id, self.endpoint, self.context = (init, machine_id, endpoint,
-                                                                   context)
-        self.key, self.nonce, self.answer_key, self.warnings = key, nonce, answer_key, warnings
+    init: dict[str, Any]
+    machine_id: str
+    endpoint: str
+    context: ssl.SSLContext | None
+    key: Signer
+    nonce: str
+    verify_answer: Callable[[bytes, bytes], object]
+    warnings: list[str]
 
 
 def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
@@ -628,11 +687,13 @@ def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
     init, machine_id, endpoint, ca, nonce, answer_key, interval = read_init(raw_init)
     set_interval(args, interval)
     context = ssl_context(endpoint, ca)
-    key = new_key()
+    signing = ed25519()
+    key = signing.new_key()
     try:
-        answer_public = load_public_key(answer_key)
-    except ValueError as error:
-        raise TakeoverFailed(f"TakeoverInit.answer_key is not an ed25519 key: {error}") from error
+        verify_answer = signing.verifier(answer_key)
+    except Exception as error:  # ValueError, or ecdsa's MalformedPointError
+        raise TakeoverFailed(f"TakeoverInit.answer_key is not an ed25519 key: {error!r}"
+                             ) from error
     warnings: list[str] = []
     try:
         os.makedirs(args.state_dir, mode=0o700, exist_ok=True)
@@ -641,7 +702,8 @@ def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
                              ) from error
     remove_old_key(args.state_dir, warnings)
     setup_logging(args.state_dir)
-    return Taken(init, machine_id, endpoint, context, key, nonce, answer_public, warnings)
+    log.info("signing with Ed25519 from %s", signing.name)
+    return Taken(init, machine_id, endpoint, context, key, nonce, verify_answer, warnings)
 
 
 def read_stdin(fd: int = 0, limit: int = 1 << 20) -> str:
@@ -667,9 +729,6 @@ def answer(document: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if sys.version_info < (3, 8):  # noqa: UP036 (runs on the machine's python3)
-        answer({"error": {"message": f"python3 is too old: {sys.version.split()[0]}"}})
-        return 1
     try:
         args = parse_args(argv)
     except (ValueError, SystemExit) as error:  # argparse exits on bad flags
@@ -693,8 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.foreground:
         answer(success(taken, heartbeater.hardware_warnings))
     signal.signal(signal.SIGTERM, lambda *_: heartbeater.stop.set())
-    log.info("agent %d started for machine %s, heartbeats to %s every %.2fs",
-             os.getpid(), taken.machine_id, heartbeater.url, args.interval)
+    log.info("agent %d started for machine %s on python %s, heartbeats to %s every %.2fs",
+             os.getpid(), taken.machine_id, sys.version.split()[0], heartbeater.url,
+             args.interval)
     try:
         heartbeater.run(pid_path)
     finally:
@@ -706,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
 def success(taken: Taken, more_warnings: list[str]) -> dict[str, Any]:
     """The answer: the init echoed, the fresh public key, and the proof that we hold its
     private half and got this takeover's nonce."""
-    key_b64 = base64.b64encode(raw_public_key(taken.key)).decode()
+    key_b64 = base64.b64encode(taken.key.public).decode()
     proof = taken.key.sign(proof_payload(taken.machine_id, taken.nonce, key_b64))
     return {"success": {"init_message": taken.init, "key": key_b64,
                         "proof": base64.b64encode(proof).decode(),

@@ -16,6 +16,7 @@ machine is never left held by a live session. Only ``WorkGone`` / ``SessionExpir
 from __future__ import annotations
 
 import logging
+import posixpath
 import shlex
 import uuid
 import weakref
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import bmdb
-from shepherd.agent import AGENT_PATH
+from shepherd.agent import agent_bundle
 from shepherd.agent.protocol import (
     ProtocolError,
     TakeoverInit,
@@ -38,7 +39,7 @@ from shepherd.providers.base import (
     Provider,
     ProviderMachine,
 )
-from shepherd.remote import HostKeyMismatch, Remote, RemoteError
+from shepherd.remote import HostKeyMismatch, Remote, RemoteError, UploadRefused
 from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
     WorkflowFailure,
@@ -49,13 +50,18 @@ from shepherd.workflows.common import (
 
 log = logging.getLogger(__name__)
 
+#: Where the agent goes when the login's home directory refuses it (read-only, say).
+#: /run is a root-only tmpfs on every current Linux: nobody else can have prepared a
+#: directory there for us to write into, as they could in /tmp.
+FALLBACK_DIRECTORY = "/run/shepherd-agent"
+
 @dataclass(frozen=True)
 class InitializerSettings:
     """How to reach machines and what to tell their agents.
 
-    ``agent_target`` is relative on purpose: it lands in root's home directory (the
-    sandbox on simulated devices) and is run as ``./<target>`` by its shebang, not
-    through a named interpreter. ``agent_args`` are appended (e.g. a short
+    ``agent_target`` is relative on purpose: it lands in the login's home directory
+    (the sandbox on simulated devices), else in ``FALLBACK_DIRECTORY``, and is run as
+    ``/bin/sh ./<target>`` (``agent_command``). ``agent_args`` are appended (e.g. a short
     ``--interval`` for tests and the demo, which wins over ``heartbeat_interval``).
     ``heartbeat_interval`` is what the TakeoverInit tells the agent (the setting
     ``agent_heartbeat_interval``: a tenth of the heartbeat timeout by default).
@@ -69,7 +75,7 @@ class InitializerSettings:
     ssh_user: str = "root"
     #: Not "shepherd-agent": on simulated devices that is the agent's default state
     #: directory ($SHEPHERD_SIM_SANDBOX/shepherd-agent), and the two would collide.
-    agent_target: str = "shepherd-agent.py"
+    agent_target: str = "shepherd-agent.pyz"
     agent_args: tuple[str, ...] = ()
     heartbeat_interval: float = 60.0
     permanent_backoff: bmdb.Backoff = PERMANENT_BACKOFF
@@ -256,8 +262,9 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
                     host_key=None if pin is None else pin.key)
     try:
         remote.connect()
-        remote.upload(AGENT_PATH, settings.agent_target, mode=0o755)
-        result = remote.run(agent_command(settings), stdin=init.encode())
+        command = agent_command(upload_agent(remote, settings.agent_target),
+                                settings.agent_args)
+        result = remote.run(command, stdin=init.encode())
     except HostKeyMismatch as error:
         assert pin is not None
         raise WorkflowFailure(f"ssh: {error} ({pin.source})",
@@ -267,13 +274,18 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
     finally:
         remote.close()
     assert remote.host_key is not None
+    # Whatever ran did not answer as the agent does. The login shell runs the command,
+    # and one that runs nothing (nologin) or prints its own text is the usual cause.
+    shell = (f"the login shell of {remote.user!r} runs {command!r} and must run it "
+             "without printing anything of its own")
     if not result.stdout.strip():
-        raise WorkflowFailure(f"agent: exited {result.exit_code} without an answer; "
-                              f"stderr: {result.stderr.strip()[-300:]!r}")
+        raise WorkflowFailure(f"agent: no answer (exit {result.exit_code}; stderr: "
+                              f"{result.stderr.strip()[-300:]!r}); {shell}")
     try:
         response = parse_takeover_response(result.stdout, init, current_key)
     except ProtocolError as error:
-        raise WorkflowFailure(f"agent: bad answer (exit {result.exit_code}): {error}") from error
+        raise WorkflowFailure(f"agent: bad answer (exit {result.exit_code}): {error}; {shell}"
+                              ) from error
     if response.error is not None:
         raise WorkflowFailure(f"agent: reported error: {response.error}")
     for warning in response.warnings:
@@ -282,8 +294,32 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
     return Takeover(response.key, remote.host_key, init.nonce)
 
 
-def agent_command(settings: InitializerSettings) -> str:
-    """``./shepherd-agent.py [args]``: a bare name would be looked up on PATH, not in cwd."""
-    target = settings.agent_target
+def upload_agent(remote: Remote, target: str) -> str:
+    """Upload the agent bundle to ``target``; where the home directory refuses a
+    relative one, to ``FALLBACK_DIRECTORY`` instead. Returns where it is."""
+    bundle = agent_bundle()
+    try:
+        remote.upload(bundle, target, mode=0o755)
+        return target
+    except UploadRefused as refused:  # not a timeout, nor a broken SFTP: this place
+        if posixpath.isabs(target):
+            raise
+        fallback = posixpath.join(FALLBACK_DIRECTORY, target)
+        try:
+            remote.upload(bundle, fallback, mode=0o755)
+        except RemoteError as also_refused:
+            raise RemoteError(f"the agent can be written neither in the home directory "
+                              f"({refused}) nor in {FALLBACK_DIRECTORY} ({also_refused})"
+                              ) from also_refused
+        log.warning("%s: the home directory refused the agent (%s); it runs from %s",
+                    remote.where, refused, fallback)
+        return fallback
+
+
+def agent_command(target: str, args: tuple[str, ...] = ()) -> str:
+    """``/bin/sh ./shepherd-agent.pyz [args]``: through /bin/sh, the one interpreter every
+    Unix has at that path, so that neither the file's exec bit (a noexec home), nor
+    /usr/bin/env, nor the login shell's language matters: any shell that runs a
+    simple command runs this one. ``./``: sh would look a bare name up on PATH."""
     path = target if "/" in target else f"./{target}"
-    return shlex.join([path, *settings.agent_args])
+    return shlex.join(["/bin/sh", path, *args])
