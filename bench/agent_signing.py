@@ -36,7 +36,7 @@ import base64, json, sys, time
 started = time.process_time()
 sys.path.insert(0, sys.argv[1])
 import shepherd_agent as agent
-signing = agent.ed25519()
+signing, _ = agent.ed25519()
 key = signing.new_key()
 ready = time.process_time() - started
 rounds = int(sys.argv[2])

@@ -113,7 +113,9 @@ class Changes:
 
     remove_python3: bool = False
     login_shell: str | None = None
-    read_only_home: bool = False
+    #: Mount options for root's home (its own bind mount): "ro", "noexec".
+    home_mount: str | None = None
+    mount_proc: bool = True
     mount_sys: bool = True
     extra_lines: tuple[str, ...] = ()
 
@@ -123,11 +125,13 @@ class Changes:
             lines.append('rm -f "$M"/usr/bin/python3*')
         if self.login_shell:
             lines.append(f'chroot "$M" usermod --shell {shlex.quote(self.login_shell)} root')
+        if self.mount_proc:
+            lines.append('mount -t proc proc "$M/proc"')
         if self.mount_sys:
             lines.append('mount -t sysfs sysfs "$M/sys"')
-        if self.read_only_home:
+        if self.home_mount:
             lines.append('mount --bind "$M/root" "$M/root"')
-            lines.append('mount -o remount,bind,ro "$M/root"')
+            lines.append(f'mount -o remount,bind,{self.home_mount} "$M/root"')
         return [*lines, *self.extra_lines]
 
 
@@ -149,7 +153,6 @@ class StockMachine:
             f"M={shlex.quote(str(workdir / 'merged'))}",
             f"mount -t overlay overlay -o lowerdir={root},upperdir={self.upper},"
             f"workdir={workdir / 'work'} \"$M\"",
-            'mount -t proc proc "$M/proc"',
             'mkdir -p "$M/root/.ssh" "$M/run/sshd"',
             f'printf "%s\\n" {shlex.quote(authorized_key)} > "$M/root/.ssh/authorized_keys"',
             'chmod 700 "$M/root/.ssh"',

@@ -108,6 +108,8 @@ def test_takeover_answers_detaches_and_heartbeats_land(
     report = tags_of(db, machine)["HardwareReport"]["report"]
     assert_report_describes_this_machine(report)
     assert f"signing with Ed25519 from {signing}\n" in run.log()
+    passed_over = "cryptography_ed25519 is not usable here: ModuleNotFoundError("
+    assert (passed_over in run.log()) == (signing != "cryptography")
 
 
 def host_cpu_counts() -> tuple[int, int | None]:

@@ -110,16 +110,22 @@ def assert_heartbeats_with_hardware(db: bmdb.BMDB, machine_id: uuid.UUID) -> dic
     return report
 
 
-@pytest.mark.parametrize(("suite", "python", "login_shell"), [
-    ("bullseye", "3.9", None),
-    ("bookworm", "3.11", None),
-    ("bookworm", "3.11", "/bin/sh"),  # dash as root's login shell, not bash
-])
+#: dash as root's login shell (not bash), a home mounted noexec, no /usr/bin/env: none
+#: of them matters to an agent run as `/bin/sh FILE`.
+SPARTAN = Changes(login_shell="/bin/sh", home_mount="noexec",
+                  extra_lines=('rm "$M/usr/bin/env"',))
+
+
+@pytest.mark.parametrize(("suite", "python", "changes"), [
+    ("bullseye", "3.9", Changes()),
+    ("bookworm", "3.11", Changes()),
+    ("bookworm", "3.11", SPARTAN),
+], ids=["bullseye", "bookworm", "bookworm-dash-noexec-no-env"])
 def test_a_stock_machine_is_taken_over_and_heartbeats(
-    suite: str, python: str, login_shell: str | None, db: bmdb.BMDB, session: bmdb.Session,
+    suite: str, python: str, changes: Changes, db: bmdb.BMDB, session: bmdb.Session,
     settings: InitializerSettings, key_path: Path, tmp_path: Path,
 ) -> None:
-    with machine_on(suite, tmp_path, key_path, Changes(login_shell=login_shell)) as machine:
+    with machine_on(suite, tmp_path, key_path, changes) as machine:
         machine_id, result = take_over(machine, session, tmp_path, settings)
         assert result.ok, result.cause
         report = assert_heartbeats_with_hardware(db, machine_id)
@@ -162,7 +168,7 @@ def test_a_read_only_home_runs_the_agent_from_run(
     db: bmdb.BMDB, session: bmdb.Session, settings: InitializerSettings, key_path: Path,
     tmp_path: Path,
 ) -> None:
-    with machine_on("bullseye", tmp_path, key_path, Changes(read_only_home=True)) as machine:
+    with machine_on("bullseye", tmp_path, key_path, Changes(home_mount="ro")) as machine:
         machine_id, result = take_over(machine, session, tmp_path, settings)
         assert result.ok, result.cause
         assert_heartbeats_with_hardware(db, machine_id)
@@ -199,15 +205,21 @@ def test_a_login_shell_that_runs_nothing_is_named_in_the_cause(
     assert result.backoff_seconds == AGENT_START_BACKOFF
 
 
-def test_without_sys_the_takeover_succeeds_and_says_what_is_missing(
-    db: bmdb.BMDB, session: bmdb.Session, settings: InitializerSettings, key_path: Path,
-    tmp_path: Path,
+@pytest.mark.parametrize("without", ["/sys", "/proc and /sys"])
+def test_without_proc_or_sys_the_takeover_succeeds_and_says_what_is_missing(
+    without: str, db: bmdb.BMDB, session: bmdb.Session, settings: InitializerSettings,
+    key_path: Path, tmp_path: Path,
 ) -> None:
-    with machine_on("bullseye", tmp_path, key_path, Changes(mount_sys=False)) as machine:
+    changes = Changes(mount_sys=False, mount_proc=without == "/sys")
+    with machine_on("bullseye", tmp_path, key_path, changes) as machine:
         machine_id, result = take_over(machine, session, tmp_path, settings)
         assert result.ok, result.cause
         report = assert_heartbeats_with_hardware(db, machine_id)
     assert report["network_interfaces"] == [] and report["block_devices"] == []
-    assert report["memory_bytes"] > 0 and report["cpu"]["threads"] > 0  # /proc is there
     warnings = "\n".join(report["warnings"])
     assert "cannot list /sys/class/net" in warnings and "cannot list /sys/block" in warnings
+    if without == "/sys":
+        assert report["memory_bytes"] > 0 and report["cpu"]["threads"] > 0
+    else:
+        assert report["memory_bytes"] == 0 and report["cpu"]["threads"] == 0
+        assert "cannot read /proc/cpuinfo" in warnings and "cannot read /proc/meminfo" in warnings

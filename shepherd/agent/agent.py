@@ -203,26 +203,26 @@ class Ed25519(NamedTuple):
     verifier: Callable[[bytes], Callable[[bytes, bytes], object]]
 
 
-def ed25519() -> Ed25519:
-    """``cryptography`` when the machine's python3 has one that can do Ed25519 (C, about
-    fifty times faster), else the pure-Python ``ecdsa`` bundled with this agent.
+def ed25519() -> tuple[Ed25519, list[str]]:
+    """``cryptography`` when the machine's python3 has one that can do Ed25519 (C, some
+    thirty times faster: bench/agent_signing.py), else the pure-Python ``ecdsa``
+    bundled with this agent; with why each one before it was passed over, for the log.
 
     Chosen and exercised once, at takeover: every module either needs is loaded then,
     before the daemon detaches, because the next takeover replaces the file this agent
     was loaded from and a later import from it would read the new one.
     """
+    passed_over = []
     for make in (_cryptography_ed25519, _ecdsa_ed25519):
         try:
             implementation = make()
             signer = implementation.new_key()
             implementation.verifier(signer.public)(signer.sign(b"self-test"), b"self-test")
         except Exception as error:  # absent (ImportError), or too old for Ed25519
-            log.info("Ed25519 from %s is not usable here: %r", make.__name__, error)
+            passed_over.append(f"{make.__name__.strip('_')} is not usable here: {error!r}")
             continue
-        return implementation
-    raise TakeoverFailed("no usable Ed25519: python3's 'cryptography' is missing and the "
-                         "bundled 'ecdsa' cannot be imported (was the agent run without "
-                         "its bundle?)")
+        return implementation, passed_over
+    raise TakeoverFailed("no usable Ed25519: " + "; ".join(passed_over))
 
 
 def _cryptography_ed25519() -> Ed25519:
@@ -687,7 +687,7 @@ def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
     init, machine_id, endpoint, ca, nonce, answer_key, interval = read_init(raw_init)
     set_interval(args, interval)
     context = ssl_context(endpoint, ca)
-    signing = ed25519()
+    signing, passed_over = ed25519()
     key = signing.new_key()
     try:
         verify_answer = signing.verifier(answer_key)
@@ -702,6 +702,8 @@ def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
                              ) from error
     remove_old_key(args.state_dir, warnings)
     setup_logging(args.state_dir)
+    for reason in passed_over:
+        log.info("%s", reason)
     log.info("signing with Ed25519 from %s", signing.name)
     return Taken(init, machine_id, endpoint, context, key, nonce, verify_answer, warnings)
 

@@ -57,7 +57,10 @@ def _distribution_members(distribution: importlib.metadata.Distribution
                           ) -> Iterator[tuple[str, bytes]]:
     """Its modules (not its tests) at their import paths, and its licence files."""
     label = f"{distribution.metadata['Name']}-{distribution.version}"
-    for file in distribution.files or ():
+    if distribution.files is None:  # installed without a RECORD: nothing to go by
+        raise RuntimeError(f"cannot bundle {label} into the agent: its installation "
+                           "lists no files (reinstall it with pip)")
+    for file in distribution.files:
         path = PurePosixPath(str(file))
         if path.suffix == ".py" and not _is_test(path) and ".." not in path.parts:
             yield str(path), file.read_binary()

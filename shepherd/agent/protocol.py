@@ -22,8 +22,9 @@ Heartbeat (over HTTP(S), every ``heartbeat_interval`` seconds): ``POST
 /agent/v1/heartbeat`` with a JSON body, signed with the agent's key.
 
 ``agent.py`` does not import this module: it is uploaded to machines in the agent
-bundle, without the shepherd package, so it carries its own copy of the wire format. The tests run the real agent against the
-real server, which is what keeps the two in step.
+bundle, without the shepherd package, so it carries its own copy of the wire
+format. The tests run the real agent against the real server, which is what keeps
+the two in step.
 """
 
 from __future__ import annotations
