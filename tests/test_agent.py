@@ -432,6 +432,9 @@ GOOD_INIT = takeover_init(uuid.uuid4(), "http://127.0.0.1:1").to_json()
     ("text interval", json.dumps({**GOOD_INIT, "heartbeat_interval": "5"}).encode(), "python",
      "heartbeat_interval"),
     ("no python3", json.dumps(GOOD_INIT).encode(), "sh", "python3 is not installed"),
+    # agent.py alone, without its bundle, on a python3 without cryptography:
+    ("no Ed25519", json.dumps(GOOD_INIT).encode(), "python -S agent.py",
+     "no usable Ed25519: cryptography_ed25519 is not usable here: ModuleNotFoundError("),
     ("python3 3.8", json.dumps(GOOD_INIT).encode(), "python3.8",
      "python3 3.8.10 is too old: the Shepherd agent needs 3.9 or newer"),
 ])
@@ -441,7 +444,8 @@ def test_takeover_failures_answer_an_error_and_leave_nothing_running(
 ) -> None:
     agent = str(agents.bundle)
     argv = {"python": [sys.executable, agent], "sh": ["/bin/sh", agent],
-            "python3.8": ["/bin/sh", agent]}[argv_kind]
+            "python3.8": ["/bin/sh", agent],
+            "python -S agent.py": [sys.executable, "-S", str(AGENT_PATH)]}[argv_kind]
     env = {"sh": {"PATH": "/nonexistent"},
            "python3.8": {"PATH": f"{pretend_python(tmp_path, '3.8.10')}:/usr/bin:/bin"},
            }.get(argv_kind)

@@ -80,7 +80,7 @@ def test_upload_then_run_with_stdin(provider: EquinixProvider, simulator: Simula
 
 def test_absolute_upload_paths_stay_in_the_sandbox(provider: EquinixProvider,
                                                    simulator: Simulator, device: str,
-                                                   ssh_key: Path, tmp_path: Path) -> None:
+                                                   ssh_key: Path) -> None:
     with _remote(provider, device, ssh_key, connect_timeout=3) as remote:
         remote.upload(b"x", "/../../etc/shepherd-escape", mode=0o600)
     assert (simulator.sandbox(device) / "etc/shepherd-escape").read_text() == "x"
@@ -157,8 +157,7 @@ def _outcome(action: Callable[[], object], within: float) -> BaseException | Non
 
 
 def test_a_stalled_sftp_upload_ends_with_a_clear_error(
-        provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path,
-        tmp_path: Path) -> None:
+        provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path) -> None:
     """The machine takes the file, then never answers: the upload ends at its timeout
     (the exec timeout) with ``UploadTimeout``, and nothing is left at the target."""
     payload = os.urandom(200_000)

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 #: directory there for us to write into, as they could in /tmp.
 FALLBACK_DIRECTORY = "/run/shepherd-agent"
 
+
 @dataclass(frozen=True)
 class InitializerSettings:
     """How to reach machines and what to tell their agents.
