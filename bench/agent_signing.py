@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
-from shepherd.agent import agent_bundle
+from shepherd.agent import BUNDLE_NAME, agent_bundle
 
 #: Run by each python3 under test, with the bundle's path and the rounds as arguments.
 #: Python 3.9 syntax: it also runs on a stock bullseye's python3.
@@ -61,11 +62,24 @@ print(json.dumps({"implementation": signing.name, "python": sys.version.split()[
 """
 
 
-def measure(argv: list[str], bundle: str, rounds: int) -> dict[str, object]:
+class Measured(NamedTuple):
+    """What CHILD printed, in seconds."""
+
+    implementation: str
+    python: str
+    takeover_s: float
+    sign_s: float
+    verify_s: float
+
+    @property
+    def per_heartbeat(self) -> float:
+        return self.sign_s + self.verify_s
+
+
+def measure(argv: list[str], bundle: str, rounds: int) -> Measured:
     done = subprocess.run([*argv, "-c", CHILD, bundle, str(rounds)], capture_output=True,
                           text=True, timeout=600, check=True)
-    result: dict[str, object] = json.loads(done.stdout)
-    return result
+    return Measured(**json.loads(done.stdout))
 
 
 def main() -> None:
@@ -76,7 +90,7 @@ def main() -> None:
                         help="a stock root filesystem whose python3 to measure too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temporary:
-        bundle = Path(temporary) / "shepherd-agent.pyz"
+        bundle = Path(temporary) / BUNDLE_NAME
         bundle.write_bytes(agent_bundle())
         runs = [("this python3", [sys.executable], str(bundle)),
                 ("this python3 -S", [sys.executable, "-S"], str(bundle))]
@@ -93,17 +107,15 @@ def main() -> None:
     report(results, args.interval)
 
 
-def report(results: list[tuple[str, dict[str, object]]], interval: float) -> None:
-    fastest = min(float(str(result["sign_s"])) + float(str(result["verify_s"]))
-                  for _, result in results)
+def report(results: list[tuple[str, Measured]], interval: float) -> None:
+    fastest = min(result.per_heartbeat for _, result in results)
     print(f"{'run':<52} {'Ed25519':<20} {'python':<7} {'takeover':>9} {'sign':>9} "
           f"{'verify':>9} {'x fast':>7} {'core share':>11}")
     for label, result in results:
-        sign, verify = float(str(result["sign_s"])), float(str(result["verify_s"]))
-        print(f"{label:<52} {result['implementation']!s:<20} {result['python']!s:<7} "
-              f"{float(str(result['takeover_s'])) * 1e3:>7.1f}ms {sign * 1e6:>7.0f}us "
-              f"{verify * 1e6:>7.0f}us {(sign + verify) / fastest:>7.1f} "
-              f"{(sign + verify) / interval:>11.6%}")
+        print(f"{label:<52} {result.implementation:<20} {result.python:<7} "
+              f"{result.takeover_s * 1e3:>7.1f}ms {result.sign_s * 1e6:>7.0f}us "
+              f"{result.verify_s * 1e6:>7.0f}us {result.per_heartbeat / fastest:>7.1f} "
+              f"{result.per_heartbeat / interval:>11.6%}")
     print(f"core share: Ed25519 CPU per heartbeat (sign + verify) over a {interval:g} s "
           "interval")
 

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
-from shepherd.agent import agent_bundle
+from shepherd.agent import BUNDLE_NAME, agent_bundle
 from shepherd.agent.protocol import (
     HEADER_MACHINE,
     HEADER_SIGNATURE,
@@ -47,7 +47,6 @@ MAX_BODY = 4096
 CLOCK_WINDOW = 30.0
 AGENT_INTERVAL = 0.3
 PYTHON = sys.executable  # the venv's python3, which has cryptography
-AGENT_FILE = "shepherd-agent.pyz"
 
 
 @pytest.fixture
@@ -212,7 +211,7 @@ class AgentLauncher:
 
     @property
     def bundle(self) -> Path:
-        return self.sandbox / AGENT_FILE
+        return self.sandbox / BUNDLE_NAME
 
     def upload(self) -> Path:
         """The agent as the initializer uploads it: the bundle, mode 0755."""
@@ -314,7 +313,7 @@ def alive(pid: int) -> bool:
 
 def is_agent(pid: int) -> bool:
     try:
-        return AGENT_FILE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return BUNDLE_NAME.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import bmdb
-from shepherd.agent import AGENT_PATH, agent_bundle
+from shepherd.agent import AGENT_PATH, BUNDLE_NAME, agent_bundle
 from shepherd.agent.bundle import bundle_members
 from shepherd.agent.protocol import (
     ProtocolError,
@@ -372,7 +372,7 @@ def test_a_process_limit_that_refuses_a_fork_is_the_takeovers_error(
     if os.geteuid() != 0 or python is None:
         pytest.skip("needs root (to run the agent as another user) and /usr/bin/python3")
     uid, home = unused_uid(), world_reachable_dir
-    bundle = home / "shepherd-agent.pyz"
+    bundle = home / BUNDLE_NAME
     bundle.write_bytes(agent_bundle())
     os.chown(home, uid, uid)
     limited = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",

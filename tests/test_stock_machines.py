@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import bmdb
+from shepherd.agent import BUNDLE_NAME
 from shepherd.providers import ssh_keys
 from shepherd.providers.base import register_provided
 from shepherd.providers.static import StaticProvider
@@ -172,8 +173,8 @@ def test_a_read_only_home_runs_the_agent_from_run(
         machine_id, result = take_over(machine, session, tmp_path, settings)
         assert result.ok, result.cause
         assert_heartbeats_with_hardware(db, machine_id)
-        assert machine.written(f"{FALLBACK_DIRECTORY}/shepherd-agent.pyz").is_file()
-        assert not machine.written("/root/shepherd-agent.pyz").exists()
+        assert machine.written(f"{FALLBACK_DIRECTORY}/{BUNDLE_NAME}").is_file()
+        assert not machine.written(f"/root/{BUNDLE_NAME}").exists()
         assert "signing with Ed25519" in agent_log(
             machine, f"{FALLBACK_DIRECTORY}/shepherd-agent.d")
 
@@ -188,7 +189,7 @@ INTERNAL_SFTP = (r"sed -i 's|^Subsystem.*|Subsystem sftp internal-sftp|'"
     ("sftp-server", "the SSH server's SFTP subsystem did not start"),
     ("internal-sftp", "agent: bad answer (exit 1): agent answer is not JSON: "
                       "'This account is currently not available.\\n'; the login shell of 'root'"
-                      " runs '/bin/sh ./shepherd-agent.pyz"),
+                      f" runs '/bin/sh ./{BUNDLE_NAME}"),
 ])
 def test_a_login_shell_that_runs_nothing_is_named_in_the_cause(
     sftp: str, expected: str, session: bmdb.Session, settings: InitializerSettings,
@@ -198,7 +199,7 @@ def test_a_login_shell_that_runs_nothing_is_named_in_the_cause(
                       extra_lines=(INTERNAL_SFTP,) if sftp == "internal-sftp" else ())
     with machine_on("bookworm", tmp_path, key_path, changes) as machine:
         _, result = take_over(machine, session, tmp_path, settings)
-        assert not machine.written(f"{FALLBACK_DIRECTORY}/shepherd-agent.pyz").exists()
+        assert not machine.written(f"{FALLBACK_DIRECTORY}/{BUNDLE_NAME}").exists()
     assert result.outcome == "failed"
     cause = result.cause or ""
     assert expected in cause and "login shell of 'root'" in cause, cause

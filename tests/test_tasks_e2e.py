@@ -20,6 +20,7 @@ from typing import Any, cast
 import pytest
 
 import bmdb
+from shepherd.agent import BUNDLE_NAME
 from tests.celery_fixtures import ControlPlane, control_plane, dump, overlapping_work, wait_until
 from tests.servers import free_port
 
@@ -291,7 +292,7 @@ def test_per_machine_task_by_hand(control_plane) -> None:
         assert type(result.result).__name__ == "MachineNotClaimable"
         assert "held by session" in str(result.result) and str(busy) in str(result.result)
         assert machine_events(cp, busy) == before
-        assert not (cp.simulator.sandbox(cp.provider_id(busy)) / "shepherd-agent.pyz").exists()
+        assert not (cp.simulator.sandbox(cp.provider_id(busy)) / BUNDLE_NAME).exists()
 
         held.fail("operator: testing", bmdb.Backoff(initial=60))
         shell = cp.cli("python", "-c", (

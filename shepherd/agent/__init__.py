@@ -9,8 +9,8 @@ shepherd side validates them.
 
 from pathlib import Path
 
-from shepherd.agent.bundle import agent_bundle
+from shepherd.agent.bundle import BUNDLE_NAME, agent_bundle
 
 AGENT_PATH = Path(__file__).with_name("agent.py")
 
-__all__ = ["AGENT_PATH", "agent_bundle"]
+__all__ = ["AGENT_PATH", "BUNDLE_NAME", "agent_bundle"]

@@ -27,6 +27,9 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 HERE = Path(__file__).parent
+#: What the bundle is called on a machine (``InitializerSettings.agent_target``); its
+#: state directory is ``shepherd-agent.d`` beside it (``agent.parse_args``).
+BUNDLE_NAME = "shepherd-agent.pyz"
 #: The distributions bundled, importable in the zip by their top-level names.
 BUNDLED = ("ecdsa", "six")
 #: zip cannot store earlier dates; one fixed date makes the bytes reproducible.

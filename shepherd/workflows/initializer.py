@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import bmdb
-from shepherd.agent import agent_bundle
+from shepherd.agent import BUNDLE_NAME, agent_bundle
 from shepherd.agent.protocol import (
     ProtocolError,
     TakeoverInit,
@@ -76,7 +76,7 @@ class InitializerSettings:
     ssh_user: str = "root"
     #: Not "shepherd-agent": on simulated devices that is the agent's default state
     #: directory ($SHEPHERD_SIM_SANDBOX/shepherd-agent), and the two would collide.
-    agent_target: str = "shepherd-agent.pyz"
+    agent_target: str = BUNDLE_NAME
     agent_args: tuple[str, ...] = ()
     heartbeat_interval: float = 60.0
     permanent_backoff: bmdb.Backoff = PERMANENT_BACKOFF
