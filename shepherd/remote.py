@@ -277,12 +277,17 @@ class Remote:
                                   f"{_said(error)}") from error
         if done.exit_code < 0 and deadline.fired.is_set():  # closed before any exit status
             raise ExecTimeout(f"{self.where}: {command!r} did not finish within {limit}s")
-        if done.stdin_error is not None:
-            # The command exited (or the channel closed) while its stdin was still
-            # being written: whatever it answered is not an answer to what we sent.
+        if done.stdin_error is not None and done.exit_code < 0:
+            # The channel closed with neither the input written nor an exit status:
+            # the connection broke, and there is no answer to judge.
             failure = done.stdin_error
             raise RemoteError(f"{self.where}: streams to {command!r} failed: "
                               f"{type(failure).__name__}: {failure}")
+        # A command that exits without reading all its input (nologin, a shell that
+        # cannot find the program) ends its channel while the input may still be on
+        # its way; whether writing it failed is a race. Its status and output are the
+        # same either way, so they are what run returns; the caller judges them (the
+        # takeover protocol binds an answer to its request through the nonce).
         return RunResult(done.exit_code, done.stdout, done.stderr)
 
     def close(self) -> None:

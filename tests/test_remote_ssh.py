@@ -78,6 +78,16 @@ def test_upload_then_run_with_stdin(provider: EquinixProvider, simulator: Simula
     assert not (sandbox / "opt/shepherd/agent.upload-tmp").exists()
 
 
+def test_a_command_that_exits_without_reading_its_input_still_answers(
+        provider: EquinixProvider, device: str, ssh_key: Path) -> None:
+    """As nologin does: it prints, exits 1 and never reads. 8 MiB of input cannot all
+    be written before the channel ends, so writing it fails; the status and output
+    are what come back all the same (before, which one came back was a race)."""
+    with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=20) as remote:
+        result = remote.run("echo not available; exit 1", stdin=b"x" * (8 << 20))
+    assert result == (1, "not available\n", "")
+
+
 def test_absolute_upload_paths_stay_in_the_sandbox(provider: EquinixProvider,
                                                    simulator: Simulator, device: str,
                                                    ssh_key: Path) -> None:
