@@ -188,6 +188,8 @@ def check_settings(settings: Settings) -> None:
     else:
         raise SettingsError(f"SHEPHERD_PROVIDER={settings.provider!r}: expected simulator, "
                             "equinix or static")
+    if settings.prometheus_multiproc_dir:
+        check_writable_directory("PROMETHEUS_MULTIPROC_DIR", settings.prometheus_multiproc_dir)
     if settings.visibility_timeout <= settings.machine_task_time_limit:
         # Redis would hand a running Recovery's message to a second worker.
         raise SettingsError(
@@ -195,6 +197,17 @@ def check_settings(settings: Settings) -> None:
             f"machine task's time limit, {settings.machine_task_time_limit:g}s (from the SSH "
             "timeouts and the reboot ladder: SHEPHERD_RUNG_TIMEOUT, SHEPHERD_BOOT_WAIT, "
             "SHEPHERD_BMC_TIMEOUT/ATTEMPTS/LOCK_WAIT)")
+
+
+def check_writable_directory(name: str, path: str) -> None:
+    """Refuse a directory every task writes to but this user cannot: prometheus_client
+    opens its shared file there at a task's first metric, so each machine would fail
+    and back off instead (a restarted container's tmpfs can come back root-owned)."""
+    if not os.path.isdir(path):
+        raise SettingsError(f"{name}={path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingsError(f"{name}={path} is not writable by this user "
+                            f"(uid {os.getuid()}); every task would fail on it")
 
 
 def build_provider(settings: Settings) -> Provider:

@@ -692,3 +692,33 @@ def test_a_worker_with_a_placeholder_prefix_refuses_to_start(tmp_path, redis_url
     assert result.returncode == 2, result.stdout + result.stderr
     assert "refuses to start: SHEPHERD_DEVICE_PREFIX 'example-' is empty or a placeholder" \
         in result.stdout + result.stderr
+
+
+def test_a_worker_that_cannot_write_its_metrics_directory_refuses_to_start(
+        tmp_path, redis_url) -> None:
+    """As a restarted container whose tmpfs came back root-owned: one clear line, not a
+    PermissionError (and a backoff) on every machine the worker is handed."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.celery_fixtures import CELERY, REPO
+
+    metrics = tempfile.mkdtemp(prefix="shepherd-metrics-")  # outside root's tmp_path
+    try:
+        os.chmod(metrics, 0o555)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+        env.update(SHEPHERD_BROKER_URL=redis_url, PROMETHEUS_MULTIPROC_DIR=metrics,
+                   SHEPHERD_BMDB_URL=f"sqlite:///{tmp_path / 'bmdb.sqlite'}")
+        command = [CELERY, "-A", "tasks", "worker", "--loglevel=INFO"]
+        if os.geteuid() == 0:  # root writes anywhere: run as nobody, as the image's user
+            command = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                       *command]
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=60)
+    finally:
+        shutil.rmtree(metrics)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (f"refuses to start: PROMETHEUS_MULTIPROC_DIR={metrics} is not writable by this "
+            "user") in result.stdout + result.stderr
