@@ -69,13 +69,19 @@ def mirror() -> str:
     return FALLBACK_MIRROR
 
 
-def rootfs(suite: str, extra: tuple[str, ...] = ()) -> Path:
-    """The cached root filesystem of ``suite`` with python3 and openssh-server, plus
-    ``extra`` installed with the system's own apt (debootstrap's --include cannot
-    configure some Python packages). Built beside its final place and renamed into
-    it, so that a cut-off build is never taken for a finished one."""
-    key = hashlib.sha256(f"{RECIPE} {suite} {' '.join(extra)}".encode()).hexdigest()[:12]
-    final = CACHE / f"{suite}-{'-'.join(extra) or 'stock'}-{key}"
+def rootfs(suite: str, extra: tuple[str, ...] = (), *,
+           include: tuple[str, ...] = BASE_PACKAGES) -> Path:
+    """The cached root filesystem of ``suite``: minbase with ``include`` (a stock
+    machine's python3 and openssh-server unless told), plus ``extra`` installed with
+    the system's own apt (debootstrap's --include cannot configure some Python
+    packages). Built beside its final place and renamed into it, so that a cut-off
+    build is never taken for a finished one."""
+    recipe = f"{RECIPE} {suite} {' '.join(extra)}"
+    if include != BASE_PACKAGES:
+        recipe += f" include={','.join(include)}"
+    key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    kind = "-".join(extra) or ("stock" if include == BASE_PACKAGES else "-".join(include))
+    final = CACHE / f"{suite}-{kind}-{key}"
     if final.is_dir():
         return final
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -83,13 +89,13 @@ def rootfs(suite: str, extra: tuple[str, ...] = ()) -> Path:
     shutil.rmtree(building, ignore_errors=True)
     try:
         if extra:
-            _run(["cp", "-a", str(rootfs(suite)), str(building)])
+            _run(["cp", "-a", str(rootfs(suite, include=include)), str(building)])
             shutil.copyfile("/etc/resolv.conf", building / "etc/resolv.conf")
             _run(["chroot", str(building), "apt-get", "update", "-qq"])
             _run(["chroot", str(building), "apt-get", "install", "-y", "-qq",
                   "--no-install-recommends", *extra])
         else:
-            _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+            _run(["debootstrap", "--variant=minbase", f"--include={','.join(include)}",
                   suite, str(building), mirror()])
         building.rename(final)
     except BaseException:
