@@ -19,15 +19,13 @@ writes podman's configuration where it refuses to run without one). Without them
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.minimal_systems import rootfs
+from tests.minimal_systems import require_root_with, rootfs
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "tests" / "images"
@@ -46,11 +44,8 @@ BUILD_TIMEOUT = 1800.0
 
 def require_podman() -> None:
     """Skip, saying why in one line, where containers cannot run here."""
-    if os.geteuid() != 0:
-        pytest.skip("the compose stack needs root (rootful podman, debootstrap)")
-    for tool in ("podman", "docker-compose", "debootstrap"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"the compose stack needs {tool}: ./dev test installs it (as root)")
+    require_root_with("the compose stack's containers", "rootful podman, debootstrap",
+                      ("podman", "docker-compose", "debootstrap"))
     if not CA_BUNDLE.exists():
         pytest.skip(f"the project image's build needs this machine's CA bundle {CA_BUNDLE}")
 

@@ -49,11 +49,17 @@ SSHD_START_TIMEOUT = 15.0
 
 def require_minimal_systems() -> None:
     """Skip, saying why in one line, where stock systems cannot be built or run."""
+    require_root_with("stock Debian machines", "debootstrap, chroot, mounts",
+                      ("debootstrap", "unshare", "chroot"))
+
+
+def require_root_with(what: str, root_for: str, tools: tuple[str, ...]) -> None:
+    """Skip, saying why in one line, unless this is root and has each of ``tools``."""
     if os.geteuid() != 0:
-        pytest.skip("stock Debian machines need root (debootstrap, chroot, mounts)")
-    for tool in ("debootstrap", "unshare", "chroot"):
+        pytest.skip(f"{what} need root ({root_for})")
+    for tool in tools:
         if shutil.which(tool) is None:
-            pytest.skip(f"stock Debian machines need {tool}: ./dev test installs it")
+            pytest.skip(f"{what} need {tool}: ./dev test installs it, as root")
 
 
 def mirror() -> str:
