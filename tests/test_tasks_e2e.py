@@ -677,21 +677,31 @@ def test_reconcile_runs_once_at_a_time_fleet_wide(state) -> None:
         assert control.reconcile.run() == {"skipped": "reconcile already running"}
 
 
-def test_a_worker_with_a_placeholder_prefix_refuses_to_start(tmp_path, redis_url) -> None:
-    """One clear line and a non-zero exit, before any message is taken."""
+def _refused_worker(tmp_path, redis_url, as_nobody: bool = False, **env: str) -> str:
+    """What a worker started with ``env`` printed; it must exit 2, as a refusal does.
+    ``as_nobody``: as an unprivileged user, when we are root (root writes anywhere)."""
     import os
     import subprocess
 
     from tests.celery_fixtures import CELERY, REPO
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
-    env.update(SHEPHERD_BROKER_URL=redis_url, SHEPHERD_DEVICE_PREFIX="example-",
-               SHEPHERD_BMDB_URL=f"sqlite:///{tmp_path / 'bmdb.sqlite'}")
-    result = subprocess.run([CELERY, "-A", "tasks", "worker", "--loglevel=INFO"], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=60)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    environ.update(SHEPHERD_BROKER_URL=redis_url,
+                   SHEPHERD_BMDB_URL=f"sqlite:///{tmp_path / 'bmdb.sqlite'}", **env)
+    command = [CELERY, "-A", "tasks", "worker", "--loglevel=INFO"]
+    if as_nobody and os.geteuid() == 0:
+        command = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *command]
+    result = subprocess.run(command, cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def test_a_worker_with_a_placeholder_prefix_refuses_to_start(tmp_path, redis_url) -> None:
+    """One clear line and a non-zero exit, before any message is taken."""
+    output = _refused_worker(tmp_path, redis_url, SHEPHERD_DEVICE_PREFIX="example-")
     assert "refuses to start: SHEPHERD_DEVICE_PREFIX 'example-' is empty or a placeholder" \
-        in result.stdout + result.stderr
+        in output
 
 
 def test_a_worker_that_cannot_write_its_metrics_directory_refuses_to_start(
@@ -700,25 +710,14 @@ def test_a_worker_that_cannot_write_its_metrics_directory_refuses_to_start(
     PermissionError (and a backoff) on every machine the worker is handed."""
     import os
     import shutil
-    import subprocess
     import tempfile
-
-    from tests.celery_fixtures import CELERY, REPO
 
     metrics = tempfile.mkdtemp(prefix="shepherd-metrics-")  # outside root's tmp_path
     try:
         os.chmod(metrics, 0o555)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
-        env.update(SHEPHERD_BROKER_URL=redis_url, PROMETHEUS_MULTIPROC_DIR=metrics,
-                   SHEPHERD_BMDB_URL=f"sqlite:///{tmp_path / 'bmdb.sqlite'}")
-        command = [CELERY, "-A", "tasks", "worker", "--loglevel=INFO"]
-        if os.geteuid() == 0:  # root writes anywhere: run as nobody, as the image's user
-            command = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                       *command]
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                                timeout=60)
+        output = _refused_worker(tmp_path, redis_url, as_nobody=True,
+                                 PROMETHEUS_MULTIPROC_DIR=metrics)
     finally:
         shutil.rmtree(metrics)
-    assert result.returncode == 2, result.stdout + result.stderr
     assert (f"refuses to start: PROMETHEUS_MULTIPROC_DIR={metrics} is not writable by this "
-            "user") in result.stdout + result.stderr
+            "user") in output
