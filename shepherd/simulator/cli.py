@@ -2,6 +2,10 @@
 
 With ``--racks DIR`` its machines are racked instead (``shepherd.simulator.racks``):
 devices made at once, behind an emulated Redfish BMC, listed in ``DIR/inventory.toml``.
+
+With ``--persist`` the world is kept in ``WORKDIR/world.json`` and a restart resumes
+it (``shepherd.simulator.persist``): a stored world wins over ``--reservations``;
+one of another project, or a corrupt one, is refused (exit 2) and left as it is.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from shepherd.simulator.persist import WorldError
 from shepherd.simulator.racks import Racks
 from shepherd.simulator.redfish import EmulatorError
 from shepherd.simulator.server import Simulator, SimulatorConfig
@@ -58,12 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--authorized-keys", type=Path, default=None, metavar="FILE",
                         help="with --racks: OpenSSH public keys (one a line) root logins "
                              "accept, e.g. the shepherd's fleet key")
+    parser.add_argument("--persist", action="store_true",
+                        help="keep the world (reservations, devices, keys, host keys, "
+                             "power) in WORKDIR/world.json and resume it at start; needs "
+                             "--workdir")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.persist and args.workdir is None:
+        parser.error("--persist needs --workdir (the world is kept in WORKDIR/world.json)")
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         print(f"shepherd simulator: set {TOKEN_ENV} (or --token)", file=sys.stderr)
@@ -82,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         provision_delay=args.provision_delay, reboot_delay=args.reboot_delay,
         workdir=args.workdir, seed=args.seed,
         per_device_host_keys=args.per_device_host_keys or args.racks is not None,
+        persist=args.persist,
     )
     try:
         keys = _authorized_keys(args.authorized_keys)
@@ -92,17 +105,28 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: done.set())
     try:
-        sim = Simulator(config).start()
+        sim = Simulator(config)
+    except WorldError as error:
+        print(f"shepherd simulator: {error}", file=sys.stderr)
+        return 2
+    try:
+        sim.start()
     except OSError as error:
+        sim.stop()
         print(f"shepherd simulator: cannot listen: {error}", file=sys.stderr)
         return 1
     racks: Racks | None = None
     try:
-        info = {"base_url": sim.base_url, "project_id": sim.project_id,
-                "ssh_port": sim.ssh_port, "reservations": args.reservations}
+        # A loaded world may hold other than --reservations: what it holds counts.
+        reservations = len(sim.state.project_reservations())
+        info: dict[str, object] = {
+            "base_url": sim.base_url, "project_id": sim.project_id,
+            "ssh_port": sim.ssh_port, "reservations": reservations,
+            "world": str(sim.world_file) if sim.world_file else None,
+            "loaded": sim.loaded is not None}
         if args.racks is not None:
             try:
-                racks = Racks(sim, args.racks, args.reservations,
+                racks = Racks(sim, args.racks, reservations,
                               authorized_keys=keys).start()
             except (EmulatorError, ValueError, OSError) as error:
                 print(f"shepherd simulator: cannot rack the machines: {error}",

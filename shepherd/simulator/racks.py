@@ -13,6 +13,12 @@ the format of ``shepherd.inventory.file`` (the BMC password in ``bmc-password``,
 mode 0600, named by ``password_file``: never in the inventory itself). The
 inventory appears last and in one rename, so whoever waits for it finds the
 machines and their BMC answering.
+
+Racking a persisted simulator's world again (a restart with ``--persist``) finds the
+machines already there: they are reused as they are (same ids, addresses, host keys,
+power), the BMC gets the same system uuids (derived from project and device) and,
+since its state directory under ``DIR/bmc`` is kept, the power state it last had;
+the password file is kept too. Authorized keys already registered are not added again.
 """
 
 from __future__ import annotations
@@ -121,12 +127,10 @@ class Racks:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.inventory_path.unlink(missing_ok=True)  # a stale one would be waited for
         password = self._password()
-        for number, line in enumerate(self.authorized_keys, start=1):
-            try:
-                self.sim.state.create_ssh_key({"label": "racks", "key": line})
-            except ApiError as error:
-                raise ValueError(f"authorized key {number}: {error}") from None
-        systems = [(device_id, self._system_uuid(device_id), "On")
+        self._authorize()
+        # A machine a BMC left off stays off (the BMC's own state, if kept, agrees).
+        systems = [(device_id, self._system_uuid(device_id),
+                    "On" if self.sim.devices[device_id].powered else "Off")
                    for device_id in self._rack_devices()]
         self.bmc = RedfishEmulator(
             systems, username=self.username, password=password,
@@ -149,8 +153,23 @@ class Racks:
             self.bmc.stop()
             self.bmc = None
 
+    def _authorize(self) -> None:
+        """Register the authorized keys, but not twice: a restored world has them."""
+        with self.sim.state.lock:
+            known = {k.key.split()[1] for k in self.sim.state.ssh_keys.values()
+                     if len(k.key.split()) > 1}
+        for number, line in enumerate(self.authorized_keys, start=1):
+            parts = line.split()
+            if len(parts) > 1 and parts[1] in known:
+                continue
+            try:
+                self.sim.state.create_ssh_key({"label": "racks", "key": line})
+            except ApiError as error:
+                raise ValueError(f"authorized key {number}: {error}") from None
+
     def _rack_devices(self) -> list[str]:
-        """Devices on the first ``count`` reservations, active at once, one host key each."""
+        """Devices on the first ``count`` reservations, active at once, one host key
+        each; a machine a restored world already racked there is kept as it is."""
         reservations = self.sim.state.project_reservations()
         if len(reservations) < self.count:
             raise ValueError(f"racks of {self.count} machines need as many reservations; "
@@ -158,11 +177,20 @@ class Racks:
         names = []
         for index, reservation in enumerate(reservations[:self.count]):
             name = machine_id(index)
-            self.sim.create_device({
-                "metro": reservation.metro, "plan": reservation.plan,
-                "operating_system": "ubuntu_22_04", "hostname": name,
-                "hardware_reservation_id": reservation.id,
-            }, created_by="racks", device_id=name, provision_delay=0.0)
+            if reservation.device_id == name:
+                names.append(name)
+                continue
+            if reservation.device_id is not None:
+                raise ValueError(f"reservation {reservation.id} holds device "
+                                 f"{reservation.device_id}, not the racked {name}")
+            try:
+                self.sim.create_device({
+                    "metro": reservation.metro, "plan": reservation.plan,
+                    "operating_system": "ubuntu_22_04", "hostname": name,
+                    "hardware_reservation_id": reservation.id,
+                }, created_by="racks", device_id=name, provision_delay=0.0)
+            except ApiError as error:  # e.g. a restored world holds this id elsewhere
+                raise ValueError(f"cannot rack {name}: {error}") from None
             if not self.sim.config.per_device_host_keys:
                 self.sim.rotate_host_key(name)  # pins must tell machines apart
             names.append(name)

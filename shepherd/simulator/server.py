@@ -5,20 +5,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import socket
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import paramiko
+
 from shepherd.processes import kill_marked
 from shepherd.simulator.api import ApiRequest, ApiServer
 from shepherd.simulator.faults import Faults
-from shepherd.simulator.ssh import INSTANCE_MARKER, DeviceSSH, generate_host_key
+from shepherd.simulator.persist import World, WorldError, read_world, world_path, write_world
+from shepherd.simulator.ssh import (
+    INSTANCE_MARKER,
+    SANDBOX_MARKER,
+    DeviceSSH,
+    generate_host_key_text,
+    host_key_from_text,
+)
 from shepherd.simulator.state import API_PREFIX, Device, SimState
 
 log = logging.getLogger(__name__)
@@ -42,6 +53,9 @@ class SimulatorConfig:
     #: One host key per device, as real machines have (pins then tell machines apart);
     #: False: one key shared by every device, the cheaper default.
     per_device_host_keys: bool = False
+    #: Keep the world in ``workdir/world.json`` and start from it when it is there
+    #: (``shepherd.simulator.persist``); needs a ``workdir`` and a stable ``project_id``.
+    persist: bool = False
 
 
 class Simulator:
@@ -51,6 +65,12 @@ class Simulator:
     ``state``/``devices``, inject faults through ``faults`` and act through
     ``create_foreign_device``, ``kill_agent``, ``reboot_device``, ``set_power``,
     ``hang`` and ``rotate_host_key``.
+
+    With ``config.persist`` the world is read from ``world_file`` here (``loaded``:
+    what was found, or None) and written after every change; ``WorldError`` if the
+    file is corrupt or holds another project. Devices come back at ``start`` with
+    their host keys and SSH on the same address; processes they ran do not, and
+    their sandbox directories are kept as they were on disk.
     """
 
     HOST = "127.0.0.1"
@@ -59,6 +79,9 @@ class Simulator:
         self.config = dataclasses.replace(config or SimulatorConfig(), **overrides)
         if not self.config.token:
             raise ValueError("the simulator needs a non-empty API token")
+        if self.config.persist and self.config.workdir is None:
+            raise ValueError("a persisted simulator needs a workdir (its world.json "
+                             "lives there)")
         self.instance = uuid.uuid4().hex
         self.state = SimState(self.config.project_id, self.config.reservations,
                               address_net=self.config.address_net,
@@ -67,9 +90,16 @@ class Simulator:
         self.faults = Faults(self.config.seed)
         self.ssh_port = self.config.ssh_port
         self._endpoints: dict[str, DeviceSSH] = {}
-        self._host_key = generate_host_key()
+        self._shared_key_text = generate_host_key_text()
+        self._host_key_texts: dict[str, str] = {}   # device id -> its host key (PEM)
+        self._batching = 0                          # _changing depth (state lock held)
+        self._dirty = False                         # a change not written yet
         self._own_workdir = self.config.workdir is None
         self.workdir = self.config.workdir or Path(tempfile.mkdtemp(prefix="shepherd-sim-"))
+        self.world_file: Path | None = world_path(self.workdir) if self.config.persist else None
+        self.loaded = self._load() if self.world_file is not None else None
+        self._host_key = host_key_from_text(self._shared_key_text)
+        self.state.on_change = self._state_changed
         self._api: ApiServer | None = None
         self._api_thread: threading.Thread | None = None
         self._http_port: int | None = None
@@ -82,7 +112,89 @@ class Simulator:
             self.ssh_port = _free_port()
         self._serve_api(self.config.http_port)
         log.info("simulator API on %s (project %s)", self.base_url, self.config.project_id)
+        if self.world_file is not None:
+            self._restore_endpoints()
+            with self.state.lock:
+                self._save()  # a new world is on disk from the start, not at its 1st change
         return self
+
+    # -- persistence --------------------------------------------------------
+
+    def _load(self) -> World | None:
+        """Read the stored world into ``state`` and the host keys (see the class)."""
+        assert self.world_file is not None
+        world = read_world(self.world_file)
+        if world is None:
+            log.info("no simulator world at %s yet: a new one, %d reservations",
+                     self.world_file, self.config.reservations)
+            return None
+        if world.project_id != self.config.project_id:
+            raise WorldError(f"the simulator's world {self.world_file} belongs to project "
+                             f"{world.project_id}, not {self.config.project_id}: give "
+                             f"--project-id {world.project_id}, or another --workdir")
+        try:
+            for text in [world.shared_host_key, *world.host_keys.values()]:
+                host_key_from_text(text)
+        except ValueError as error:
+            raise WorldError(f"the simulator's world {self.world_file} is corrupt "
+                             f"({error}); fix or remove it") from None
+        self.state.restore(world.reservations, world.devices, world.ssh_keys,
+                           world.device_count)
+        self._shared_key_text = world.shared_host_key
+        self._host_key_texts = {d.id: world.host_keys[d.id] for d in world.devices}
+        if self.config.ssh_port == 0:
+            self.ssh_port = world.ssh_port  # "any free port": the one the devices had
+        elif self.config.ssh_port != world.ssh_port:
+            log.warning("devices listened on port %d; now on %d, as asked",
+                        world.ssh_port, self.config.ssh_port)
+        log.info("simulator world loaded from %s: %s (it wins over --reservations %d)",
+                 self.world_file, world.summary(), self.config.reservations)
+        return world
+
+    def _restore_endpoints(self) -> None:
+        """SSH back on every stored device. Processes a run that died without stopping
+        left in this workdir's sandboxes are killed first (one scan of /proc): a
+        restarted machine runs nothing of before."""
+        kill_marked(SANDBOX_MARKER, f"{self.workdir / 'devices'}{os.sep}", prefix=True)
+        for device in self.state.project_devices():
+            self._start_endpoint(device, host_key_from_text(self._host_key_texts[device.id]))
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Several steps, one write at the end: a device and its host key land in the
+        same world.json, never one without the other. Holds the state lock."""
+        with self.state.lock:
+            self._batching += 1
+            try:
+                yield
+            finally:
+                self._batching -= 1
+                if self._batching == 0 and self._dirty:
+                    self._save()
+
+    def _state_changed(self) -> None:
+        """``SimState.on_change`` (its lock held): write now, or when the batch ends."""
+        self._dirty = True
+        if self._batching == 0:
+            self._save()
+
+    def _save(self) -> None:
+        """Write the world (state lock held, so writes happen in the order of changes).
+        A failed write is logged, not raised: the change it records already happened."""
+        self._dirty = False
+        if self.world_file is None:
+            return
+        world = World(
+            project_id=self.project_id, ssh_port=self.ssh_port,
+            device_count=self.state.device_count,
+            reservations=self.state.project_reservations(),
+            devices=self.state.project_devices(),
+            ssh_keys=list(self.state.ssh_keys.values()),
+            shared_host_key=self._shared_key_text, host_keys=dict(self._host_key_texts))
+        try:
+            write_world(self.world_file, world)
+        except OSError as error:
+            log.error("cannot write the simulator's world %s: %s", self.world_file, error)
 
     def _serve_api(self, port: int) -> None:
         self._api = ApiServer((self.config.api_host, port), self)
@@ -157,9 +269,20 @@ class Simulator:
 
         ``device_id``/``provision_delay``: see ``SimState.create_device``.
         """
-        device = self.state.create_device(body, created_by=created_by, device_id=device_id,
-                                          provision_delay=provision_delay)
-        host_key = generate_host_key() if self.config.per_device_host_keys else self._host_key
+        with self._changing():
+            device = self.state.create_device(body, created_by=created_by,
+                                              device_id=device_id,
+                                              provision_delay=provision_delay)
+            if self.config.per_device_host_keys:
+                text = generate_host_key_text()
+                host_key = host_key_from_text(text)
+            else:
+                text, host_key = self._shared_key_text, self._host_key
+            self._host_key_texts[device.id] = text
+            self._start_endpoint(device, host_key)
+        return device
+
+    def _start_endpoint(self, device: Device, host_key: paramiko.PKey) -> None:
         endpoint = DeviceSSH(
             device_id=device.id, address=device.address, port=self.ssh_port,
             sandbox=self.workdir / "devices" / device.id, host_key=host_key,
@@ -172,7 +295,6 @@ class Simulator:
             authorized_keys=lambda: self.state.authorized_key_blobs(device.id),
         )
         self._endpoints[device.id] = endpoint.start()
-        return device
 
     def create_foreign_device(self, reservation_id: str, hostname: str | None = None) -> Device:
         """Provision a reservation "by someone else" (no shepherd tags): a lost race."""
@@ -250,7 +372,12 @@ class Simulator:
         New connections see the new key; sessions already open keep theirs, as with
         sshd, whose running connections are not re-keyed by a key change on disk.
         """
-        self._endpoints[device_id].host_key = generate_host_key()
+        with self._changing():
+            endpoint = self._endpoints[device_id]
+            text = generate_host_key_text()
+            endpoint.host_key = host_key_from_text(text)
+            self._host_key_texts[device_id] = text
+            self._dirty = True
         return self.host_key_line(device_id)
 
     def wait_for_state(self, device_id: str, state: str, timeout: float = 10.0) -> None:

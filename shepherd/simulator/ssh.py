@@ -44,6 +44,9 @@ from shepherd.processes import kill_marked
 log = logging.getLogger(__name__)
 MARKER = "SHEPHERD_SIM_DEVICE"
 INSTANCE_MARKER = "SHEPHERD_SIM_INSTANCE"
+#: The device's sandbox path: unique to one simulator's workdir, unlike a rack's
+#: readable device id, so it finds exactly this world's leftover processes.
+SANDBOX_MARKER = "SHEPHERD_SIM_SANDBOX"
 POLL = 0.05
 # paramiko logs every probe and hang-up as an error; for a simulator that is noise.
 TRANSPORT_LOG = logging.getLogger(__name__ + ".transport")
@@ -52,11 +55,24 @@ TRANSPORT_LOG.setLevel(logging.CRITICAL)
 
 def generate_host_key() -> paramiko.PKey:
     """A fresh ed25519 host key (fast, unlike RSA generation)."""
-    pem = Ed25519PrivateKey.generate().private_bytes(
+    return host_key_from_text(generate_host_key_text())
+
+
+def generate_host_key_text() -> str:
+    """A fresh ed25519 host key as OpenSSH private-key text: what a persisted world
+    stores (paramiko can read an Ed25519 key but not write one back)."""
+    return Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
         serialization.NoEncryption(),
-    )
-    return paramiko.Ed25519Key(file_obj=io.StringIO(pem.decode()))
+    ).decode()
+
+
+def host_key_from_text(text: str) -> paramiko.PKey:
+    """The host key ``generate_host_key_text`` wrote (ValueError if it is not one)."""
+    try:
+        return paramiko.Ed25519Key(file_obj=io.StringIO(text))
+    except paramiko.SSHException as error:
+        raise ValueError(f"not an OpenSSH ed25519 private key: {error}") from None
 
 
 # -- SFTP ------------------------------------------------------------------------
@@ -392,7 +408,7 @@ class DeviceSSH:
                                 os.environ.get("PATH", "/usr/bin:/bin")])
         return {"PATH": path, "HOME": str(self.sandbox), "LANG": "C.UTF-8",
                 "USER": "root", MARKER: self.device_id,
-                "SHEPHERD_SIM_SANDBOX": str(self.sandbox), INSTANCE_MARKER: self.instance}
+                SANDBOX_MARKER: str(self.sandbox), INSTANCE_MARKER: self.instance}
 
     def run_command(self, channel: paramiko.Channel, command: str) -> None:
         """Run ``command`` like sshd would: streams in and out, exit status, then close."""

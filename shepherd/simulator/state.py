@@ -16,6 +16,7 @@ import ipaddress
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +148,12 @@ def address_for(net: int, index: int) -> str:
 
 
 class SimState:
-    """Everything the simulated provider knows; every method takes the lock."""
+    """Everything the simulated provider knows; every method takes the lock.
+
+    ``on_change`` is called (lock held) after every change a restart must see: a
+    device created, rebooted, powered, hung; an SSH key added or changed. The
+    simulator persists its world there (``shepherd.simulator.persist``).
+    """
 
     def __init__(self, project_id: str, reservations: int, *, address_net: int = 100,
                  provision_delay: float = 1.0, reboot_delay: float = 1.0) -> None:
@@ -160,11 +166,28 @@ class SimState:
         self.devices: dict[str, Device] = {}
         self.ssh_keys: dict[str, SSHKey] = {}
         self.requests: list[ApiRequest] = []
+        self.on_change: Callable[[], None] = lambda: None
         self._device_count = 0
         for index in range(reservations):
             facility, metro, metro_name = FACILITIES[index % len(FACILITIES)]
             rid = str(uuid.uuid4())
             self.reservations[rid] = Reservation(rid, facility, metro, metro_name)
+
+    def restore(self, reservations: Iterable[Reservation], devices: Iterable[Device],
+                ssh_keys: Iterable[SSHKey], device_count: int) -> None:
+        """Replace the world with a stored one (a restarted simulator's)."""
+        with self.lock:
+            self.reservations = {r.id: r for r in reservations}
+            self.devices = {d.id: d for d in devices}
+            self.ssh_keys = {k.id: k for k in ssh_keys}
+            # Never below the devices held: the next one's address must be new.
+            self._device_count = max(device_count, len(self.devices))
+
+    @property
+    def device_count(self) -> int:
+        """Devices ever created: numbers the next one's hostname and address."""
+        with self.lock:
+            return self._device_count
 
     # -- devices ------------------------------------------------------------
 
@@ -210,6 +233,7 @@ class SimState:
             )
             self.devices[device.id] = device
             reservation.device_id = device.id
+            self.on_change()
             return device
 
     def get_device(self, device_id: str) -> Device:
@@ -229,6 +253,7 @@ class SimState:
             device.reboots += 1
             device.hung = False  # a reboot is a power transition
             device.updated_at = time.time()
+            self.on_change()
             return device
 
     def set_power(self, device_id: str, on: bool) -> bool:
@@ -245,6 +270,7 @@ class SimState:
             device.hung = False
             device.power_changes += 1
             device.updated_at = time.time()
+            self.on_change()
             return True
 
     def hang(self, device_id: str) -> Device:
@@ -253,6 +279,7 @@ class SimState:
             device = self.get_device(device_id)
             device.hung = True
             device.updated_at = time.time()
+            self.on_change()
             return device
 
     def project_devices(self) -> list[Device]:
@@ -282,6 +309,7 @@ class SimState:
         with self.lock:
             ssh_key = SSHKey(str(uuid.uuid4()), label, checked)
             self.ssh_keys[ssh_key.id] = ssh_key
+            self.on_change()
             return ssh_key
 
     def update_ssh_key(self, key_id: str, body: dict[str, Any]) -> SSHKey:
@@ -294,6 +322,7 @@ class SimState:
                     raise ApiError(422, "label must not be empty")
                 ssh_key.label = str(body["label"])
             ssh_key.updated_at = time.time()
+            self.on_change()
             return ssh_key
 
     def get_ssh_key(self, key_id: str) -> SSHKey:
