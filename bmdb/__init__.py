@@ -27,7 +27,8 @@ provision), ``holds`` (maintenance and quarantine), ``host_keys`` (pinned SSH ho
 keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refusals),
 ``server_keys`` (fleet-wide server secrets, e.g. the answer-signing key),
 ``counters`` (machines per tag combination and history totals, kept by triggers),
-``listing`` (a provider's listing compared with its Provided tags in SQL: the updater).
+``listing`` (a provider's listing compared with its Provided tags in SQL: the updater),
+``problems`` (the newest failures per process, dead sessions still holding work).
 
 Every SQL statement of Shepherd lives in this package, behind named functions:
 callers outside it never import ``schema`` or SQLAlchemy.
@@ -43,6 +44,7 @@ from bmdb import (
     host_keys,
     inspection,
     listing,
+    problems,
     queries,
     refusals,
     schema,
@@ -103,6 +105,7 @@ __all__ = [
     "inspection",
     "listing",
     "next_interval",
+    "problems",
     "queries",
     "refusals",
     "schema",
