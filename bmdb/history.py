@@ -33,6 +33,8 @@ FORGOTTEN = "Forgotten"
 MAINTENANCE = "Maintenance"
 QUARANTINE = "Quarantine"
 HOST_KEY = "HostKey"
+#: Rows about a machine's agent that no work item wrote (``shepherd up`` resuming).
+AGENT = "Agent"
 
 _ADD = sa.insert(schema.history)
 

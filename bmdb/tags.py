@@ -208,6 +208,24 @@ def delete_agent_started(tx: Tx, machine_id: uuid.UUID) -> None:
     _mark(tx, schema.provided, machine_id, agent_started=False)
 
 
+def forget_every_agent(tx: Tx) -> list[uuid.UUID]:
+    """Drop every machine's AgentStarted and AgentHeartbeat; returns those machines.
+
+    For a fleet whose every agent is known gone at once (``shepherd up``'s embedded
+    machines stop with it): each machine is back in the AgentStart backlog, instead of
+    all of them going silent together, which the Recovery guard rightly reads as a
+    network failure and pauses on. One statement per machine, as the counters'
+    triggers and markers expect; a demo fleet is small.
+    """
+    started = [row.machine_id for row in tx.execute(
+        sa.select(schema.agent_started.c.machine_id).order_by(
+            schema.agent_started.c.machine_id))]
+    for machine_id in started:
+        delete_heartbeat(tx, machine_id)
+        delete_agent_started(tx, machine_id)
+    return started
+
+
 def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime, *,
                      marked: bool = False) -> None:
     """``marked``: the caller read ``heartbeat_seen`` already set while holding the

@@ -4,8 +4,9 @@ One frozen object built once per process (``Settings.from_env()``) by the entry 
 (``shepherd serve``, the CLI, a Celery worker or beat, ``shepherd up``), which passes
 what is needed down; command-line flags override by building a new one with
 ``dataclasses.replace`` (which the type checker checks field by field). This module
-is the only reader of the environment (apart from the agent and the simulator,
-which are programs of their own), and nothing reads it at import. Secrets (the
+is the only reader of the environment (with ``shepherd.state_env``, the file a
+running ``shepherd up`` leaves beneath it for a second terminal; apart from the agent
+and the simulator, which are programs of their own), and nothing reads it at import. Secrets (the
 provider API token) come only from the environment or files, never from flags, and
 never appear in ``repr``.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bmdb
+from shepherd import state_env
 from shepherd.redaction import redact_url, url_problem
 
 
@@ -327,7 +329,13 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        env = os.environ if env is None else env
+        """From ``env``; by default this process's environment over the settings a
+        running ``shepherd up`` left in the state directory (``shepherd.state_env``)."""
+        if env is None:
+            try:
+                env = state_env.environment(os.environ)
+            except state_env.StateFileError as error:
+                raise SettingsError(str(error)) from None
         d = cls()
         return cls(
             bmdb_url=_get(env, "BMDB_URL", d.bmdb_url),
@@ -422,6 +430,29 @@ class Settings:
             prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR",
                                              d.prometheus_multiproc_dir),
         )
+
+
+def use_state_dir(directory: Path) -> None:
+    """``--state DIR``: this process, and everything it starts, reads its settings
+    beneath ``DIR/shepherd.env`` (``shepherd.state_env``)."""
+    os.environ[state_env.STATE_DIR_VARIABLE] = str(directory.resolve())
+
+
+def state_dir() -> Path:
+    """The state directory this process reads settings beneath."""
+    return state_env.state_dir(os.environ)
+
+
+def source_of(name: str) -> str | None:
+    """Where this process's setting ``name`` comes from, for messages: ``name`` (the
+    environment), the state file's path, or None (the embedded default)."""
+    if name in os.environ:
+        return name
+    path = state_env.state_file(os.environ)
+    try:
+        return str(path) if path.exists() and name in state_env.read(path) else None
+    except state_env.StateFileError:
+        return None
 
 
 def environ() -> dict[str, str]:

@@ -16,6 +16,14 @@ from tests.servers import MissingServer, PostgresServer, RedisServer
 TEMPLATE = "shepherd_template"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """No test (nor any process it starts) reads a developer's running ``shepherd up``:
+    settings are read beneath ``$SHEPHERD_STATE_DIR/shepherd.env`` (``./var`` by
+    default), so point that at a directory that does not exist. A test of the state
+    file itself sets its own."""
+    os.environ.setdefault("SHEPHERD_STATE_DIR", "/nonexistent/shepherd-tests-state")
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PostgresServer | None]:
     """The throw-away PostgreSQL server, or None when SHEPHERD_TEST_PG_URL names one."""

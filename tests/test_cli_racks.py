@@ -10,6 +10,7 @@ the command is a plain transaction); the static inventory is a file the test wri
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import subprocess
@@ -29,7 +30,8 @@ from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers import ssh_keys
 from shepherd.providers.base import register_provided
 from shepherd.providers.static import load_inventory
-from shepherd.up.supervisor import progress_line
+from shepherd.up import progress
+from shepherd.workflows.guard import GuardLimits
 from tests.bmc_fixtures import RedfishBmc, running_redfish
 from tests.operator_fixtures import THRESHOLD_ENV, Fleet, seed_fleet
 
@@ -455,9 +457,8 @@ def test_gone_machines_and_refusals_are_shown(racks: Racks, capsys) -> None:
     assert status == 0
     (refusal,) = json.loads(out)["refusals"]
     assert refusal["provider"] == "equinix" and "SHEPHERD_ASSIMILATE" in refusal["cause"]
-    counts, refusals = racks.db.read(lambda tx: (
-        bmdb.fleet.fleet_counts(tx, racks.db.thresholds), bmdb.refusals.current(tx)))
-    line = progress_line(counts, refusals)
-    assert line.endswith("RECONCILE REFUSING: FLEET MISMATCH: 1 at the provider but not in "
-                         "the BMDB; set SHEPHERD_ASSIMILATE=true")
-    assert "REFUSING" not in progress_line(counts)
+    shown = io.StringIO()
+    progress.for_stream(shown).show(progress.read_snapshot(racks.db, GuardLimits()))
+    assert ("RECONCILE REFUSING for equinix (since " in shown.getvalue()
+            and "): FLEET MISMATCH: 1 at the provider but not in the BMDB; set "
+                "SHEPHERD_ASSIMILATE=true\n" in shown.getvalue()), shown.getvalue()

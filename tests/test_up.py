@@ -24,7 +24,7 @@ from shepherd.providers import ssh_keys
 from shepherd.runtime import build_provider, check_settings
 from shepherd.simulator import Simulator
 from shepherd.simulator.racks import Racks
-from shepherd.up import RUN_MARKER, SIM_SANDBOX, UpError, UpOptions, plan, progress_line, racks
+from shepherd.up import RUN_MARKER, SIM_SANDBOX, UpError, UpOptions, plan, racks
 
 MACHINES = 5
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
@@ -43,14 +43,6 @@ def leftovers(run_id: str, workdir: Path) -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
                 found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
     return found
-
-
-def test_progress_line_counts_backoffs() -> None:
-    counts = bmdb.fleet.FleetCounts(
-        machines=3, provided=3, agent_started=2, heartbeating=1, backlog={},
-        active_work={}, active_backoffs={"ShepherdAgentStart": 1, "ShepherdRecovery": 1})
-    assert progress_line(counts) == ("machines 3  provided 3  agent started 2  "
-                                     "heartbeating 1  in backoff 2")
 
 
 def test_a_real_provider_needs_an_endpoint_machines_can_reach(tmp_path: Path) -> None:
@@ -191,7 +183,7 @@ def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broke
         while time.monotonic() < deadline:
             assert up.poll() is None, f"shepherd up exited {up.returncode}:\n" + \
                 out.read_text(errors="replace")
-            if db is None and (workdir / "logs" / "beat.log").exists():
+            if db is None and (workdir / "logs" / "latest" / "beat.log").exists():
                 db = bmdb.connect(f"sqlite:///{workdir / 'bmdb.sqlite'}",
                                   thresholds=THRESHOLDS)
             if db is not None:
@@ -206,7 +198,7 @@ def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broke
         assert counts is not None and counts.heartbeating == MACHINES, \
             f"not all heartbeating within 150 s; last {counts}\n{text}\n" + "\n".join(
                 f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                for p in (workdir / "logs").glob("*.log"))
+                for p in (workdir / "logs" / "latest").glob("*.log"))
         web = next(line.split()[2] for line in text.splitlines()
                    if line.startswith("web view:"))
         client = requests.Session()

@@ -37,13 +37,14 @@ def start(ctx: Context) -> int:
     process = operator.parse_process(ctx.args.process, operator.BACKLOG_PROCESSES)
     machine_id = operator.parse_machine_id(ctx.args.machine)
     wait = ctx.args.wait if ctx.args.wait is not None else ctx.settings.dispatch_ttl
+    workers = ctx.workers()  # before the claim: no workers, nothing claimed
     session = ctx.runtime.session
     try:
         work = operator.claim_for_handoff(session, process, machine_id,
                                           ctx.settings.dispatch_ttl, ctx.guard_limits())
     except (bmdb.NotClaimable, operator.RecoveryPaused) as error:
         raise Failed(str(error)) from None
-    task = hand_over(session, work, ctx.workers(), wait)
+    task = hand_over(session, work, workers, wait)
     ctx.emit({"machine": machine_id, "process": process.value, "work": work.id, "task": task},
              lambda: f"{process.value} started on machine {machine_id}: work {work.id}, "
                      f"task {task}")

@@ -16,7 +16,10 @@ from typing import Any, NoReturn
 EXIT_BAD_ARGUMENT = 2
 BMDB_URL_HELP = "BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)"
 JSON_HELP = "one JSON document on stdout, for scripts"
+STATE_HELP = ("the state directory of a `shepherd up` (default: $SHEPHERD_STATE_DIR or "
+              "./var): its shepherd.env names the BMDB, broker and the rest it chose")
 BY_HELP = "who does this, for history (default: your login name)"
+MACHINE_HELP = "a BMDB machine id (a UUID: `shepherd machines` lists them)"
 
 USAGE = """\
 Operator commands (tables for people, --json for scripts):
@@ -33,15 +36,17 @@ Operator commands (tables for people, --json for scripts):
     shepherd history prune --older-than AGE [--batch-size N]   AGE: 90d, 12h, 45m (>= 1h)
     shepherd inventory check FILE [--probe] [--timeout S]   (no BMDB; exit 1: a probe failed)
 
-Each takes --json (one JSON document on stdout; not up) and --bmdb-url URL, before
-or after its name. MACHINE is a BMDB machine id (UUID); PROCESS a full name
-(ShepherdRecovery) or a short one (recovery). Exit status: 0 done; 1 could not be
-done now (machine busy, in backoff or not in the backlog, Recovery paused, no worker
-took the work, a BMC that failed or did not change in time, a host key the inventory
-pins, BMDB unreadable); 2 a bad argument (malformed id, unknown machine, process, tag
-or revision, a missing --reason, a BMDB URL that is not one), with one line on stderr
-saying which. Changes are in the machine's history with who made them (--by NAME,
-default: your login name).
+Each takes --json (one JSON document on stdout; not up), --bmdb-url URL and --state DIR,
+before or after its name. Run where `shepherd up` runs (or with --state DIR, or
+SHEPHERD_STATE_DIR=DIR for `celery -A tasks ...` too), a command uses the BMDB, broker
+and settings that `up` chose (DIR/shepherd.env); your environment wins. MACHINE is a
+BMDB machine id (UUID); PROCESS a full name (ShepherdRecovery) or a short one
+(recovery). Exit status: 0 done; 1 could not be done now (machine busy, in backoff or
+not in the backlog, Recovery paused, no worker took the work, a BMC that failed or did
+not change in time, a host key the inventory pins, BMDB unreadable); 2 a bad argument
+(malformed id, unknown machine, process, tag or revision, a missing --reason, a BMDB URL
+that is not one), with one line on stderr saying which. Changes are in the machine's
+history with who made them (--by NAME, default: your login name).
 
 start and reconcile hand the work to the Celery workers through the broker
 (SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.
@@ -105,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     top = Parser(prog="shepherd", description=USAGE,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--bmdb-url", help=BMDB_URL_HELP)
+    top.add_argument("--state", dest="state_dir", type=Path, metavar="DIR", help=STATE_HELP)
     top.add_argument("--json", action="store_true", help=JSON_HELP)
     sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
     commands = _Commands(sub)
@@ -137,6 +143,8 @@ class _Commands:
         self.sub = sub
         self.url = argparse.ArgumentParser(add_help=False)
         self.url.add_argument("--bmdb-url", default=argparse.SUPPRESS, help=BMDB_URL_HELP)
+        self.url.add_argument("--state", dest="state_dir", type=Path,
+                              default=argparse.SUPPRESS, metavar="DIR", help=STATE_HELP)
         self.json = argparse.ArgumentParser(add_help=False)
         self.json.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                                help=JSON_HELP)
@@ -173,22 +181,23 @@ def _operator_commands(commands: _Commands) -> None:
                                "that has a next one)")
 
     show = commands.add("show", "one machine: tags, work, backoffs, history", reads.show)
-    show.add_argument("machine", metavar="MACHINE")
+    show.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     show.add_argument("--history", type=positive, default=50, help="history rows (newest)")
 
     explain = commands.add("explain", "why a machine is or is not in each backlog",
                            reads.explain)
-    explain.add_argument("machine", metavar="MACHINE")
+    explain.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
 
     clear = commands.add("clear-backoff", "delete a machine's backoff for a process",
                          actions.clear_backoff)
-    clear.add_argument("machine", metavar="MACHINE")
-    clear.add_argument("process", metavar="PROCESS")
+    clear.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    clear.add_argument("process", metavar="PROCESS",
+                       help="whose backoff: agent-start, recovery (or a full name)")
 
     start = commands.add("start", "start AgentStart or Recovery on a machine now",
                          actions.start)
     start.add_argument("process", metavar="PROCESS", help="agent-start or recovery")
-    start.add_argument("machine", metavar="MACHINE")
+    start.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     start.add_argument("--wait", type=float, metavar="SECONDS",
                        help="how long a worker may take to adopt the claim "
                             "(default: SHEPHERD_DISPATCH_TTL)")
@@ -208,29 +217,33 @@ def _machine_care_commands(commands: _Commands) -> None:
     imports the BMC drivers)."""
     maintenance = commands.add("maintenance", "put a machine into maintenance (no "
                                "workflow touches it) or take it out", actions.maintenance)
-    maintenance.add_argument("state", choices=("on", "off"))
-    maintenance.add_argument("machine", metavar="MACHINE")
+    maintenance.add_argument("state", choices=("on", "off"),
+                             help="on: into maintenance; off: out of it")
+    maintenance.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     maintenance.add_argument("--reason", metavar="TEXT",
                              help="why (required for on; shown everywhere, kept in history)")
     maintenance.add_argument("--by", metavar="NAME", help=BY_HELP)
 
     quarantine = commands.add("quarantine", "let a quarantined machine back into the "
                               "backlogs", actions.quarantine)
-    quarantine.add_argument("action", choices=("clear",))
-    quarantine.add_argument("machine", metavar="MACHINE")
+    quarantine.add_argument("action", choices=("clear",),
+                            help="clear: back into the backlogs")
+    quarantine.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     quarantine.add_argument("--reason", metavar="TEXT", help="why, for history")
     quarantine.add_argument("--by", metavar="NAME", help=BY_HELP)
 
     host_key = commands.add("host-key", "forget a machine's recorded SSH host key (after "
                             "a reinstall)", actions.host_key)
-    host_key.add_argument("action", choices=("forget",))
-    host_key.add_argument("machine", metavar="MACHINE")
+    host_key.add_argument("action", choices=("forget",),
+                          help="forget: the next SSH connection records the key it sees")
+    host_key.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     host_key.add_argument("--by", metavar="NAME", help=BY_HELP)
 
     power = commands.add("power", "read or change a machine's power through its BMC "
                          "(on/off/cycle: verified, under a BMDB claim)", _power)
-    power.add_argument("command", choices=("status", "on", "off", "cycle"))
-    power.add_argument("machine", metavar="MACHINE")
+    power.add_argument("command", choices=("status", "on", "off", "cycle"),
+                       help="status: read it; on, off, cycle: change it and check it changed")
+    power.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     power.add_argument("--wait", type=float, metavar="SECONDS",
                        help="how long each change may take to be seen (default: "
                             "SHEPHERD_RUNG_TIMEOUT)")
@@ -309,20 +322,29 @@ def _inventory_check(ctx: Any) -> int:
 
 
 def _up_command(up: argparse.ArgumentParser) -> None:
-    up.add_argument("--workdir", type=Path, default=None,
-                    help="state directory: SQLite BMDB and broker, logs, keys (default "
-                         "$SHEPHERD_STATE_DIR or ./var)")
+    up.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                    help="the state directory (the same as --state DIR): SQLite BMDB and "
+                         "broker, the simulator's machines, logs, keys, and shepherd.env "
+                         "for a second terminal (default $SHEPHERD_STATE_DIR or ./var). "
+                         "A later run resumes it")
+    up.add_argument("--fresh", action="store_true",
+                    help="start over: move the state directory's contents to "
+                         "previous/<time>/ first (without it, up resumes, and refuses a "
+                         "state directory made with another provider)")
     up.add_argument("--machines", type=positive, default=20,
                     help="simulated machines (default 20; without a real provider)")
     up.add_argument("--port", type=port, default=8470, help="web view and agent callbacks "
                     "on 127.0.0.1 (default 8470; 0: a free port)")
-    up.add_argument("--flower-port", type=port, default=5555, help="default 5555; 0: free")
-    up.add_argument("--simulator-port", type=port, default=8780, help="default 8780; 0: free")
+    up.add_argument("--flower-port", type=port, default=5555,
+                    help="Flower on 127.0.0.1 (default 5555; 0: a free port)")
+    up.add_argument("--simulator-port", type=port, default=8780,
+                    help="the simulator's API on 127.0.0.1 (default 8780; 0: a free port)")
     up.add_argument("--ssh-port", type=port, default=2222,
                     help="SSH port of simulated machines (default 2222; 0: free)")
     up.add_argument("--concurrency", type=positive, default=4,
                     help="processes of the machine worker (SSH work; default 4)")
-    up.add_argument("--progress-interval", type=float, default=3.0, metavar="SECONDS")
+    up.add_argument("--progress-interval", type=_seconds, default=3.0, metavar="SECONDS",
+                    help="how often progress is read from the BMDB (default 3)")
     up.add_argument("--no-flower", action="store_true", help="do not start Flower")
     up.add_argument("--broker", choices=("sqlite", "redis-server"), default="sqlite",
                     help="embedded broker when SHEPHERD_BROKER_URL is unset: SQLite under "

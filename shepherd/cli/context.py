@@ -12,12 +12,13 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 
 import bmdb
-from shepherd import operator
+from shepherd import config, operator, state_env
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer
 from shepherd.config import Settings
 from shepherd.redaction import database_url_problem, redact_url
@@ -56,6 +57,9 @@ class Context:
     def runtime(self) -> Runtime:
         """The runtime, once the BMDB URL was checked (so a bad one is one clear line)."""
         if self._runtime is None:
+            if self.url_source == "the default" and self.args.command != "migrate" \
+                    and not default_bmdb_exists():
+                raise operator.BadArgument(outside_any_state())
             check_bmdb_url(self.settings.bmdb_url, self.url_source)
             self._runtime = Runtime(self.settings, COMPONENT)
         return self._runtime
@@ -70,15 +74,23 @@ class Context:
         return self.runtime.guard_limits(interactive=True)
 
     def workers(self) -> WorkerLayer:
+        """The worker layer; refused in one line when the broker is a stopped
+        ``shepherd up``'s (its workers are gone: the work would wait for nobody)."""
+        source = config.source_of("SHEPHERD_BROKER_URL")
+        if source is not None and source != "SHEPHERD_BROKER_URL":
+            directory = config.state_dir()
+            if state_env.running_up(directory) is None:
+                raise Failed(f"shepherd up is not running on {directory.resolve()}, so no "
+                             "worker reads the broker it chose: start it again "
+                             "(`shepherd up`), or set SHEPHERD_BROKER_URL")
         return self._workers_factory(self.settings)
 
     @property
     def url_source(self) -> str:
+        """Where the BMDB URL came from, for messages about it."""
         if getattr(self.args, "bmdb_url", None):
             return "--bmdb-url"
-        if self.settings.bmdb_url != Settings().bmdb_url:
-            return "SHEPHERD_BMDB_URL"
-        return "the default"
+        return config.source_of("SHEPHERD_BMDB_URL") or "the default"
 
     def emit(self, data: Any, text: Callable[[], str]) -> None:
         """``data`` as one JSON document with ``--json``, else ``text()`` for people."""
@@ -90,6 +102,22 @@ class Context:
     def close(self) -> None:
         if self._runtime is not None:
             self._runtime.close()
+
+
+def default_bmdb_exists() -> bool:
+    """Whether the embedded default BMDB (SQLite under ./var) is there to be used."""
+    return Path(sa.make_url(Settings().bmdb_url).database or "").exists()
+
+
+def outside_any_state() -> str:
+    """Why a command run outside any ``shepherd up`` state, without a BMDB URL, stops:
+    the embedded default is only meaningful where a BMDB was made (``shepherd up``,
+    ``shepherd migrate``), and elsewhere SQLite would make an empty database and
+    answer "no such table"."""
+    where = (config.state_dir() / state_env.FILE_NAME).resolve()
+    return (f"no BMDB to use: no SHEPHERD_BMDB_URL, no --bmdb-url, and no `shepherd up` "
+            f"state here ({where} does not exist); run where `shepherd up` runs, or pass "
+            f"--state DIR, or set SHEPHERD_BMDB_URL")
 
 
 def check_bmdb_url(text: str, source: str) -> None:

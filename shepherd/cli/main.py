@@ -27,6 +27,12 @@ def main(argv: Sequence[str] | None = None,
     nothing else, and a command loads what it uses (issue 14: start-up time)."""
     top = parser()
     args, rest = top.parse_known_args(argv)
+    if getattr(args, "state_dir", None):
+        # Before anything reads a setting: every part (Settings, a Celery client, a
+        # delegated server) then reads beneath this state directory.
+        from shepherd.config import use_state_dir
+
+        use_state_dir(args.state_dir)
     if args.command in DELEGATED:
         if args.bmdb_url and args.command == "serve":
             rest = ["--bmdb-url", args.bmdb_url, *rest]

@@ -18,4 +18,5 @@ def up(ctx: Context) -> int:
         serve_port=args.port, flower_port=args.flower_port,
         simulator_port=args.simulator_port, ssh_port=args.ssh_port,
         machine_concurrency=args.concurrency, progress_interval=args.progress_interval,
-        flower=not args.no_flower, broker=args.broker, racks=args.racks), env)
+        flower=not args.no_flower, broker=args.broker, racks=args.racks,
+        fresh=args.fresh), env)

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the world (reservations, devices, keys, host keys, "
                              "power) in WORKDIR/world.json and resume it at start; needs "
                              "--workdir")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, the devices' SSH transport included")
     return parser
 
 

@@ -24,8 +24,11 @@ workers and no task events there. ``--broker redis-server`` runs a private Redis
 under the state directory instead (what production runs; Flower then works fully).
 ``SHEPHERD_BMDB_URL`` / ``SHEPHERD_BROKER_URL`` pointing at PostgreSQL / Redis win.
 
-With the embedded simulator a run starts from a fresh demo BMDB (an earlier one is
-moved to ``previous/``): a new simulator has none of the old one's devices.
+A run resumes its state directory (``state.py``): the same BMDB, and the simulator
+keeps its machines (``--persist``); ``--fresh`` sets everything aside first. Ports
+are checked before anything starts (``ports.py``), children that die are restarted
+(``children.py``), and what a second terminal needs is written to
+``shepherd.env`` (``shepherd.state_env``).
 
 ``--racks`` runs the simulator's machines as one's own racks instead: the static
 provider over an inventory the simulator writes, each machine behind an emulated
@@ -36,11 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from shepherd.up.children import ChildFailed
 from shepherd.up.environment import RUN_MARKER, Plan, UpError, UpOptions, plan
-from shepherd.up.supervisor import SIM_SANDBOX, ChildFailed, Up, progress_line
+from shepherd.up.supervisor import SIM_SANDBOX, Up
 
 __all__ = ["RUN_MARKER", "SIM_SANDBOX", "ChildFailed", "Plan", "Up", "UpError", "UpOptions",
-           "main", "plan", "progress_line"]
+           "main", "plan"]
 
 
 def main(options: UpOptions, env: Mapping[str, str]) -> int:

@@ -8,6 +8,7 @@ the choices can be tested (and read) on their own.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import secrets
 import shlex
 import socket
@@ -62,6 +63,8 @@ class UpOptions:
     #: The simulator's machines as real racks: a generated static inventory, host keys
     #: pinned, power through an emulated Redfish BMC (``shepherd.up.racks``).
     racks: bool = False
+    #: Set the state directory aside and start over (``shepherd.up.state``).
+    fresh: bool = False
 
 
 @dataclasses.dataclass
@@ -78,6 +81,8 @@ class Plan:
     #: The embedded simulator's API and SSH ports, when it runs.
     simulator_port: int | None = None
     ssh_port: int | None = None
+    #: Flower's port, unless ``--no-flower``.
+    flower_port: int | None = None
     #: With ``--racks``: the directory the simulator racks its machines in.
     racks: Path | None = None
 
@@ -130,12 +135,14 @@ def plan(options: UpOptions, base_env: Mapping[str, str]) -> Plan:
         env.setdefault("SHEPHERD_RESULT_BACKEND", f"redis://127.0.0.1:{found.redis_port}/1")
     env.setdefault("SHEPHERD_BROKER_URL", sqlite_url("sqla+sqlite", w / "broker.sqlite"))
     env.setdefault("SHEPHERD_RESULT_BACKEND", sqlite_url("db+sqlite", w / "results.sqlite"))
-    env.setdefault("SHEPHERD_STATE_DIR", str(w))
+    env["SHEPHERD_STATE_DIR"] = str(w)
     env.setdefault("SHEPHERD_SSH_KEY_PATH", str(w / "ssh" / "shepherd_ed25519"))
     if options.racks and not found.simulated:
         raise UpError("--racks runs the simulator's machines from an inventory it writes; "
                       "unset SHEPHERD_PROVIDER and SHEPHERD_PROVIDER_URL")
     found.urls["web"] = serve_addresses(env, options, found.simulated)
+    if options.flower and importlib.util.find_spec("flower") is not None:
+        found.flower_port = port(options.flower_port)
     if options.racks:
         found.racks = w / RACKS_DIR
         found.simulator_port, found.ssh_port = racks_env(env, options, found.racks)

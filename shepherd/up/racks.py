@@ -16,14 +16,12 @@ simulator's command line and says what runs.
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from shepherd.inventory.file import load_inventory
 from shepherd.providers import ssh_keys
+from shepherd.state_env import private_file
 from shepherd.up.environment import Plan
 
 AUTHORIZED_KEYS = "authorized_keys"
@@ -31,14 +29,15 @@ TOKEN_FILE = "simulator-token"
 
 
 def prepare(plan: Plan, out: Callable[[str], None]) -> None:
-    """A fresh racks directory: machines, host keys and BMC state are new every run, so
-    nothing of an earlier one (an inventory above all) may be mistaken for this one's."""
-    assert plan.racks is not None
-    shutil.rmtree(plan.racks, ignore_errors=True)
-    plan.racks.mkdir(parents=True)
+    """The racks directory, resumed like the rest of the state (the simulator keeps
+    its machines), without the last run's inventory: ``up`` waits for the simulator
+    to write this run's, which it does once its machines and BMC answer."""
+    assert plan.racks is not None and plan.inventory is not None
+    plan.racks.mkdir(parents=True, exist_ok=True)
+    plan.inventory.unlink(missing_ok=True)
     key = ssh_keys.load_or_create(plan.env["SHEPHERD_SSH_KEY_PATH"])
-    _private_file(plan.racks / AUTHORIZED_KEYS, ssh_keys.public_key_openssh(key) + "\n")
-    _private_file(plan.racks / TOKEN_FILE, plan.env["SHEPHERD_SIMULATOR_TOKEN"] + "\n")
+    private_file(plan.racks / AUTHORIZED_KEYS, ssh_keys.public_key_openssh(key) + "\n")
+    private_file(plan.racks / TOKEN_FILE, plan.env["SHEPHERD_SIMULATOR_TOKEN"] + "\n")
     out(f"racks: the simulator lists its machines in {plan.inventory}")
 
 
@@ -48,6 +47,7 @@ def simulator_argv(plan: Plan, machines: int) -> list[str]:
     return [sys.executable, "-m", "shepherd.cli", "simulator",
             "--reservations", str(machines), "--http-port", str(plan.simulator_port),
             "--ssh-port", str(plan.ssh_port), "--workdir", str(plan.workdir / "simulator"),
+            "--persist",
             "--racks", str(plan.racks), "--authorized-keys", str(plan.racks / AUTHORIZED_KEYS)]
 
 
@@ -65,9 +65,3 @@ def announce(plan: Plan, out: Callable[[str], None]) -> None:
     out(f"try:       hang {first} (SSH refuses until its BMC power-cycles it):")
     out(f"           curl -X POST -H \"X-Auth-Token: $(cat {plan.racks / TOKEN_FILE})\" "
         f"{admin}/{first}/hang")
-
-
-def _private_file(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)

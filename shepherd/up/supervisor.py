@@ -1,16 +1,15 @@
-"""Supervising ``shepherd up``'s children: start them in order, watch them, stop them.
+"""Supervising ``shepherd up``'s children: check ports, start them in order, restart
+the ones that die, stop them all.
 
-Each child runs in its own process group (so a Ctrl-C in the terminal reaches only
-this supervisor, which then stops them in a sensible order) and carries
-``SHEPHERD_UP_RUN=<id>``: that marker is how the final sweep finds (and kills)
-anything a child left behind.
+Every child carries ``SHEPHERD_UP_RUN=<id>``: that marker is how the final sweep
+finds (and kills) anything a child left behind. How one child is started, restarted
+and stopped is ``children``; what the terminal shows is ``announce`` and
+``progress``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
 import os
 import secrets
 import shutil
@@ -20,15 +19,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TextIO
 
-import bmdb
+from shepherd import state_env
 from shepherd.config import Settings
 from shepherd.processes import kill_marked
-from shepherd.redaction import redact_url
 from shepherd.runtime import Runtime
-from shepherd.up import racks, state
+from shepherd.up import announce, environment, ports, progress, racks, state
+from shepherd.up.children import CRASH_LIMIT, CRASH_WINDOW, Child, ChildFailed
 from shepherd.up.environment import (
     RUN_MARKER,
     SIM_PROJECT,
@@ -36,60 +36,45 @@ from shepherd.up.environment import (
     UpError,
     UpOptions,
     free_port,
-    plan,
-    port,
 )
 
+#: ``run()``'s status when a port or option clashes, found before anything started.
+EXIT_CLASH = 2
 SIM_SANDBOX = "SHEPHERD_SIM_SANDBOX"
-
-
-@dataclasses.dataclass
-class Child:
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-
-class ChildFailed(Exception):
-    def __init__(self, child: Child, why: str | None = None) -> None:
-        code = child.process.poll()
-        tail = child.log.read_text(errors="replace")[-2000:] if child.log.exists() else ""
-        super().__init__(f"{child.name} {why or f'exited with status {code}'}; "
-                         f"last lines of {child.log}:\n{tail}")
+#: How often children are looked at (deaths, due restarts), whatever the progress pace.
+TEND_INTERVAL = 0.5
 
 
 class Up:
-    """Starts, watches and stops the children; ``run()`` returns the exit status."""
+    """Starts, supervises and stops the children; ``run()`` returns the exit status:
+    0 stopped by Ctrl-C or SIGTERM, 1 could not run (a child kept crashing, a bad
+    state directory), 2 a port or option clash found before anything started."""
 
     def __init__(self, options: UpOptions, env: Mapping[str, str],
-                 out: Callable[[str], None] | None = None) -> None:
+                 out: Callable[[str], None] | None = None,
+                 stream: TextIO | None = None) -> None:
         self.options = options
         self.base_env = dict(env)
-        self.out = out or (lambda line: print(line, flush=True))
+        self.stream = stream or sys.stdout
+        self.out = out or (lambda line: print(line, file=self.stream, flush=True))
         self.children: list[Child] = []
         self.stopping = threading.Event()
-        self.failed: Child | None = None
         self.plan: Plan | None = None
+        self.logs = Path()
+        #: When this run began (wall clock): progress says how long convergence took.
+        self.started = time.time()
 
     @property
     def env(self) -> dict[str, str]:
         assert self.plan is not None
         return self.plan.env
 
-    @property
-    def logs(self) -> Path:
-        return self.options.workdir.resolve() / "logs"
-
     # -- children ---------------------------------------------------------------
 
-    def spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> Child:
-        log = self.logs / f"{name}.log"
-        with open(log, "ab") as sink:
-            process = subprocess.Popen(argv, env={**self.env, **(extra or {})},
-                                       stdin=subprocess.DEVNULL, stdout=sink,
-                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
-        child = Child(name, process, log)
+    def spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None,
+              before_restart: Callable[[], None] | None = None) -> Child:
+        child = Child.start(name, argv, {**self.env, **(extra or {})},
+                            self.logs / f"{name}.log", before_restart)
         self.children.append(child)
         return child
 
@@ -124,16 +109,17 @@ class Up:
                 "--reservations", str(self.options.machines),
                 "--http-port", str(plan.simulator_port),
                 "--ssh-port", env["SHEPHERD_PROVIDER_SSH_PORT"], "--project-id", SIM_PROJECT,
-                "--workdir", str(plan.workdir / "simulator")])
+                "--workdir", str(plan.workdir / "simulator"), "--persist"])
             self.wait_port("simulator", plan.simulator_port)
         server = self.spawn("server", [sys.executable, "-m", "shepherd.cli", "serve"])
         self.wait_port(server.name, int(plan.urls["web"].rsplit(":", 1)[1]))
         self.start_workers(plan)
         self.spawn("beat", self.celery(
-            "beat", "--schedule", str(plan.workdir / "beat-schedule"),
-            "--pidfile", str(plan.workdir / "beat.pid"), "--loglevel=INFO"))
-        if self.options.flower and importlib.util.find_spec("flower") is not None:
-            self.start_flower(plan)
+            "beat", "--schedule", str(plan.workdir / state.BEAT_SCHEDULE),
+            "--pidfile", str(plan.workdir / "beat.pid"), "--loglevel=INFO"),
+            before_restart=lambda: state.drop_beat_schedule(plan.workdir))
+        if plan.flower_port is not None:
+            self.start_flower(plan, plan.flower_port)
 
     def start_racks(self, plan: Plan) -> None:
         """The simulator racks its machines; the rest starts once their inventory is
@@ -160,23 +146,22 @@ class Up:
                 {"PROMETHEUS_MULTIPROC_DIR": str(multiproc),
                  "SHEPHERD_WORKER_METRICS_PORT": str(metrics_port)})
 
-    def start_flower(self, plan: Plan) -> None:
+    def start_flower(self, plan: Plan, flower_port: int) -> None:
+        """Flower on loopback with basic auth: the caller's FLOWER_BASIC_AUTH, else a
+        login made once per state directory (printed when made, kept 0600)."""
         auth = plan.env.get("FLOWER_BASIC_AUTH")
-        generated = not auth
-        if generated:
+        auth_file = plan.workdir / "flower-auth"
+        if not auth and auth_file.exists():
+            auth = auth_file.read_text().strip()
+        elif not auth:
             auth = f"shepherd:{secrets.token_urlsafe(12)}"
-            auth_file = plan.workdir / "flower-auth"
-            auth_file.write_text(auth + "\n")
-            auth_file.chmod(0o600)
-        flower_port = port(self.options.flower_port)
+            state_env.private_file(auth_file, auth + "\n")
+            self.out(f"Flower login (printed once, also in {auth_file}): {auth}")
         # Through the environment (Flower reads FLOWER_* options), not argv: ps shows argv.
         self.spawn("flower", self.celery(
             "flower", "--address=127.0.0.1", f"--port={flower_port}",
-            f"--db={plan.workdir / 'flower.db'}"), {"FLOWER_BASIC_AUTH": str(auth)})
+            f"--db={plan.workdir / 'flower.db'}"), {"FLOWER_BASIC_AUTH": auth})
         plan.urls["flower"] = f"http://127.0.0.1:{flower_port}"
-        if generated:
-            self.out(f"Flower login (printed once, also in {plan.workdir / 'flower-auth'}): "
-                     f"{auth}")
 
     def wait_port(self, name: str, number: int, timeout: float = 30.0) -> None:
         """Block until ``name`` listens, so children that need it find it up."""
@@ -211,19 +196,28 @@ class Up:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT,
                                                                    signal.SIGTERM)}
         try:
-            self.plan = plan(self.options, self.base_env)
-            state.prepare(self.plan, self.out)
+            self.plan = environment.plan(self.options, self.base_env)
+            refuse_a_second_run(self.plan.workdir)
+            ports.check(ports.wanted(self.plan))  # before anything is written or started
+            state.prepare(self.plan, self.options.fresh, self.out)
+            self.logs = state.run_logs(self.plan.workdir, self.plan.run_id)
+            hand_over(self.plan)
             if not self.stopping.is_set():
                 self.start_all(self.plan)
             if not self.stopping.is_set():
-                self.announce(self.plan)
-                self.watch(self.plan)
-            return 1 if self.failed else 0
+                announce.everything(self.plan, self.options, self.logs, self.out)
+                return self.supervise(self.plan)
+            return 0
+        except ports.PortClash as error:
+            self.out(f"shepherd up: {error}")
+            return EXIT_CLASH
         except (ChildFailed, UpError) as error:
             self.out(f"shepherd up: {error}")
             return 1
         finally:
             self.stop_all()
+            if self.plan is not None:
+                state_env.release(self.plan.workdir)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -232,44 +226,43 @@ class Up:
             self.out(f"\nshepherd up: {signal.Signals(signum).name}: stopping everything")
         self.stopping.set()
 
-    def announce(self, plan: Plan) -> None:
-        urls = plan.urls
-        self.out(f"web view:  {urls['web']}/machines   (metrics: {urls['web']}/metrics)")
-        if "flower" in urls:
-            self.out(f"Flower:    {urls['flower']}")
-            if plan.env["SHEPHERD_BROKER_URL"].startswith("sqla+"):
-                self.out("           (the embedded SQLite broker does not broadcast: Flower "
-                         "shows no workers or tasks; --broker redis-server shows them)")
-        else:
-            self.out("Flower:    not installed (pip install flower)")
-        for name, url in urls.items():
-            if name.endswith("worker metrics"):
-                self.out(f"{name}: {url}")
-        if plan.racks is not None:
-            racks.announce(plan, self.out)
-        elif plan.simulated:
-            self.out(f"provider:  simulator with {self.options.machines} machines at "
-                     f"{redact_url(plan.env['SHEPHERD_PROVIDER_URL'])}")
-        self.out(f"logs:      {self.logs}/   (Ctrl-C stops everything)")
-        self.out(f"CLI here:  {plan.cli_environment()} shepherd fleet")
-
-    def watch(self, plan: Plan) -> None:
-        """Progress lines while every child runs; a child that dies stops the rest."""
+    def supervise(self, plan: Plan) -> int:
+        """Progress while the children run; a child that dies is restarted with a
+        backoff (``children``), and one that keeps crashing stops everything."""
         runtime = Runtime(Settings.from_env(plan.env), "shepherd-up")
-        last, last_at = "", 0.0
+        shown = progress.for_stream(self.stream, started=self.started)
+        next_progress = 0.0
         try:
-            while not self.stopping.wait(self.options.progress_interval):
-                for child in self.children:
-                    if child.process.poll() is not None:
-                        self.failed = child
-                        self.out(str(ChildFailed(child)))
-                        return
-                line = progress(runtime.db)
-                if line != last or time.monotonic() - last_at > 30:
-                    self.out(f"{time.strftime('%H:%M:%S')} {line}")
-                    last, last_at = line, time.monotonic()
+            while not self.stopping.wait(TEND_INTERVAL):
+                failure = self.tend(shown)
+                if failure is not None:
+                    shown.close()
+                    self.out(f"shepherd up: {failure}")
+                    return 1
+                if time.monotonic() >= next_progress:
+                    shown.show(progress.read_snapshot(runtime.db, runtime.guard_limits()))
+                    next_progress = time.monotonic() + self.options.progress_interval
+            return 0
         finally:
+            shown.close()
             runtime.close()
+
+    def tend(self, shown: progress.Progress) -> ChildFailed | None:
+        """Restart children whose backoff is over; note the ones that died."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restart()
+                    shown.event(f"{child.name} restarted")
+            elif child.process.poll() is not None:
+                delay = child.died(now)
+                if delay is None:
+                    return ChildFailed(child, f"{child.status()}, its {CRASH_LIMIT}th crash "
+                                              f"within {CRASH_WINDOW:g} s: giving up")
+                shown.event(f"{child.name} {child.status()}; restarting it in {delay:g} s "
+                            f"(log: {child.log})")
+        return None
 
     # -- stopping ---------------------------------------------------------------
 
@@ -293,56 +286,29 @@ class Up:
 
     def _stop_group(self, group: list[Child]) -> None:
         for child in group:
-            # The leader only: a Celery worker stops its own pool (warm shutdown);
-            # SIGTERM to the pool children directly would make it respawn them.
-            with contextlib.suppress(ProcessLookupError):
-                child.process.send_signal(signal.SIGTERM)
+            child.terminate()
         deadline = time.monotonic() + self.options.stop_timeout
         for child in group:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(max(0.1, deadline - time.monotonic()))
         for child in group:
-            _signal_group(child.process, signal.SIGKILL)  # pool children, stragglers
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(5)
+            child.kill()
 
 
-def progress(db: bmdb.BMDB) -> str:
-    """One progress line, or why the BMDB could not be read now (busy, missing)."""
-    try:
-        counts, refusals = db.read(lambda tx: (bmdb.fleet.fleet_counts(tx, db.thresholds),
-                                               bmdb.refusals.current(tx)))
-    except Exception as error:  # a busy or missing BMDB: say so, keep going
-        return f"BMDB not readable now: {type(error).__name__}"
-    return progress_line(counts, refusals)
+def refuse_a_second_run(workdir: Path) -> None:
+    """Two runs on one state directory would share its BMDB, broker and beat schedule
+    (two beats corrupt it): one runs, the other says where."""
+    other = state_env.running_up(workdir)
+    if other is not None and other != os.getpid():
+        raise UpError(f"shepherd up (pid {other}) is already running on {workdir}: stop "
+                      f"it first, or use another --state DIR")
 
 
-def progress_line(c: bmdb.fleet.FleetCounts,
-                  refusals: Sequence[bmdb.refusals.Refusal] = ()) -> str:
-    """The counts, held machines when there are any, and a standing reconcile refusal
-    with its advice: a newcomer watching ``shepherd up`` must not need a worker log to
-    learn why no machine appears."""
-    backoffs = sum(c.active_backoffs.values())
-    line = (f"machines {c.machines}  provided {c.provided}  agent started "
-            f"{c.agent_started}  heartbeating {c.heartbeating}  in backoff {backoffs}")
-    held = "  ".join(f"{kind} {n}" for kind, n in c.held.items() if n)
-    if held:
-        line += f"  held: {held}"
-    for refusal in refusals:
-        line += f"  RECONCILE REFUSING: {refusal.cause}"
-    return line
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when ``shepherd up`` dies, even by SIGKILL, so
-    a killed supervisor does not leave a control plane running without it (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signum)
+def hand_over(plan: Plan) -> None:
+    """What a second terminal needs: this run's settings and this process's pid."""
+    state_env.write(plan.workdir, plan.env,
+                    f"Written by shepherd up (pid {os.getpid()}) at {time.ctime()}.\n"
+                    f"shepherd and celery -A tasks read it when run in "
+                    f"{plan.workdir.parent} (or with SHEPHERD_STATE_DIR={plan.workdir});"
+                    f"\ntheir own environment wins.")
+    (plan.workdir / state_env.PID_FILE).write_text(f"{os.getpid()}\n")
