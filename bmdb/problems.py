@@ -59,10 +59,14 @@ class DeadSessions:
 
     sessions: int
     work: int
+    #: The deadline of the oldest of them (None: none is dead): how long no sweep ran.
+    oldest_deadline: dt.datetime | None = None
 
 
 _s, _w = schema.sessions, schema.work
-_DEAD = sa.select(sa.func.count()).where(_s.c.deadline <= sa.bindparam("now"))
+_DEAD = (sa.select(sa.func.count(), sa.func.min(_s.c.deadline))
+         .where(_s.c.deadline <= sa.bindparam("now")))
+_ALIVE = sa.select(sa.func.count()).where(_s.c.deadline > sa.bindparam("now"))
 _DEAD_WORK = (sa.select(sa.func.count()).select_from(_w.join(_s, _s.c.id == _w.c.session_id))
               .where(_s.c.deadline <= sa.bindparam("now")))
 
@@ -71,5 +75,11 @@ def dead_sessions(tx: Tx) -> DeadSessions:
     """Dead but unswept sessions and their work, on the BMDB's clock. Nonzero for long
     means no sweep runs (beat or the sweeping worker is down)."""
     now = {"now": tx.now}
-    return DeadSessions(sessions=int(tx.execute(_DEAD, now).scalar_one()),
-                        work=int(tx.execute(_DEAD_WORK, now).scalar_one()))
+    sessions, oldest = tx.execute(_DEAD, now).one()
+    return DeadSessions(sessions=int(sessions), work=int(tx.execute(_DEAD_WORK, now).scalar_one()),
+                        oldest_deadline=oldest)
+
+
+def alive_sessions(tx: Tx) -> int:
+    """Sessions whose deadline has not passed (one per live worker or server process)."""
+    return int(tx.execute(_ALIVE, {"now": tx.now}).scalar_one())

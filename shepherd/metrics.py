@@ -6,12 +6,13 @@ Two kinds of source, and why each lives where it does:
   (``bmdb.fleet.fleet_counts``, held machines per kind included), standing reconcile
   refusals (``bmdb.refusals``: the refusal happens in a worker, the alert belongs
   here) and per-machine task outcomes by process, counted from the history table
-  (``bmdb.fleet.task_outcomes``). History is written by every
-  worker on every host in the same transaction as the outcome, so these numbers are
-  fleet-wide and survive worker restarts, which in-process counters in Celery
-  children are not. Any process with a BMDB handle can serve them; the callback
-  server does at ``/metrics`` on its operators' listener (never where only agents
-  should reach it: see ``shepherd.server.asgi``).
+  (``bmdb.fleet.task_outcomes``), and BMDB sessions, live and dead but not swept yet
+  (``bmdb.problems``: counted through the index on their deadline).
+  History is written by every worker on every host in the same transaction as the
+  outcome, so these numbers are fleet-wide and survive worker restarts, which
+  in-process counters in Celery children are not. Any process with a BMDB handle can
+  serve them; the callback server does at ``/metrics`` on its operators' listener
+  (never where only agents should reach it: see ``shepherd.server.asgi``).
 * **In the process that calls the provider** (``PROVIDER_CALLS``,
   ``PROVIDER_LATENCY``): counted where the call happens (Celery worker children, or
   whoever uses ``EquinixClient``), labelled by endpoint template and outcome. A
@@ -40,6 +41,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -148,9 +150,10 @@ class BMDBCollector(Collector):
         up = GaugeMetricFamily("shepherd_bmdb_up", "1 when the BMDB answered this scrape.")
         started = time.perf_counter()
         try:
-            counts, outcomes, refusals = self.db.read(
+            counts, outcomes, refusals, sessions = self.db.read(
                 lambda tx: (bmdb.fleet.fleet_counts(tx, self.thresholds),
-                            bmdb.fleet.task_outcomes(tx), bmdb.refusals.current(tx)))
+                            bmdb.fleet.task_outcomes(tx), bmdb.refusals.current(tx),
+                            SessionFigures.read(tx)))
         except Exception as error:  # a scrape must answer even when the BMDB does not
             log.warning("metrics: BMDB read failed: %s", error)
             up.add_metric([], 0)
@@ -165,11 +168,12 @@ class BMDBCollector(Collector):
         yield from _fleet(counts)
         yield _refusing(refusals, self.providers)
         yield from _outcomes(outcomes)
+        yield from _sessions(sessions)
         if self.guard is not None:
             yield from guard_metrics(self.db, self.thresholds, self.guard)
 
 
-def _gauge(name: str, text: str, value: int) -> GaugeMetricFamily:
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, text)
     family.add_metric([], value)
     return family
@@ -233,6 +237,40 @@ def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
             ended.add_metric([process, event], count)
     yield started
     yield ended
+
+
+@dataclass(frozen=True)
+class SessionFigures:
+    """BMDB sessions as the sweep sees them (``bmdb.problems``, read through the index
+    on their deadline): the live ones, and the dead ones still in the table with the
+    work they hold (machines no claim can take until the sweep releases them)."""
+
+    alive: int
+    dead: bmdb.problems.DeadSessions
+    #: Seconds since the oldest dead session's deadline passed; 0 with none dead.
+    oldest_dead_seconds: float
+
+    @classmethod
+    def read(cls, tx: bmdb.Tx) -> SessionFigures:
+        dead = bmdb.problems.dead_sessions(tx)
+        oldest = dead.oldest_deadline or tx.now
+        return cls(alive=bmdb.problems.alive_sessions(tx), dead=dead,
+                   oldest_dead_seconds=max(0.0, (tx.now - oldest).total_seconds()))
+
+
+def _sessions(figures: SessionFigures) -> Iterator[Metric]:
+    """Why: a dead session's work blocks its machines until the sweep releases it, so a
+    dead session that stays is the sign of a sweep that does not run."""
+    yield _gauge("shepherd_sessions_alive", "BMDB sessions whose deadline has not passed "
+                 "(one per live worker or server process).", figures.alive)
+    yield _gauge("shepherd_sessions_dead", "BMDB sessions past their deadline that the "
+                 "sweep has not deleted yet.", figures.dead.sessions)
+    yield _gauge("shepherd_sessions_dead_work", "Work items held by dead sessions: their "
+                 "machines are in no backlog until the sweep releases them.",
+                 figures.dead.work)
+    yield _gauge("shepherd_sessions_oldest_dead_seconds", "Seconds since the deadline of "
+                 "the oldest dead session still in the BMDB passed (0: none); grows while "
+                 "the sweep does not run.", figures.oldest_dead_seconds)
 
 
 # -- the blast-radius guard ------------------------------------------------------

@@ -56,6 +56,30 @@ def test_docker_compose_accepts_it(tmp_path):
         assert result.returncode == 0, result.stderr
 
 
+def test_docker_compose_accepts_the_monitoring_profile(tmp_path):
+    """Alone and beside the demo; its bind mounts resolve to monitoring/ in the copy."""
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose not installed: apt-get install -y docker-compose"
+    (tmp_path / "docker").mkdir()
+    shutil.copy(DOCKER / "compose.yaml", tmp_path / "docker")
+    shutil.copy(DOCKER / "shepherd.env.example", tmp_path / "docker" / "shepherd.env")
+    shutil.copytree(ROOT / "monitoring", tmp_path / "monitoring")
+    for profiles in (["monitoring"], ["demo", "monitoring"]):
+        result = subprocess.run(
+            [binary, "-f", "compose.yaml",
+             *[arg for p in profiles for arg in ("--profile", p)], "config"],
+            cwd=tmp_path / "docker", capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        services = yaml.safe_load(result.stdout)["services"]
+        sources = [Path(volume.split(":")[0]) for name in ("prometheus", "grafana")
+                   for volume in services[name]["volumes"]]
+        assert sources and all(source.is_relative_to(tmp_path / "monitoring")
+                               and source.exists() for source in sources), sources
+        env = services["grafana"]["environment"]
+        assert env["GF_SECURITY_ADMIN_PASSWORD"] == "replace-with-a-third-secret"
+
+
 def test_secrets_stay_out_of_the_repository():
     ignored = (ROOT / ".gitignore").read_text().split()
     assert "docker/shepherd.env" in ignored
@@ -192,8 +216,10 @@ def test_only_workers_hold_the_ssh_key_and_operator_ports_stay_local():
     published = {name: service.get("ports") or [] for name, service in services.items()}
     assert published["flower"] == ["127.0.0.1:5555:5555"]
     assert published["server"] == ["8080:8080", "127.0.0.1:8081:8081"]
+    assert published["prometheus"] == ["127.0.0.1:9090:9090"]  # the monitoring profile
+    assert published["grafana"] == ["127.0.0.1:3000:3000"]
     assert all(not ports for name, ports in published.items()
-               if name not in ("flower", "server"))
+               if name not in ("flower", "server", "prometheus", "grafana"))
 
 
 def test_the_build_context_leaves_out_state_and_secrets():

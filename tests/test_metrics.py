@@ -7,6 +7,7 @@ the simulator in this process; multiprocess mode across real processes."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import subprocess
 import sys
@@ -80,6 +81,30 @@ def test_fleet_counts_and_task_outcomes_from_the_bmdb(server_and_fleet, db: bmdb
     samples = scrape(server.url)
     assert value(samples, outcome, process="ShepherdRecovery", outcome="Abandoned") == 1
     assert value(samples, "shepherd_fleet_active_work", process="ShepherdRecovery") == 0
+
+
+def test_dead_sessions_show_until_the_sweep_deletes_them(server_and_fleet,
+                                                        db: bmdb.BMDB) -> None:
+    """The seeded dead session (its Recovery work not released yet), aged 10 minutes:
+    counted, with its work and its age, until a sweep releases the work and deletes it."""
+    server, fleet = server_and_fleet
+    s = bmdb.schema.sessions
+    db.read(lambda tx: tx.execute(sa.update(s).where(s.c.id == fleet.dead_session)
+                                  .values(deadline=tx.now - dt.timedelta(minutes=10))))
+    samples = scrape(server.url)
+    assert value(samples, "shepherd_sessions_alive") == 1  # the test's own session
+    assert value(samples, "shepherd_sessions_dead") == 1
+    assert value(samples, "shepherd_sessions_dead_work") == 1
+    assert 600 <= value(samples, "shepherd_sessions_oldest_dead_seconds") < 660
+
+    assert db.sweep().sessions_deleted == 1
+    samples = scrape(server.url)
+    assert value(samples, "shepherd_sessions_alive") == 1
+    assert ("shepherd_sessions_dead", frozenset()) in samples
+    assert value(samples, "shepherd_sessions_dead") == 0
+    assert value(samples, "shepherd_sessions_dead_work") == 0
+    assert ("shepherd_sessions_oldest_dead_seconds", frozenset()) in samples
+    assert value(samples, "shepherd_sessions_oldest_dead_seconds") == 0
 
 
 def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB) -> None:
