@@ -183,7 +183,7 @@ def test_plain_repeats_an_unchanged_line_after_a_while(db, fleet, monkeypatch):
     shown = for_stream(out)
     snap = read_snapshot(db, NO_HTTP)
     shown.show(snap)
-    monkeypatch.setattr(progress, "REPEAT_AFTER", 0.0)
+    monkeypatch.setattr(progress.plain, "REPEAT_AFTER", 0.0)
     shown.show(snap)
     statuses = [line for line in plain_lines(out) if line.startswith("machines ")]
     assert len(statuses) == 2 and statuses[0] == statuses[1]
