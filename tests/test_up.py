@@ -18,13 +18,14 @@ import pytest
 import requests
 
 import bmdb
+from shepherd import state_env
 from shepherd.config import Settings
 from shepherd.processes import kill_marked, marked_processes
 from shepherd.providers import ssh_keys
 from shepherd.runtime import build_provider, check_settings
 from shepherd.simulator import Simulator
 from shepherd.simulator.racks import Racks
-from shepherd.up import RUN_MARKER, SIM_SANDBOX, UpError, UpOptions, plan, racks
+from shepherd.up import RUN_MARKER, SIM_SANDBOX, Plan, UpError, UpOptions, plan, racks
 
 MACHINES = 5
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
@@ -43,6 +44,14 @@ def leftovers(run_id: str, workdir: Path) -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
                 found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
     return found
+
+
+def second_terminal(up: Plan, directory: Path) -> Settings:
+    """The settings a second terminal reads from what this plan hands over."""
+    state_env.write(directory, up.env, "written by a test")
+    assert (directory / state_env.FILE_NAME).stat().st_mode & 0o777 == 0o600
+    return Settings.from_env(state_env.environment(
+        {"SHEPHERD_STATE_DIR": str(directory)}))
 
 
 def test_a_real_provider_needs_an_endpoint_machines_can_reach(tmp_path: Path) -> None:
@@ -70,7 +79,7 @@ def test_on_the_simulator_everything_is_on_loopback(tmp_path: Path) -> None:
     assert env["SHEPHERD_SERVE_LISTEN"] == "127.0.0.1:8470"
     assert "SHEPHERD_SERVE_OPERATOR_LISTEN" not in env
     assert env["SHEPHERD_BMAAS_ENDPOINT"] == up.urls["web"] == "http://127.0.0.1:8470"
-    assert "SHEPHERD_HEARTBEAT_TIMEOUT=30" in up.cli_environment()
+    assert second_terminal(up, tmp_path).heartbeat_timeout == 30
 
 
 def test_racks_plan_a_static_provider_over_the_simulators_inventory(tmp_path: Path) -> None:
@@ -85,8 +94,8 @@ def test_racks_plan_a_static_provider_over_the_simulators_inventory(tmp_path: Pa
     settings = Settings.from_env(env)
     check_settings(settings)
     assert settings.static_inventory == str(up.inventory)
-    cli = up.cli_environment()
-    assert "SHEPHERD_PROVIDER=static" in cli and f"SHEPHERD_STATIC_INVENTORY={up.inventory}" in cli
+    cli = second_terminal(up, tmp_path)
+    assert (cli.provider, cli.static_inventory) == ("static", str(up.inventory))
     argv = racks.simulator_argv(up, 3)
     assert argv[argv.index("--racks") + 1] == str(up.racks)
     assert argv[argv.index("--reservations") + 1] == "3"

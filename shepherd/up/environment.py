@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import secrets
-import shlex
 import socket
 import uuid
 from collections.abc import Mapping
@@ -29,11 +28,6 @@ DEMO_ENV = {
     "SHEPHERD_HEARTBEAT_TIMEOUT": "30",
     "SHEPHERD_FIRST_HEARTBEAT_TIMEOUT": "120",
 }
-#: What the CLI in another terminal needs to see the same BMDB, thresholds and guard.
-CLI_SETTINGS = ("SHEPHERD_BMDB_URL", "SHEPHERD_HEARTBEAT_TIMEOUT",
-                "SHEPHERD_FIRST_HEARTBEAT_TIMEOUT", "SHEPHERD_BMAAS_ENDPOINT")
-#: ... and with ``--racks``, the inventory (``shepherd power``/``inventory`` read BMCs there).
-RACKS_CLI_SETTINGS = ("SHEPHERD_PROVIDER", "SHEPHERD_STATIC_INVENTORY")
 #: The racks directory under the state directory (``shepherd.simulator.racks`` fills it).
 RACKS_DIR = "racks"
 RACKS_INVENTORY = "inventory.toml"
@@ -94,13 +88,6 @@ class Plan:
     def inventory(self) -> Path | None:
         """With ``--racks``: the static inventory the simulator writes."""
         return self.racks / RACKS_INVENTORY if self.racks is not None else None
-
-    def cli_environment(self) -> str:
-        """The settings this run chose itself (the caller's own are in their shell)."""
-        names = CLI_SETTINGS + (RACKS_CLI_SETTINGS if self.racks is not None else ())
-        chosen = [name for name in names
-                  if name in self.env and name not in self.base_env]
-        return " ".join(f"{name}={shlex.quote(self.env[name])}" for name in chosen)
 
 
 def free_port() -> int:
