@@ -57,8 +57,13 @@ def test_settings_come_from_the_file_only_beneath_the_process_environment(
 
 
 def test_a_pid_file_counts_only_while_its_shepherd_runs(tmp_path: Path) -> None:
-    (tmp_path / state_env.PID_FILE).write_text("1\n")  # init: alive, not shepherd
-    assert state_env.running_up(tmp_path) is None
+    other = subprocess.Popen(["sleep", "30"])  # alive, and no shepherd
+    try:
+        (tmp_path / state_env.PID_FILE).write_text(f"{other.pid}\n")
+        assert state_env.running_up(tmp_path) is None
+    finally:
+        other.kill()
+        other.wait()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
                                 "shepherd-like"])
     try:
