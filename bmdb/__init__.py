@@ -28,7 +28,9 @@ keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refu
 ``server_keys`` (fleet-wide server secrets, e.g. the answer-signing key),
 ``counters`` (machines per tag combination and history totals, kept by triggers),
 ``listing`` (a provider's listing compared with its Provided tags in SQL: the updater),
-``problems`` (the newest failures per process, dead sessions still holding work).
+``problems`` (the newest failures per process, dead sessions still holding work),
+``power_states`` (the last power state observed and action asked, per machine),
+``overview`` (a page's heartbeats, hostnames and recorded power).
 
 Every SQL statement of Shepherd lives in this package, behind named functions:
 callers outside it never import ``schema`` or SQLAlchemy.
@@ -44,6 +46,8 @@ from bmdb import (
     host_keys,
     inspection,
     listing,
+    overview,
+    power_states,
     problems,
     queries,
     refusals,
@@ -105,6 +109,8 @@ __all__ = [
     "inspection",
     "listing",
     "next_interval",
+    "overview",
+    "power_states",
     "problems",
     "queries",
     "refusals",

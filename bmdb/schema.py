@@ -268,6 +268,21 @@ host_keys = Table(
     Column("recorded_at", UTCDateTime, nullable=False),
 )
 
+power_states = Table(
+    "power_states",
+    metadata,
+    # The last power state Shepherd saw (a BMC's or a provider API's reading) and the
+    # last power action it asked for, with when (``power_states.py``): what the web
+    # view shows as a machine's power without calling a BMC while rendering a page.
+    _machine_key(),
+    Column("state", String(16)),
+    Column("observed_at", UTCDateTime),
+    Column("action", String(32)),
+    Column("acted_at", UTCDateTime),
+    # The power control that was asked (``PowerControl.description``: never a password).
+    Column("via", String(256), nullable=False),
+)
+
 # -- beyond machines ---------------------------------------------------------
 
 capacity_cooldown = Table(

@@ -14,6 +14,7 @@ here, so a shell or a test can use it too::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -234,10 +235,12 @@ def build_provider(settings: Settings) -> Provider:
             base_url=settings.provider_url or DEFAULT_BASE_URL,
             min_interval=settings.provider_min_interval,
             max_in_flight=settings.provider_max_in_flight,
-        ), observer=metrics.provider_call)
+        ), observer=functools.partial(metrics.provider_call, provider=settings.provider))
+        # Named as configured: the simulator speaks Equinix's API, but its machines are
+        # recorded (Provided.provider), shown and counted as the simulator's.
         provider = EquinixProvider(client, ProviderConfig(
             device_prefix=settings.device_prefix, ssh_key_label=settings.ssh_key_label,
-            ssh_port=settings.provider_ssh_port,
+            ssh_port=settings.provider_ssh_port, name=settings.provider,
         ))
         key = ssh_keys.load_or_create(settings.ssh_key_path)
         provider.ensure_ssh_key(ssh_keys.public_key_openssh(key),
@@ -278,16 +281,19 @@ def recoverer_settings(settings: Settings) -> RecovererSettings:
 def power_for(settings: Settings, provider: Provider, session: bmdb.Session,
               machine: ProviderMachine) -> PowerControl | None:
     """The machine's power control: its BMC from the inventory (every call under the
-    BMC's fleet-wide lock), else its provider's reboot API, else None."""
+    BMC's fleet-wide lock), else its provider's reboot API, else None. Either records
+    what it reads and asks in the BMDB (``power.recorder_for``: the web view's power
+    column), so Recovery and ``shepherd power`` both leave it."""
     from shepherd import power
 
+    recorder = power.recorder_for(session, provider, machine.provider_id)
     if machine.bmc is not None:
         driver = power.connect(machine.bmc, timeout=settings.bmc_timeout,
                                attempts=settings.bmc_attempts)
         return power.ExclusivePower(driver, session, machine.bmc.lock_name,
-                                    wait=settings.bmc_lock_wait)
+                                    wait=settings.bmc_lock_wait, recorder=recorder)
     if settings.provider in HTTP_PROVIDERS:
-        return power.ProviderPower(provider, machine.provider_id)
+        return power.ProviderPower(provider, machine.provider_id, recorder=recorder)
     return None
 
 

@@ -6,8 +6,15 @@ and dumps the DOM, which the tests read with the standard library's HTML parser.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
+import re
+import select
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -82,6 +89,11 @@ class Page(HTMLParser):
         self._ids: list[list] = []  # [tag, id, text parts, depth of that tag]
         self._in_title = False
         self.text_parts: list[str] = []
+        #: Every element's tag name seen (a ``script`` here would be an injected one).
+        self.start_tags: set[str] = set()
+        #: The attributes of every link, and the hidden inputs (name -> value).
+        self.anchors: list[dict[str, str]] = []
+        self.hidden_inputs: dict[str, str] = {}
 
     @classmethod
     def parse(cls, html: str) -> Page:
@@ -95,11 +107,18 @@ class Page(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = {k: v or "" for k, v in attrs}
+        self.start_tags.add(tag)
+        if tag == "a":
+            self.anchors.append(attributes)
+        if tag == "input" and attributes.get("type") == "hidden":
+            self.hidden_inputs[attributes.get("name", "")] = attributes.get("value", "")
         if tag == "tr":
             self._row, self._cells = (attributes, []), []
         if tag == "td" and self._row is not None:
             self._cells.append(attributes.get("class", ""))
         if tag in VOID:
+            if "id" in attributes:
+                self.attributes_by_id[attributes["id"]] = attributes
             return
         for open_ in self._ids:
             if open_[0] == tag:
@@ -391,3 +410,412 @@ def test_operator_views_can_be_turned_off(sqlite_url: str) -> None:
     with start_server(config) as server:
         assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
         assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 200
+
+
+# -- operator comfort: columns, hardware tables, provider, refresh, banner, CSP ----------
+
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'")
+#: Collects every CSP violation the page meets (an injected script: DevTools' own
+#: scripts are exempt from the page's policy, the page's are not).
+RECORD_VIOLATIONS = ("window.__violations = [];"
+                     "document.addEventListener('securitypolicyviolation', e => "
+                     "window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));")
+
+
+class Devtools:
+    """A headless Chromium driven over the DevTools protocol on a pipe
+    (``--remote-debugging-pipe``: fd 3 in, fd 4 out, NUL-separated JSON): what the
+    page really did, which ``--dump-dom`` cannot say (a stylesheet refused, a style
+    that did not apply, a CSP violation)."""
+
+    def __init__(self, chromium: str, profile: Path) -> None:
+        to_child, self._out = os.pipe()
+        self._in, from_child = os.pipe()
+        # Chromium reads fd 3 and writes fd 4: bash puts the pipe ends there (no
+        # preexec_fn, which is unsafe with the server's threads in this process).
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_child, from_child)]
+        for fd in (to_child, from_child):
+            os.close(fd)
+        self.process = subprocess.Popen(
+            ["bash", "-c", f'exec "$@" 3<&{high[0]} 4>&{high[1]} {high[0]}<&- {high[1]}>&-',
+             "bash", chromium, *BROWSER_FLAGS, f"--user-data-dir={profile}",
+             "--remote-debugging-pipe", "about:blank"],
+            pass_fds=high, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for fd in high:
+            os.close(fd)
+        self._buffer = b""
+        self._next_id = 0
+        self.events: list[dict] = []
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target,
+                                 flatten=True)["sessionId"]
+        for domain in ("Page", "Runtime", "Log"):
+            self.call(f"{domain}.enable", session=self.session)
+        self.call("Page.addScriptToEvaluateOnNewDocument", source=RECORD_VIOLATIONS,
+                  session=self.session)
+
+    def call(self, method: str, session: str | None = None, **params: object) -> dict:
+        self._next_id += 1
+        message: dict = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        os.write(self._out, json.dumps(message).encode() + b"\0")
+        answer = self._wait(lambda m: m.get("id") == self._next_id)
+        assert "error" not in answer, answer
+        return answer["result"]
+
+    def _wait(self, wanted, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\0", 1)
+                message = json.loads(raw)
+                if "method" in message:
+                    self.events.append(message)
+                if wanted(message):
+                    return message
+            left = deadline - time.monotonic()
+            assert left > 0, "Chromium did not answer in time"
+            if select.select([self._in], [], [], left)[0]:
+                chunk = os.read(self._in, 1 << 16)
+                assert chunk, "Chromium closed the DevTools pipe"
+                self._buffer += chunk
+
+    def load(self, url: str) -> None:
+        self.events.clear()
+        self.call("Page.navigate", url=url, session=self.session)
+        self._wait(lambda m: m.get("method") == "Page.loadEventFired")
+
+    def evaluate(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                           session=self.session)
+        return result["result"].get("value")
+
+    def violations(self) -> list[str]:
+        """The page's CSP violations, and any console line about the policy."""
+        seen = list(self.evaluate("window.__violations") or [])
+        return seen + [e["params"]["entry"]["text"] for e in self.events
+                       if e["method"] == "Log.entryAdded"
+                       and "Content Security Policy" in e["params"]["entry"]["text"]]
+
+    def style(self, selector: str, prop: str) -> str:
+        return self.evaluate(f"getComputedStyle(document.querySelector({json.dumps(selector)}))"
+                             f".getPropertyValue({json.dumps(prop)})")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call("Browser.close")
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+        os.close(self._in)
+        os.close(self._out)
+
+
+@pytest.fixture
+def devtools(chromium: str, tmp_path: Path) -> Iterator[Devtools]:
+    browser = Devtools(chromium, tmp_path / "devtools")
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+def test_the_devtools_harness_sees_a_violation_and_a_style(devtools: Devtools) -> None:
+    """The check below can fail: a page whose policy refuses its inline style reports
+    the violation, and the style does not apply."""
+    devtools.load("data:text/html,<meta http-equiv='Content-Security-Policy' "
+                  "content=\"style-src 'self'\"><header style='color: red'>x</header>")
+    assert any("style-src" in v for v in devtools.violations())
+    assert devtools.style("header", "color") == "rgb(0, 0, 0)"
+    devtools.load("data:text/html,<header style='color: red'>x</header>")
+    assert devtools.violations() == [] and devtools.style("header", "color") == "rgb(255, 0, 0)"
+
+
+def test_every_answer_carries_the_security_headers(web) -> None:
+    server, _, fleet = web
+    for path, status in (("/machines", 200), (f"/machines/{fleet.healthy}", 200),
+                         ("/sessions", 200), ("/machines?limit=ten", 400),
+                         ("/machines/not-a-uuid", 404), ("/no-such-page", 404),
+                         ("/machines?refresh=2", 400), ("/web-static/shepherd.css", 200)):
+        answer = requests.get(f"{server.url}{path}", timeout=10)
+        assert answer.status_code == status, path
+        assert answer.headers["Content-Security-Policy"] == CSP, path
+        assert answer.headers["X-Content-Type-Options"] == "nosniff", path
+        assert answer.headers["Referrer-Policy"] == "same-origin", path
+    css = requests.get(f"{server.url}/web-static/shepherd.css", timeout=10)
+    assert css.headers["Content-Type"].startswith("text/css")  # nosniff refuses others
+
+
+def test_pages_render_under_the_policy_with_their_styles(web, devtools: Devtools) -> None:
+    """Under the CSP, in Chromium: no violation on any page (error pages included),
+    the stylesheet is applied (the header's colours, a late heartbeat's red), and
+    no page has an inline style or script the policy would refuse."""
+    server, db, fleet = web
+    db.read(lambda tx: bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "DIMM", "alice"))
+    for path in ("/machines", "/machines?refresh=30", f"/machines/{fleet.quiet}",
+                 f"/machines/{fleet.new}", "/sessions", "/machines?limit=ten",
+                 "/machines/not-a-uuid"):
+        devtools.load(f"{server.url}{path}")
+        assert devtools.violations() == [], path
+        assert devtools.style("header", "background-color") == "rgb(29, 35, 48)", path
+        assert devtools.style("body", "font-size") == "14px", path
+        assert devtools.evaluate("document.querySelectorAll('[style], style, script')"
+                                 ".length") == 0, path
+    devtools.load(f"{server.url}/machines")
+    late = f"tr[data-machine='{fleet.quiet}'] td.heartbeat"
+    assert devtools.style(late, "color") == "rgb(179, 38, 30)"
+    assert devtools.style("#problems .banner", "background-color") == "rgb(253, 236, 234)"
+    held = f"tr[data-machine='{fleet.new}'] td.held .badge"
+    assert devtools.style(held, "color") == "rgb(161, 75, 0)"
+
+
+def _cells(page: Page, machine: object) -> dict[str, str]:
+    """The list's cells of one machine, by class (first class word)."""
+    return {c.split()[0]: c for c in page.classes_of("data-machine", str(machine)) if c}
+
+
+def test_the_list_shows_hostname_heartbeat_age_and_power(web, browse) -> None:
+    """Heartbeat age, late past the BMDB's thresholds (30 s, first 60 s); the hostname
+    from the stored report; the power last recorded, else "—" (the "test" provider's
+    status says nothing of power)."""
+    server, db, fleet = web
+
+    def seed(tx: bmdb.Tx) -> None:
+        bmdb.tags.set_hardware_report(tx, fleet.healthy, {"hostname": "rack1-u07",
+                                                          "cpu": {"cores": 8}})
+        bmdb.tags.set_hardware_report(tx, fleet.quiet, {"hostname": ["not", "a", "name"]})
+        bmdb.power_states.record_observed(tx, fleet.healthy, "On", "redfish http://bmc")
+        bmdb.power_states.record_observed(tx, fleet.silent, "Off", "redfish http://bmc")
+
+    db.read(seed)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert "rack1-u07" in rows[str(fleet.healthy)]
+    assert "On · " in rows[str(fleet.healthy)] and "s ago" in rows[str(fleet.healthy)]
+    assert "Off · " in rows[str(fleet.silent)]
+    assert "none since start 2h" in rows[str(fleet.silent)]
+    assert "10m" in rows[str(fleet.quiet)] and "not" not in rows[str(fleet.quiet)]
+    healthy, quiet = _cells(page, fleet.healthy), _cells(page, fleet.quiet)
+    silent, fresh = _cells(page, fleet.silent), _cells(page, fleet.fresh_agent)
+    assert "late" not in healthy["heartbeat"] and "late" in quiet["heartbeat"]
+    assert "late" in silent["heartbeat"] and "late" not in fresh["heartbeat"]
+    assert "observed" in healthy["power"] and "late" not in healthy["power"]
+    assert "observed" in silent["power"] and "late" in silent["power"]
+    assert _cells(page, fleet.new)["power"] == "power none"
+    assert _cells(page, fleet.new)["heartbeat"] == "heartbeat"
+
+    detail = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert detail.by_id["hostname"] == "rack1-u07"
+    assert detail.by_id["power"].startswith("On · ")
+    assert "read from redfish http://bmc" in detail.by_id["power"]
+    assert re.fullmatch(r"\d+s ago \(last heartbeat \S+; late after 30s\)",
+                        detail.by_id["heartbeat"]), detail.by_id["heartbeat"]
+    silent_page = browse(f"{server.url}/machines/{fleet.silent}")
+    assert silent_page.by_id["heartbeat"].startswith("none since start 2h")
+    assert "late" in silent_page.attributes_by_id["heartbeat"]["class"]
+
+
+def test_simulated_and_api_machines_name_their_provider_and_its_power(web, browse) -> None:
+    """The provider the BMDB records, the simulator marked as such; without a reading,
+    an API provider's device state stands in, marked "(provider)"."""
+    server, db, _ = web
+
+    def seed(tx: bmdb.Tx) -> tuple:
+        made = []
+        for provider, status in (("simulator", "Running"), ("equinix", "Stopped")):
+            machine = bmdb.tags.create_machine(tx)
+            bmdb.tags.upsert_provided(tx, machine, provider=provider,
+                                      provider_id=f"{provider}-1", provider_status=status,
+                                      address="127.0.0.1")
+            made.append(machine)
+        return tuple(made)
+
+    simulated, equinix = db.read(seed)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert rows[str(simulated)].split()[1:3] == ["simulator", "simulated"]
+    assert "On (provider)" in rows[str(simulated)]
+    assert rows[str(equinix)].split()[1] == "equinix" and "simulated" not in rows[str(equinix)]
+    assert "Off (provider)" in rows[str(equinix)]
+    assert _cells(page, equinix)["power"] == "power by-provider late"
+    assert _cells(page, simulated)["power"] == "power by-provider"
+    detail = browse(f"{server.url}/machines/{simulated}")
+    assert detail.by_id["provider"] == "simulator simulated"
+    assert detail.by_id["power"].startswith("On (provider)")
+
+
+HOSTILE = "<script>document.title='owned'</script><img src=x onerror=alert(1)>"
+
+
+def test_the_hardware_report_is_tables_and_hostile_text_stays_text(web, browse) -> None:
+    server, db, fleet = web
+    report = {
+        "hostname": HOSTILE,
+        "cpu": {"model": f"Xeon {HOSTILE}", "cores": 8, "threads": 16, "microcode": "0xb4"},
+        "memory_bytes": 17179869184,
+        "block_devices": [{"name": "nvme0n1", "size_bytes": 1024 ** 4},
+                          {"name": "sda", "size_bytes": 512, "rotational": True}],
+        "network_interfaces": [{"name": "eth0", "mac": "52:54:00:12:34:56"}],
+        "warnings": ["cpu: no physical id/core id in /proc/cpuinfo"],
+        "gpu": {"vendor": "nvidia", "count": 2},
+        "tpm": "2.0",
+        HOSTILE: "a key too",
+    }
+    db.read(lambda tx: bmdb.tags.set_hardware_report(tx, fleet.healthy, report))
+    page = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert page.title.startswith("Machine")  # the injected script never ran
+    assert page.by_id["hardware-cpu-title"] == "CPU"
+    cpu = page.by_id["hardware-cpu"]
+    assert "Model Xeon <script>" in cpu and "Cores 8" in cpu and "Threads 16" in cpu
+    assert "microcode 0xb4" in cpu  # an extra field, still shown
+    disks = [t for a, t in page.rows_with("data-row") if a["data-row"] == "block_devices"]
+    assert disks == ["nvme0n1 1024.0 GiB (1099511627776 bytes) —",
+                     "sda 0.0 GiB (512 bytes) yes"]
+    assert page.by_id["hardware-block_devices"].startswith("Name Size rotational")
+    nics = page.by_id["hardware-network_interfaces"]
+    assert nics == "Name MAC eth0 52:54:00:12:34:56"
+    summary = page.by_id["hardware-summary"]
+    assert "Memory 16.0 GiB (17179869184 bytes)" in summary and "tpm 2.0" in summary
+    assert f"{HOSTILE} a key too" in summary and f"Hostname {HOSTILE}" in summary
+    assert "vendor nvidia" in page.by_id["hardware-gpu"]
+    assert page.by_id["hardware-warnings"] == "cpu: no physical id/core id in /proc/cpuinfo"
+    assert page.by_id["hostname"] == HOSTILE
+    assert "script" not in page.start_tags and "img" not in page.start_tags
+    assert "HardwareReport" in {a["data-tag"] for a, _ in page.rows_with("data-tag")}
+    list_page = browse(f"{server.url}/machines")
+    assert "script" not in list_page.start_tags and "img" not in list_page.start_tags
+    assert HOSTILE in {a["data-machine"]: t for a, t in list_page.rows_with("data-machine")
+                       }[str(fleet.healthy)]
+
+
+def test_a_report_that_is_not_an_object_is_shown_not_failed(web, browse) -> None:
+    server, db, fleet = web
+    db.read(lambda tx: bmdb.tags.set_hardware_report(tx, fleet.quiet, {}))
+    page = browse(f"{server.url}/machines/{fleet.quiet}")
+    assert "hardware" in page.by_id and page.by_id["hostname"] == "—"
+
+
+def test_auto_refresh_is_bounded_and_kept_across_links(web, browse) -> None:
+    server, _, fleet = web
+    page = browse(f"{server.url}/machines?tag=Provided&limit=4&refresh=30")
+    assert page.attributes_by_id["auto-refresh"]["content"] == "30"
+    assert page.attributes_by_id["auto-refresh"]["http-equiv"] == "refresh"
+    assert "refresh=30" in page.attributes_by_id["next-page"]["href"]
+    links = [a.get("href", "") for a in page.anchors]
+    machine_links = [h for h in links if h.startswith("/machines/")]
+    assert machine_links and all(h.endswith("?refresh=30") for h in machine_links)
+    assert page.attributes_by_id["refresh-off"]["href"] == "/machines?tag=Provided&limit=4"
+    assert page.attributes_by_id["refresh-10"]["href"] == (
+        "/machines?tag=Provided&limit=4&refresh=10")
+    assert page.hidden_inputs == {"refresh": "30"}
+    following = browse(server.url + page.attributes_by_id["next-page"]["href"])
+    assert following.attributes_by_id["auto-refresh"]["content"] == "30"
+    assert "refresh=30" in following.attributes_by_id["first-page"]["href"]
+    detail = browse(f"{server.url}{machine_links[0]}")
+    assert detail.attributes_by_id["auto-refresh"]["content"] == "30"
+    plain = browse(f"{server.url}/machines")
+    assert "auto-refresh" not in plain.attributes_by_id and plain.hidden_inputs == {}
+    assert "class" in plain.attributes_by_id["refresh-off"]  # off is the current choice
+    for bad in ("4", "3601", "ten", "-5", "1e3", "٣٠"):
+        answer = requests.get(f"{server.url}/machines/{fleet.new}",
+                              params={"refresh": bad}, timeout=10)
+        assert answer.status_code == 400, bad
+        assert "refresh must be a whole number of seconds from 5 to 3600" in answer.text
+    for off in ("0", "off", ""):
+        assert requests.get(f"{server.url}/sessions", params={"refresh": off},
+                            timeout=10).status_code == 200
+
+
+def test_the_page_really_reloads_itself(web, devtools: Devtools) -> None:
+    """The meta refresh works under the CSP: the page loads again by itself."""
+    server, _, _ = web
+    devtools.load(f"{server.url}/sessions?refresh=5")
+    devtools.evaluate("window.__first_load = true")
+    devtools._wait(lambda m: m.get("method") == "Page.loadEventFired", timeout=20)
+    assert devtools.evaluate("window.__first_load === undefined")
+    assert devtools.evaluate("location.search") == "?refresh=5"
+
+
+def test_the_banner_names_every_problem_on_every_page(web, browse) -> None:
+    """The fixture's fleet has a dead session holding work and a guard pausing Recovery
+    (3 of 5 silent); a refusal is added: each is on every page, error pages too."""
+    server, db, fleet = web
+    db.read(lambda tx: bmdb.refusals.record(tx, "simulator", "FLEET MISMATCH: 1 at the "
+                                                             "provider but not in the BMDB"))
+    for path in ("/machines", f"/machines/{fleet.new}", "/sessions", "/machines/nope"):
+        page = browse(f"{server.url}{path}")
+        assert page.by_id["refusal-simulator"].startswith("RECONCILE REFUSING :"), path
+        dead = page.by_id["problem-dead-sessions"]
+        assert dead.startswith("DEAD SESSIONS : 1 past their deadline, not swept yet, "
+                               "holding 1 work items"), path
+        paused = page.by_id["problem-recovery-paused"]
+        assert paused.startswith("RECOVERY PAUSED : "), path
+        assert "3 of 5 started agents are silent (60% > 10%)" in paused, path
+    db.sweep()
+    db.read(lambda tx: bmdb.refusals.clear(tx, "simulator"))
+    page = browse(f"{server.url}/sessions")
+    assert "problem-dead-sessions" not in page.by_id and "refusal-simulator" not in page.by_id
+    assert "problem-recovery-paused" in page.by_id
+
+
+def test_a_quiet_fleet_has_no_banner_and_an_unhealthy_callback_server_is_named(
+        sqlite_url: str, browse) -> None:
+    db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
+    with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, limits=GuardLimits()) as server:
+        page = browse(f"{server.url}/machines")
+        assert "problems" not in page.by_id and page.title.startswith("Machines")
+    nowhere = f"http://127.0.0.1:{free_port()}/healthz"
+    limits = GuardLimits(healthz_url=nowhere, healthz_timeout=2.0)
+    with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, limits=limits) as server:
+        page = browse(f"{server.url}/sessions")
+    assert page.by_id["problem-callback"].startswith(
+        f"CALLBACK SERVER UNHEALTHY : callback server {nowhere} unreachable")
+    assert "callback server" in page.by_id["problem-recovery-paused"]
+    db.close()
+
+
+def test_holds_are_a_state_on_both_pages(web, browse) -> None:
+    server, db, fleet = web
+
+    def hold(tx: bmdb.Tx) -> None:
+        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "replacing a <DIMM>", "alice")
+        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE, "ladder exhausted", "shepherd")
+
+    db.read(hold)
+    page = browse(f"{server.url}/machines")
+    held = {a["data-machine"]: a for a, _ in page.rows_with("data-machine")}
+    assert held[str(fleet.new)]["data-held"] == "maintenance"
+    assert held[str(fleet.new)]["class"] == "held-row"
+    assert held[str(fleet.silent)]["data-held"] == "quarantine"
+    assert "data-held" not in held[str(fleet.healthy)]
+    state = browse(f"{server.url}/machines/{fleet.new}").by_id["state"]
+    assert state == "MAINTENANCE replacing a <DIMM> (by alice)"
+    assert browse(f"{server.url}/machines/{fleet.silent}").by_id["state"] == (
+        "QUARANTINED ladder exhausted (by shepherd)")
+    assert browse(f"{server.url}/machines/{fleet.healthy}").by_id["state"].startswith(
+        "not held")
+
+
+def test_the_stylesheet_ships_in_the_wheel() -> None:
+    """The image installs the wheel, which holds only the data files that
+    ``[options.package_data]`` names: a stylesheet left out would leave every page
+    unstyled there (the CSP allows no inline style to fall back on)."""
+    import configparser
+    import fnmatch
+
+    root = Path(__file__).resolve().parent.parent
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    shipped = dict(config["options.package_data"]) if config.has_section(
+        "options.package_data") else {}
+    static = root / "shepherd" / "server" / "static"
+    files = sorted(p.name for p in static.iterdir() if p.is_file())
+    assert files, "no stylesheet"
+    patterns = shipped.get("shepherd.server.static", "").replace(",", " ").split()
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert missing == [], ("add `shepherd.server.static = *.css` to setup.cfg's "
+                           "[options.package_data]")

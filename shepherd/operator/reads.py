@@ -7,15 +7,38 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import bmdb
 from bmdb import inspection
 from bmdb.inspection import MachineFilter, MachineList, SessionInfo
+from bmdb.power_states import PowerObservation
+from bmdb.problems import DeadSessions
 from bmdb.refusals import Refusal
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.operator import stored
 from shepherd.operator.arguments import UnknownMachine
 from shepherd.operator.views import MachineDetail
+
+
+@dataclass(frozen=True)
+class Glance:
+    """A machine's heartbeat, hostname and recorded power (``bmdb.overview.Glance``),
+    the hostname made printable."""
+
+    agent_started_at: dt.datetime | None
+    last_heartbeat_at: dt.datetime | None
+    hostname: str | None
+    power: PowerObservation | None
+
+
+@dataclass(frozen=True)
+class Problems:
+    """What every page's banner says is wrong fleet-wide (cheap reads only)."""
+
+    refusals: list[Refusal]
+    dead_sessions: DeadSessions
 
 
 def require_machine(tx: bmdb.Tx, machine_id: uuid.UUID) -> dt.datetime:
@@ -65,6 +88,22 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
         host_key=host_key,
         host_key_fingerprint=key_line_fingerprint(host_key) if host_key else None,
     )
+
+
+def glances(tx: bmdb.Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]:
+    """Heartbeat, hostname and recorded power of each machine of a page: one statement
+    over those machines only (no BMC, no provider is asked)."""
+    return {machine_id: Glance(g.agent_started_at, g.last_heartbeat_at,
+                               None if g.hostname is None else stored.printable(g.hostname),
+                               g.power)
+            for machine_id, g in bmdb.overview.glances(tx, machine_ids).items()}
+
+
+def problems(tx: bmdb.Tx) -> Problems:
+    """Reconcile refusals and dead sessions the sweep has not released: a few rows
+    each, through indexes, whatever the fleet size."""
+    return Problems(refusals=bmdb.refusals.current(tx),
+                    dead_sessions=bmdb.problems.dead_sessions(tx))
 
 
 def refusals(tx: bmdb.Tx) -> list[Refusal]:

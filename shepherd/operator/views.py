@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,10 @@ from typing import Any
 import bmdb
 from bmdb.holds import MAINTENANCE, Hold
 from bmdb.inspection import BackoffInfo, WorkInfo
+from bmdb.power_states import PowerObservation
 from bmdb.refusals import Refusal
+from shepherd import tables
+from shepherd.operator.stored import printable
 from shepherd.workflows.guard import PAUSED_PREFIX
 
 #: The command that lifts each kind of hold (``MACHINE`` is replaced by the id).
@@ -161,3 +165,156 @@ class Explanation:
     processes: list[ProcessExplanation]
     #: Maintenance and quarantine: why the machine is in no backlog at all.
     holds: list[Hold] = field(default_factory=list)
+
+
+# -- at a glance: heartbeat, power, provider, hardware (the web view's columns) ---------
+
+#: Providers whose device state (``Provided.provider_status``) says something of power:
+#: those speaking Equinix's API. A static inventory's status is what the file says.
+STATUS_POWER = {"Running": "On", "Stopped": "Off", "Provisioning": "Transitioning"}
+API_PROVIDERS = frozenset({"equinix", "simulator"})
+SIMULATOR = "simulator"
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A value for a narrow cell: its ``text``, whether it is a warning (``late``),
+    ``source`` (a CSS class: where it came from) and ``title`` (the longer story)."""
+
+    text: str
+    late: bool = False
+    source: str = ""
+    title: str = ""
+
+
+def ago(value: dt.datetime, now: dt.datetime) -> str:
+    """``12s ago``: how long before ``now`` (a time that is not later than now: clocks
+    of one BMDB, read within a second, never say "in 0s")."""
+    return f"{tables.duration(max(0.0, (now - value).total_seconds()))} ago"
+
+
+def heartbeat_shown(started: dt.datetime | None, last: dt.datetime | None,
+                    now: dt.datetime, thresholds: bmdb.Thresholds) -> Shown:
+    """The agent's heartbeat age, late past the thresholds Recovery uses (the BMDB's:
+    ``db.thresholds``), so a late cell here is a machine in the Recovery backlog."""
+    if last is not None:
+        age = (now - last).total_seconds()
+        return Shown(ago(last, now), age > thresholds.heartbeat, "heartbeat",
+                     f"last heartbeat {iso(last)}; late after {thresholds.heartbeat:g}s")
+    if started is not None:
+        late = (now - started).total_seconds() > thresholds.first_heartbeat
+        return Shown(f"none since start {ago(started, now)}", late, "heartbeat",
+                     f"agent started {iso(started)}; the first heartbeat is due within "
+                     f"{thresholds.first_heartbeat:g}s")
+    return Shown("—", source="none", title="no agent started")
+
+
+def power_shown(observed: PowerObservation | None, provider: str | None,
+                provider_status: str | None, now: dt.datetime) -> Shown:
+    """A machine's power as Shepherd last knew it, without asking anyone now.
+
+    What reads best, in order: what a power control (a BMC, or the provider's API
+    through ``ProviderPower``) last reported to Recovery or ``shepherd power``, with
+    its age, since that is a reading of the power itself; else, for a provider
+    speaking Equinix's API, its device state as the updater last listed it, marked
+    "(provider)" because a device the provider calls active is On but may be hung;
+    else "—". A static inventory's status says nothing of power, so it is never
+    turned into one. The age is shown because a reading is history, not the present.
+    """
+    if observed is not None and observed.state is not None and observed.observed_at:
+        asked = (f"; last asked {observed.action} {ago(observed.acted_at, now)}"
+                 if observed.action and observed.acted_at else "")
+        return Shown(f"{observed.state} · {ago(observed.observed_at, now)}",
+                     observed.state != "On", "observed",
+                     f"read from {observed.via} at {iso(observed.observed_at)}{asked}")
+    if provider in API_PROVIDERS and provider_status in STATUS_POWER:
+        text = f"{STATUS_POWER[provider_status]} (provider)"
+        return Shown(text, provider_status != "Running", "by-provider",
+                     f"the provider's device state ({provider_status}), not a BMC reading")
+    if observed is not None and observed.action and observed.acted_at:
+        return Shown(f"asked {observed.action} {ago(observed.acted_at, now)}",
+                     True, "asked", f"via {observed.via}; no state read since")
+    return Shown("—", source="none", title="no power state observed")
+
+
+def provider_shown(provider: str | None) -> Shown:
+    """The provider the BMDB records; the simulator says it is one (it speaks Equinix's
+    API, but no machine of it is real)."""
+    if provider is None:
+        return Shown("—", source="none")
+    if provider == SIMULATOR:
+        return Shown(provider, source="simulated",
+                     title="simulated machines (the simulator speaks Equinix's API)")
+    return Shown(provider)
+
+
+# -- a hardware report as tables --------------------------------------------------------
+
+#: Known fields of ``shepherd.agent.agent.hardware_report`` and their headings.
+HARDWARE_LABELS: dict[str, str] = {"cpu": "CPU", "memory_bytes": "Memory", "block_devices": "Disks",
+                   "network_interfaces": "NICs", "warnings": "Warnings",
+                   "hostname": "Hostname", "model": "Model", "cores": "Cores",
+                   "threads": "Threads", "name": "Name", "size_bytes": "Size",
+                   "mac": "MAC"}
+
+
+@dataclass(frozen=True)
+class HardwareSection:
+    """One part of a report: ``fields`` (label, text) rows, or a ``table`` (``columns``
+    and ``rows`` of texts), or ``items`` (a list of texts)."""
+
+    key: str
+    title: str
+    fields: list[tuple[str, str]] = field(default_factory=list)
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    items: list[str] = field(default_factory=list)
+
+
+def hardware_sections(report: Any) -> list[HardwareSection]:
+    """A decoded report (``stored.document``: bounded, plain JSON values) as sections:
+    scalars in a summary, objects as field rows, lists of objects as tables, other
+    lists as items. Every field is shown, known or not: an agent newer than this
+    server may send more. A report that is not an object is one summary row."""
+    if not isinstance(report, dict):
+        return [HardwareSection("summary", "Report", fields=[("report", cell(report))])]
+    summary = HardwareSection("summary", "Summary")
+    sections = [summary]
+    for key, value in report.items():
+        title = _label(key)
+        if isinstance(value, dict):
+            sections.append(HardwareSection(key, title, fields=_fields(value)))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            columns = list(dict.fromkeys(k for row in value for k in row))
+            sections.append(HardwareSection(
+                key, title, columns=[_label(c) for c in columns],
+                rows=[[cell(row.get(c), c) if c in row else "—" for c in columns]
+                      for row in value]))
+        elif isinstance(value, list):
+            sections.append(HardwareSection(key, title, items=[cell(v) for v in value]))
+        else:
+            summary.fields.append((title, cell(value, key)))
+    return sections if summary.fields else sections[1:]
+
+
+def _label(key: Any) -> str:
+    """A known field's heading, else the key itself, printable (keys are the agent's)."""
+    return HARDWARE_LABELS.get(str(key)) or printable(key)
+
+
+def _fields(value: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(_label(k), cell(v, k)) for k, v in value.items()]
+
+
+def cell(value: Any, key: str = "") -> str:
+    """One value as text: byte counts also in GiB, nested values as JSON (bounded
+    already), strings through ``printable`` (control characters shown, not sent)."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) and key.endswith("_bytes"):
+        return f"{value / 2**30:.1f} GiB ({value} bytes)"
+    if isinstance(value, dict | list):  # JSON escapes control characters (\u001b)
+        return json.dumps(value)
+    return printable(value)

@@ -3,7 +3,9 @@
 ``connect(spec)`` gives the driver for an inventory's ``bmc`` table; wrap it in
 ``ExclusivePower`` wherever workers may call concurrently (Recovery, the CLI), so
 a BMC sees one call at a time across the fleet. ``ProviderPower`` puts an API
-reboot behind the same interface. See ``base`` for the interface and its errors.
+reboot behind the same interface. Either takes a ``PowerRecorder`` (``recorder_for``) that
+writes what it reads and asks to the BMDB (``bmdb.power_states``) for the web view. See
+``base`` for the interface and its errors.
 """
 
 from shepherd.power.base import (
@@ -19,6 +21,7 @@ from shepherd.power.base import (
 from shepherd.power.exclusive import ExclusivePower, singleton_name
 from shepherd.power.ipmi import IpmiPower
 from shepherd.power.provider import ProviderPower
+from shepherd.power.recorded import PowerRecorder, recorder_for
 from shepherd.power.redfish import RedfishPower
 from shepherd.power.spec import DRIVERS, BmcSpec
 
@@ -46,9 +49,11 @@ __all__ = [
     "PowerAction",
     "PowerControl",
     "PowerError",
+    "PowerRecorder",
     "PowerState",
     "ProviderPower",
     "RedfishPower",
     "connect",
+    "recorder_for",
     "singleton_name",
 ]

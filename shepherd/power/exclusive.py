@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import bmdb
 from shepherd.power.base import BmcBusy, PowerAction, PowerControl, PowerState
+from shepherd.power.recorded import PowerRecorder
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,14 @@ def _local_lock(name: str) -> threading.Lock:
 
 
 class ExclusivePower:
-    """``inner`` with every call under the BMC's fleet-wide singleton."""
+    """``inner`` with every call under the BMC's fleet-wide singleton; with a
+    ``recorder``, each reading and acknowledged action is recorded once the BMC is
+    released (``shepherd.power.recorded``)."""
 
     def __init__(self, inner: PowerControl, session: bmdb.Session, lock_name: str,
-                 wait: float = 30.0) -> None:
+                 wait: float = 30.0, recorder: PowerRecorder | None = None) -> None:
         self.inner = inner
+        self.recorder = recorder
         self.session = session
         self.lock_name = lock_name
         self.singleton = singleton_name(lock_name)
@@ -73,11 +77,16 @@ class ExclusivePower:
 
     def power_state(self) -> PowerState:
         with self.held():
-            return self.inner.power_state()
+            state = self.inner.power_state()
+        if self.recorder is not None:
+            self.recorder.observed(state, self.description)
+        return state
 
     def act(self, action: PowerAction) -> None:
         with self.held():
             self.inner.act(action)
+        if self.recorder is not None:
+            self.recorder.acted(action, self.description)
 
     def supports(self, action: PowerAction) -> bool:
         with self.held():  # a Redfish BMC is asked (its AllowableValues)

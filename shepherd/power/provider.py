@@ -21,6 +21,7 @@ from shepherd.power.base import (
     PowerError,
     PowerState,
 )
+from shepherd.power.recorded import PowerRecorder
 from shepherd.providers.base import (
     NotSupported,
     PermanentError,
@@ -41,11 +42,14 @@ class ProviderPower:
     """Machine ``provider_id``'s power through ``provider``'s API.
 
     ``reads_state``: False for a provider whose machines report no state (the
-    ladder then verifies by the SSH banner alone).
+    ladder then verifies by the SSH banner alone). ``recorder``: where each reading
+    and acknowledged reboot is recorded (``shepherd.power.recorded``), if anywhere.
     """
 
-    def __init__(self, provider: Provider, provider_id: str, *, reads_state: bool = True) -> None:
+    def __init__(self, provider: Provider, provider_id: str, *, reads_state: bool = True,
+                 recorder: PowerRecorder | None = None) -> None:
         self.provider = provider
+        self.recorder = recorder
         self.provider_id = provider_id
         self.reads_state = reads_state
         self.description = f"provider {provider.name} device {provider_id}"
@@ -60,7 +64,10 @@ class ProviderPower:
             status = self.provider.get_machine(self.provider_id).status
         except ProviderError as error:
             raise self._mapped("read the device state", error) from None
-        return POWER_STATES.get(status, PowerState.UNKNOWN)
+        state = POWER_STATES.get(status, PowerState.UNKNOWN)
+        if self.recorder is not None:
+            self.recorder.observed(state, self.description)
+        return state
 
     def supports(self, action: PowerAction) -> bool:
         return action in RESTARTS
@@ -75,6 +82,8 @@ class ProviderPower:
             raise ActionUnsupported(f"{self.description}: {error}") from None
         except ProviderError as error:
             raise self._mapped(f"{action} (API reboot)", error) from None
+        if self.recorder is not None:
+            self.recorder.acted(action, self.description)
 
     def _mapped(self, what: str, error: ProviderError) -> PowerError:
         detail = f"{self.description}: {what}: {error}"

@@ -12,6 +12,19 @@ reads as the CLI, so the page and ``shepherd show`` never disagree:
                              (expired ones marked), why it is or is not in each backlog,
                              history newest first
   GET /sessions              BMDB sessions, alive or dead, and the work each holds
+  GET /web-static/<file>     the stylesheet (no inline style: the CSP allows 'self' only)
+
+Every page: a banner of what is wrong fleet-wide (reconcile refusals, Recovery paused by
+the guard, the callback server unhealthy, dead sessions the sweep has not released),
+and ``?refresh=N`` (5 to 3600 seconds) to reload itself with ``<meta http-equiv=
+"refresh">``, kept across the filter, paging and machine links; no JavaScript. Every
+answer carries a Content-Security-Policy that allows only the stylesheet
+(``CSP``), so escaped-but-hostile report content can never run or load anything.
+
+The list shows, per machine, its hostname (from the stored hardware report), its
+agent's heartbeat age (late past the BMDB's thresholds) and its power as last
+observed by Recovery or ``shepherd power`` (``bmdb.power_states``): nothing on a
+page calls a BMC or the provider, so a page costs the same at any fleet size.
 
 Read-only: nothing here changes the BMDB (the CLI does that), so the pages need no
 CSRF protection. They do show the fleet's inventory: put ``shepherd serve`` behind
@@ -21,10 +34,24 @@ the same network boundary as the BMDB, or run it with ``--no-operator-views``.
 from __future__ import annotations
 
 import datetime as dt
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from flask import Blueprint, Flask, current_app, redirect, render_template, request, url_for
+from flask import (
+    Blueprint,
+    Flask,
+    current_app,
+    g,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
 from werkzeug.wrappers import Response
 
 import bmdb
@@ -32,8 +59,21 @@ from shepherd import operator, tables
 from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
 
-bp = Blueprint("web", __name__, template_folder="templates")
+bp = Blueprint("web", __name__, template_folder="templates", static_folder="static",
+               static_url_path="/web-static")
 HISTORY_ROWS = 200
+#: Every answer's policy: the stylesheet from here, nothing else (no script, no inline
+#: style, no frame, no form elsewhere, no <base>).
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+                    "Referrer-Policy": "same-origin"}
+#: Auto-refresh bounds (seconds) and the choices the pages offer.
+REFRESH_MIN, REFRESH_MAX = 5, 3600
+REFRESH_CHOICES = (10, 30, 60)
+#: How long one check of the callback server serves every page: a page load must not
+#: cost an HTTP round trip (up to the interactive timeout) each time.
+CALLBACK_CHECK_TTL = 5.0
 
 
 def register(app: Flask, limits: GuardLimits) -> None:
@@ -44,7 +84,117 @@ def register(app: Flask, limits: GuardLimits) -> None:
     Recovery is paused exactly when a worker would pause it.
     """
     app.extensions["shepherd_guard_limits"] = limits
+    app.extensions["shepherd_callback_check"] = CallbackChecks(limits)
     app.register_blueprint(bp)
+
+
+class CallbackChecks:
+    """``guard.check_callback`` at most once per ``CALLBACK_CHECK_TTL`` seconds, shared
+    by the banner and the machine page (so both say the same)."""
+
+    def __init__(self, limits: GuardLimits, ttl: float = CALLBACK_CHECK_TTL) -> None:
+        self.limits = limits
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._last: guard.CallbackCheck | None = None
+
+    def get(self) -> guard.CallbackCheck | None:
+        with self._lock:
+            if time.monotonic() - self._at >= self.ttl:
+                self._last = guard.check_callback(self.limits)
+                self._at = time.monotonic()
+            return self._last
+
+
+def _callback() -> guard.CallbackCheck | None:
+    checks: CallbackChecks = current_app.extensions["shepherd_callback_check"]
+    return checks.get()
+
+
+@bp.after_app_request
+def _security_headers(response: Response) -> Response:
+    """On every answer of the view's app, error pages and the stylesheet included."""
+    response.headers.update(SECURITY_HEADERS)
+    return response
+
+
+def parse_refresh(raw: str | None) -> int | None:
+    """Seconds between reloads from ``?refresh=``: None for absent, empty, 0 or off;
+    ``BadArgument`` for anything else outside ``REFRESH_MIN``..``REFRESH_MAX``."""
+    if raw is None or raw in ("", "0", "off"):
+        return None
+    if not (raw.isascii() and raw.isdigit()) or not REFRESH_MIN <= int(raw) <= REFRESH_MAX:
+        raise operator.BadArgument(
+            f"refresh must be a whole number of seconds from {REFRESH_MIN} to "
+            f"{REFRESH_MAX}, or off, not {raw[:40]!r}")
+    return int(raw)
+
+
+@bp.before_app_request
+def _refresh() -> tuple[str, int] | None:
+    try:
+        g.refresh = parse_refresh(request.args.get("refresh"))
+    except operator.BadArgument as error:
+        g.refresh = None
+        return _error(400, str(error))
+    return None
+
+
+def _refresh_url(seconds: int | None) -> str:
+    """This page with auto-refresh set to ``seconds`` (None: off), other arguments kept."""
+    query = {k: v for k, v in request.args.to_dict(flat=False).items() if k != "refresh"}
+    if seconds:
+        query["refresh"] = [str(seconds)]
+    return request.path + ("?" + urlencode(query, doseq=True) if query else "")
+
+
+def _keep_refresh(url: str) -> str:
+    """``url`` with this page's auto-refresh, so following a link keeps it."""
+    if not g.get("refresh"):
+        return url
+    return f"{url}{'&' if '?' in url else '?'}refresh={g.refresh}"
+
+
+@dataclass(frozen=True)
+class Banner:
+    """What is wrong fleet-wide, for the top of every page."""
+
+    problems: operator.Problems
+    decision: guard.GuardDecision
+    callback: guard.CallbackCheck | None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.problems.refusals or self.decision.paused or self.unhealthy
+                    or self.problems.dead_sessions.sessions)
+
+    @property
+    def unhealthy(self) -> str | None:
+        return None if self.callback is None else self.callback.unhealthy
+
+    @property
+    def paused(self) -> str | None:
+        """Why Recovery is paused, without the prefix the banner's heading says."""
+        reasons = self.decision.paused
+        return reasons and reasons.replace(guard.PAUSED_PREFIX, "")
+
+
+def _banner() -> Banner:
+    """Cheap reads only: the refusals and dead sessions (a few rows through indexes),
+    the guard's figures (counters and the Recovery backlog's indexes) and the cached
+    callback check."""
+    db, limits, callback = _db(), current_app.extensions["shepherd_guard_limits"], _callback()
+    problems, decision = db.read(lambda tx: (operator.problems(tx), guard.decide(
+        tx, db.thresholds, limits, callback)))
+    return Banner(problems, decision, callback)
+
+
+@bp.app_context_processor
+def _every_page() -> dict[str, Any]:
+    return {"refresh": g.get("refresh"), "refresh_choices": REFRESH_CHOICES,
+            "refresh_url": _refresh_url, "keep_refresh": _keep_refresh,
+            "banner": _banner}
 
 
 def _db() -> bmdb.BMDB:
@@ -85,6 +235,32 @@ def _error(status: int, message: str) -> tuple[str, int]:
     return render_template("error.html", status=status, message=message), status
 
 
+@dataclass(frozen=True)
+class MachineRow:
+    """One line of the list: the BMDB's summary, and what is shown beside it."""
+
+    m: bmdb.inspection.MachineSummary
+    hostname: str | None
+    heartbeat: operator.Shown
+    power: operator.Shown
+    provider: operator.Shown
+
+
+def _rows(found: operator.MachineList, looks: dict[uuid.UUID, operator.Glance]
+          ) -> list[MachineRow]:
+    thresholds, rows = _db().thresholds, []
+    for m in found.machines:
+        look = looks.get(m.id)
+        started, last = (look.agent_started_at, look.last_heartbeat_at) if look else (None, None)
+        rows.append(MachineRow(
+            m, look.hostname if look else None,
+            operator.heartbeat_shown(started, last, found.now, thresholds),
+            operator.power_shown(look.power if look else None, m.provider,
+                                 m.provider_status, found.now),
+            operator.provider_shown(m.provider)))
+    return rows
+
+
 @bp.get("/")
 def index() -> Response:
     return redirect(url_for("web.machines"))
@@ -100,8 +276,12 @@ def machines() -> tuple[str, int] | str:
             limit=operator.parse_limit(args.get("limit")), after=args.get("after"))
     except operator.BadArgument as error:
         return _error(400, str(error))
-    found, refusals = _db().read(lambda tx: (operator.list_machines(tx, f),
-                                             operator.refusals(tx)))
+
+    def read(tx: bmdb.Tx) -> tuple[operator.MachineList, dict[uuid.UUID, operator.Glance]]:
+        found = operator.list_machines(tx, f)
+        return found, operator.glances(tx, [m.id for m in found.machines])
+
+    found, looks = _db().read(read)
     next_page = None
     if found.next_cursor:
         # Encoded here, not as url_for's keywords: a query key such as ``_external``
@@ -109,9 +289,8 @@ def machines() -> tuple[str, int] | str:
         query = {**request.args.to_dict(flat=False), "after": [found.next_cursor]}
         next_page = url_for("web.machines") + "?" + urlencode(query, doseq=True)
     return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
-                           next_page=next_page,
+                           next_page=next_page, rows=_rows(found, looks),
                            short_tags=operator.SHORT_TAGS, held=found.held_counts,
-                           refusals=refusals,
                            processes=[p.value for p in bmdb.Process])
 
 
@@ -123,17 +302,31 @@ def machine(machine: str) -> tuple[str, int] | str:
         return _error(404, str(error))
     db = _db()
     limits = current_app.extensions["shepherd_guard_limits"]
-    callback = guard.check_callback(limits)  # HTTP, so before the read transaction
+    callback = _callback()  # HTTP (or its cached answer), so before the read transaction
 
-    def read(tx: bmdb.Tx) -> tuple[operator.MachineDetail, operator.Explanation]:
+    def read(tx: bmdb.Tx) -> tuple[operator.MachineDetail, operator.Explanation,
+                                   operator.Glance | None]:
         return (operator.show_machine(tx, machine_id, HISTORY_ROWS),
-                operator.explain(tx, machine_id, db.thresholds, limits, callback))
+                operator.explain(tx, machine_id, db.thresholds, limits, callback),
+                operator.glances(tx, [machine_id]).get(machine_id))
 
     try:
-        detail, why = db.read(read)
+        detail, why, look = db.read(read)
     except operator.UnknownMachine as error:
         return _error(404, str(error))
-    return render_template("machine.html", d=detail, why=why, history_rows=HISTORY_ROWS)
+    provided = detail.tags.get("Provided") or {}
+    report = (detail.tags.get("HardwareReport") or {}).get("report")
+    return render_template(
+        "machine.html", d=detail, why=why, history_rows=HISTORY_ROWS,
+        hostname=look.hostname if look else None,
+        heartbeat=operator.heartbeat_shown(look.agent_started_at if look else None,
+                                           look.last_heartbeat_at if look else None,
+                                           detail.now, db.thresholds),
+        power=operator.power_shown(look.power if look else None, provided.get("provider"),
+                                   provided.get("provider_status"), detail.now),
+        observed=look.power if look else None,
+        provider=operator.provider_shown(provided.get("provider")),
+        hardware=None if report is None else operator.hardware_sections(report))
 
 
 @bp.get("/sessions")
