@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -133,6 +134,7 @@ def assert_report_describes_this_machine(report: dict[str, Any]) -> None:
     else:
         assert report["cpu"]["cores"] == cores
     assert isinstance(report["cpu"]["model"], str) and report["cpu"]["model"]
+    assert report["hostname"] == socket.gethostname()
     meminfo = Path("/proc/meminfo").read_text().split("\n")[0].split()
     assert report["memory_bytes"] == int(meminfo[1]) * 1024
     macs = {p.name: (p / "address").read_text().strip()
@@ -530,9 +532,11 @@ def test_hardware_report_reads_proc_and_sys(agent_module: ModuleType, tmp_path: 
         "sys/block/nvme0n1/queue/rotational": "0\n",  # no size file
         "sys/class/net/eth0/address": "02:00:00:00:00:01\n",
         "sys/class/net/lo/address": "00:00:00:00:00:00\n",
+        "proc/sys/kernel/hostname": "rack1-u07\n",
     })
     report = agent_module.hardware_report(str(tmp_path))
     assert report == {
+        "hostname": "rack1-u07",
         "cpu": {"model": "Test CPU 9000", "cores": 2, "threads": 4},
         "memory_bytes": 2048 * 1024,
         "block_devices": [{"name": "sda", "size_bytes": 512_000}],
@@ -549,8 +553,9 @@ def test_hardware_report_warns_for_everything_it_cannot_read(
     assert report["cpu"] == {"model": "unknown", "cores": 0, "threads": 0}
     assert report["memory_bytes"] == 0
     assert report["block_devices"] == report["network_interfaces"] == []
+    assert report["hostname"] == ""
     assert [w.split(":")[0] for w in report["warnings"]] == [
-        "cpu", "memory", "block devices", "network interfaces"]
+        "hostname", "cpu", "memory", "block devices", "network interfaces"]
 
 
 @pytest.mark.parametrize(("cpuinfo", "cores", "threads"), [

@@ -375,9 +375,11 @@ def setup_logging(state_dir: str) -> None:
 
 
 def hardware_report(root: str = "/") -> dict[str, Any]:
-    """CPU, memory, disks and NICs from /proc and /sys, with a warning for each gap."""
+    """Hostname, CPU, memory, disks and NICs from /proc and /sys, with a warning for
+    each gap."""
     warnings: list[str] = []
     return {
+        "hostname": read_hostname(root, warnings),
         "cpu": read_cpu(root, warnings),
         "memory_bytes": read_memory(root, warnings),
         "block_devices": read_block_devices(root, warnings),
@@ -391,6 +393,18 @@ def read_text(root: str, path: str) -> str:
         return handle.read()
 
 
+def read_hostname(root: str, warnings: list[str]) -> str:
+    """The kernel's hostname, what operators know a machine by (the web view's Hostname
+    column); read from /proc like the rest, so a test's root can hold its own."""
+    try:
+        return read_text(root, "/proc/sys/kernel/hostname").strip()[:HOSTNAME_MAX]
+    except OSError as error:
+        warnings.append(f"hostname: cannot read /proc/sys/kernel/hostname: {error}")
+        return ""
+
+
+#: Linux's own limit is 64; DNS names stop at 253.
+HOSTNAME_MAX = 253
 MODEL_FIELDS = ("model name", "Model", "cpu model")
 
 

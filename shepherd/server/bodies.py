@@ -307,6 +307,7 @@ class HardwareReport(_Known):
     """What ``shepherd.agent.agent.hardware_report`` sends (level 2 of the body)."""
 
     __pydantic_extra__: dict[Name, FREE_AT_3] = Field(init=False)
+    hostname: Name | None = None
     cpu: Cpu | None = None
     memory_bytes: Count | None = None
     block_devices: Annotated[list[BlockDevice], Field(max_length=MAX_ITEMS)] | None = None
