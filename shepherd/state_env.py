@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import os
 import shlex
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from shepherd.files import write_private
 
 FILE_NAME = "shepherd.env"
 PID_FILE = "up.pid"
@@ -80,10 +81,7 @@ def write(directory: Path, env: Mapping[str, str], header: str) -> Path:
     lines += [f"{name}={shlex.quote(value)}" for name, value in sorted(env.items())
               if name.startswith("SHEPHERD_") and name not in PRIVATE]
     target = directory / FILE_NAME
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{FILE_NAME}.")
-    with os.fdopen(fd, "w") as sink:  # mkstemp's file is 0600 already
-        sink.write("\n".join(lines) + "\n")
-    os.replace(temporary, target)
+    write_private(target, "\n".join(lines) + "\n")
     return target
 
 
@@ -99,13 +97,6 @@ def running_up(directory: Path) -> int | None:
         return None
     # A pid file left by a killed run may name a pid reused since.
     return pid if b"shepherd" in command else None
-
-
-def private_file(path: Path, text: str) -> None:
-    """``text`` in ``path``, readable by this user only from its first byte."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as sink:
-        sink.write(text)
 
 
 def release(directory: Path) -> None:

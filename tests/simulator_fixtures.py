@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import paramiko
 import pytest
 
 from shepherd.providers import CallObserver, no_observer, ssh_keys
@@ -66,3 +67,24 @@ def provider(client: EquinixClient, simulator: Simulator, ssh_key: Path) -> Equi
                                                   ssh_port=simulator.ssh_port))
     prov.ensure_ssh_key(ssh_keys.public_key_openssh(ssh_keys.load_or_create(ssh_key)))
     return prov
+
+
+def presented_host_key(address: str, port: int) -> str:
+    """The host key an SSH server presents, read as a client does (no login)."""
+    sock = socket.create_connection((address, port), timeout=5)
+    transport = paramiko.Transport(sock)
+    try:
+        transport.start_client(timeout=5)
+        key = transport.get_remote_server_key()
+        return f"{key.get_name()} {key.get_base64()}"
+    finally:
+        transport.close()
+
+
+def refused(address: str, port: int) -> bool:
+    """Whether ``address:port`` refuses a connection now."""
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False

@@ -24,7 +24,7 @@ from shepherd.processes import marked_processes
 from shepherd.providers import ssh_keys
 from shepherd.simulator import Simulator
 from shepherd.simulator.ssh import MARKER
-from tests.simulator_fixtures import TOKEN, free_port, simulator
+from tests.simulator_fixtures import TOKEN, free_port, presented_host_key, refused, simulator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -300,24 +300,11 @@ def test_cli_refuses_to_start_without_a_token() -> None:
 
 
 def _server_key(sim: Simulator, device_id: str) -> str:
-    """The host key the device's SSH presents, read as a client does (no login)."""
-    sock = socket.create_connection((sim.devices[device_id].address, sim.ssh_port), timeout=5)
-    transport = paramiko.Transport(sock)
-    try:
-        transport.start_client(timeout=5)
-        key = transport.get_remote_server_key()
-        return f"{key.get_name()} {key.get_base64()}"
-    finally:
-        transport.close()
+    return presented_host_key(sim.devices[device_id].address, sim.ssh_port)
 
 
 def _refused(sim: Simulator, device_id: str) -> bool:
-    try:
-        socket.create_connection((sim.devices[device_id].address, sim.ssh_port),
-                                 timeout=1).close()
-    except ConnectionRefusedError:
-        return True
-    return False
+    return refused(sim.devices[device_id].address, sim.ssh_port)
 
 
 DETACH = "setsid bash -c 'sleep 300' </dev/null >/dev/null 2>&1 & echo started"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import paramiko
 import pytest
 import requests
 
@@ -30,7 +28,7 @@ from shepherd.remote import Remote
 from shepherd.simulator import Simulator
 from shepherd.simulator.persist import WORLD_FILE, WorldError
 from shepherd.simulator.ssh import MARKER
-from tests.simulator_fixtures import TOKEN, fast_client, free_port
+from tests.simulator_fixtures import TOKEN, fast_client, free_port, presented_host_key, refused
 
 pytestmark = pytest.mark.timeout(90)
 PROJECT = "00000000-0000-4000-8000-0000000000aa"
@@ -44,25 +42,6 @@ def _simulator(workdir: Path, ssh_port: int, **overrides: Any) -> Simulator:
         "per_device_host_keys": True, "persist": True, **overrides}
     return Simulator(**settings)
 
-
-def _server_key(address: str, port: int) -> str:
-    """The host key a device's SSH presents, read as a client does (no login)."""
-    sock = socket.create_connection((address, port), timeout=5)
-    transport = paramiko.Transport(sock)
-    try:
-        transport.start_client(timeout=5)
-        key = transport.get_remote_server_key()
-        return f"{key.get_name()} {key.get_base64()}"
-    finally:
-        transport.close()
-
-
-def _refused(address: str, port: int) -> bool:
-    try:
-        socket.create_connection((address, port), timeout=1).close()
-    except ConnectionRefusedError:
-        return True
-    return False
 
 
 def _world(client: EquinixClient) -> dict[str, Any]:
@@ -106,7 +85,7 @@ def test_devices_keys_power_and_host_keys_survive_a_restart(tmp_path: Path,
             sim.wait_for_ssh(device, timeout=5)
         rotated = sim.rotate_host_key(three)
         assert sim.set_power(two, False)
-        pins = {d: _server_key(sim.devices[d].address, port) for d in (one, three)}
+        pins = {d: presented_host_key(sim.devices[d].address, port) for d in (one, three)}
         assert pins[three] == rotated
         pins[two] = sim.host_key_line(two)
         with Remote(sim.devices[one].address, port, login_key, host_key=pins[one],
@@ -125,10 +104,10 @@ def test_devices_keys_power_and_host_keys_survive_a_restart(tmp_path: Path,
     with again:
         client = fast_client(again)
         assert _world(client) == before  # ids, hostnames, IPs, tags, states, keys
-        assert {d: _server_key(again.devices[d].address, port) for d in (one, three)} == {
+        assert {d: presented_host_key(again.devices[d].address, port) for d in (one, three)} == {
             d: pins[d] for d in (one, three)}
         assert again.host_key_line(two) == pins[two]
-        assert _refused(again.devices[two].address, port)  # off stays off
+        assert refused(again.devices[two].address, port)  # off stays off
         assert again.state.get_device(two).power_changes == 1
         # Root logs in with the key registered before; the uploaded file is still
         # there, the process it started is not.
@@ -138,7 +117,7 @@ def test_devices_keys_power_and_host_keys_survive_a_restart(tmp_path: Path,
         assert marked_processes(MARKER, one) == []
         assert again.set_power(two, True)
         again.wait_for_ssh(two, timeout=5)
-        assert _server_key(again.devices[two].address, port) == pins[two]
+        assert presented_host_key(again.devices[two].address, port) == pins[two]
         # A device made now is new: its own address and hostname.
         reservation = next(r for r in again.state.project_reservations()
                            if r.device_id is None)
@@ -160,14 +139,14 @@ def test_the_shared_host_key_and_the_ssh_port_survive(tmp_path: Path) -> None:
     with _simulator(workdir, 0, per_device_host_keys=False) as sim:
         first = sim.create_device(_body(sim, 0))
         sim.wait_for_ssh(first.id, timeout=5)
-        shared, port = _server_key(first.address, sim.ssh_port), sim.ssh_port
+        shared, port = presented_host_key(first.address, sim.ssh_port), sim.ssh_port
     with _simulator(workdir, 0, per_device_host_keys=False) as again:
         assert again.ssh_port == port
         again.wait_for_ssh(first.id, timeout=5)
-        assert _server_key(first.address, port) == shared
+        assert presented_host_key(first.address, port) == shared
         second = again.create_device(_body(again, 1))
         again.wait_for_ssh(second.id, timeout=5)
-        assert _server_key(second.address, port) == shared
+        assert presented_host_key(second.address, port) == shared
 
 
 def _body(sim: Simulator, index: int) -> dict[str, Any]:
@@ -204,7 +183,7 @@ def test_a_corrupt_world_is_refused_and_left_as_it_was(tmp_path: Path,
     assert sorted(p.name for p in workdir.iterdir()) == [WORLD_FILE]
 
 
-def test_a_world_with_a_broken_device_is_refused(tmp_path: Path) -> None:
+def test_a_world_with_a_broken_device_isrefused(tmp_path: Path) -> None:
     """Valid JSON of the wrong shape (a device without its host key, a field of the
     wrong type) is corrupt too, not a traceback half-way through the start."""
     workdir = tmp_path / "sim"
@@ -300,8 +279,8 @@ def test_cli_persist_survives_a_crash_and_a_sigterm(tmp_path: Path, login_key: P
     assert [r["device_id"] for r in after["reservations"]] == [
         r["device_id"] for r in before["reservations"]]
     assert marked_processes(MARKER, on["id"]) == []  # the leftover was killed
-    assert _server_key(on["address"], info["ssh_port"]) == on["host_key"]
-    assert _refused(made[1]["ip_addresses"][1]["address"], info["ssh_port"])
+    assert presented_host_key(on["address"], info["ssh_port"]) == on["host_key"]
+    assert refused(made[1]["ip_addresses"][1]["address"], info["ssh_port"])
     second.send_signal(signal.SIGTERM)
     _, log = second.communicate(timeout=20)
     assert second.returncode == 0
@@ -371,9 +350,9 @@ def test_racks_come_back_with_their_pins_bmc_and_power(tmp_path: Path,
         assert inventory(racks) == before
         assert racks.password_path.read_text() == password
         assert not again.devices["rack1-u02"].powered
-        assert _refused(again.devices["rack1-u02"].address, port)
+        assert refused(again.devices["rack1-u02"].address, port)
         assert racks.bmc.power_state("rack1-u02") == "Off"
         assert racks.bmc.power_state("rack1-u01") == "On"
-        assert _server_key(again.devices["rack1-u01"].address, port) == before[
+        assert presented_host_key(again.devices["rack1-u01"].address, port) == before[
             "rack1-u01"][2]
         assert len(again.state.ssh_keys) == 1

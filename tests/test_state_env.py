@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,22 +57,29 @@ def test_settings_come_from_the_file_only_beneath_the_process_environment(
     assert Settings.from_env().heartbeat_timeout == 7
 
 
+def started(argv: list[str]) -> subprocess.Popen[bytes]:
+    """``argv`` running, once it has replaced the forked copy of this process (whose
+    command line /proc would show until then)."""
+    process = subprocess.Popen(argv)
+    wanted = "\0".join(argv).encode() + b"\0"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{process.pid}/cmdline").read_bytes() != wanted:
+        assert time.monotonic() < deadline, "the child did not start"
+        time.sleep(0.01)
+    return process
+
+
 def test_a_pid_file_counts_only_while_its_shepherd_runs(tmp_path: Path) -> None:
-    other = subprocess.Popen(["sleep", "30"])  # alive, and no shepherd
-    try:
-        (tmp_path / state_env.PID_FILE).write_text(f"{other.pid}\n")
-        assert state_env.running_up(tmp_path) is None
-    finally:
-        other.kill()
-        other.wait()
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
-                                "shepherd-like"])
-    try:
-        (tmp_path / state_env.PID_FILE).write_text(f"{sleeper.pid}\n")
-        assert state_env.running_up(tmp_path) == sleeper.pid
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert state_env.running_up(tmp_path) is None
+    for argv, counts in ((["sleep", "30"], False),
+                         ([sys.executable, "-c", "import time; time.sleep(30)",
+                           "shepherd-like"], True)):
+        process = started(argv)
+        try:
+            (tmp_path / state_env.PID_FILE).write_text(f"{process.pid}\n")
+            assert state_env.running_up(tmp_path) == (process.pid if counts else None)
+        finally:
+            process.kill()
+            process.wait()
+        assert state_env.running_up(tmp_path) is None  # gone
     state_env.release(tmp_path)  # not ours: left alone
     assert (tmp_path / state_env.PID_FILE).exists()

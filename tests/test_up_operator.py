@@ -114,8 +114,9 @@ def test_a_run_survives_a_killed_worker_serves_a_second_terminal_and_resumes(
     assert converged(second) == fleet
     for machine in fleet.values():
         events = [(row["process"], row["event"]) for row in second.history(machine)]
-        assert ("ShepherdRecovery", "Started") not in events  # no reboot, nothing else
         assert events.count(("Agent", "Forgotten")) == 1
+        since = events[:events.index(("Agent", "Forgotten"))]  # newest first
+        assert since == [("ShepherdAgentStart", "Finished"), ("ShepherdAgentStart", "Started")]
     assert second.interrupt() == 0, second.text()
     assert second.leftovers() == []
 

@@ -20,16 +20,15 @@ an operator's fleet is not silently replaced by a fresh one.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shepherd.files import write_private
 from shepherd.simulator.state import Device, Reservation, SSHKey
 
 WORLD_FILE = "world.json"
@@ -79,27 +78,9 @@ def to_json(world: World) -> dict[str, Any]:
 
 
 def write_world(path: Path, world: World) -> None:
-    """Replace ``path`` atomically: a 0600 temporary file beside it, fsync, rename,
-    fsync the directory (so the rename itself survives a power cut)."""
-    data = json.dumps(to_json(world), indent=1, sort_keys=True).encode()
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o600)  # a leftover temporary file keeps its old mode
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """Replace ``path`` atomically and durably (``shepherd.files.write_private``: the
+    world holds host private keys, and must survive a power cut)."""
+    write_private(path, json.dumps(to_json(world), indent=1, sort_keys=True), durable=True)
 
 
 # -- reading ----------------------------------------------------------------------

@@ -19,9 +19,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from shepherd.files import write_private
 from shepherd.inventory.file import load_inventory
 from shepherd.providers import ssh_keys
-from shepherd.state_env import private_file
 from shepherd.up.environment import Plan
 
 AUTHORIZED_KEYS = "authorized_keys"
@@ -36,8 +36,8 @@ def prepare(plan: Plan, out: Callable[[str], None]) -> None:
     plan.racks.mkdir(parents=True, exist_ok=True)
     plan.inventory.unlink(missing_ok=True)
     key = ssh_keys.load_or_create(plan.env["SHEPHERD_SSH_KEY_PATH"])
-    private_file(plan.racks / AUTHORIZED_KEYS, ssh_keys.public_key_openssh(key) + "\n")
-    private_file(plan.racks / TOKEN_FILE, plan.env["SHEPHERD_SIMULATOR_TOKEN"] + "\n")
+    write_private(plan.racks / AUTHORIZED_KEYS, ssh_keys.public_key_openssh(key) + "\n")
+    write_private(plan.racks / TOKEN_FILE, plan.env["SHEPHERD_SIMULATOR_TOKEN"] + "\n")
     out(f"racks: the simulator lists its machines in {plan.inventory}")
 
 

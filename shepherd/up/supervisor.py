@@ -25,6 +25,7 @@ from typing import TextIO
 
 from shepherd import state_env
 from shepherd.config import Settings
+from shepherd.files import write_private
 from shepherd.processes import kill_marked
 from shepherd.runtime import Runtime
 from shepherd.up import announce, environment, ports, progress, racks, state
@@ -155,7 +156,7 @@ class Up:
             auth = auth_file.read_text().strip()
         elif not auth:
             auth = f"shepherd:{secrets.token_urlsafe(12)}"
-            state_env.private_file(auth_file, auth + "\n")
+            write_private(auth_file, auth + "\n")
             self.out(f"Flower login (printed once, also in {auth_file}): {auth}")
         # Through the environment (Flower reads FLOWER_* options), not argv: ps shows argv.
         self.spawn("flower", self.celery(
