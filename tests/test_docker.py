@@ -42,12 +42,19 @@ def test_compose_file_matches_the_compose_specification():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_docker_compose_accepts_it(tmp_path):
+def compose_copy(tmp_path: Path) -> str:
+    """docker-compose, and a copy of docker/ in ``tmp_path`` with the example env file
+    as shepherd.env (what an operator's first step makes)."""
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose not installed: apt-get install -y docker-compose"
     (tmp_path / "docker").mkdir()
     shutil.copy(DOCKER / "compose.yaml", tmp_path / "docker")
     shutil.copy(DOCKER / "shepherd.env.example", tmp_path / "docker" / "shepherd.env")
+    return binary
+
+
+def test_docker_compose_accepts_it(tmp_path):
+    binary = compose_copy(tmp_path)
     for profile in ("demo", "fleet"):
         result = subprocess.run(
             [binary, "-f", "compose.yaml", "--profile", profile, "config", "-q"],
@@ -58,11 +65,7 @@ def test_docker_compose_accepts_it(tmp_path):
 
 def test_docker_compose_accepts_the_monitoring_profile(tmp_path):
     """Alone and beside the demo; its bind mounts resolve to monitoring/ in the copy."""
-    binary = shutil.which("docker-compose")
-    assert binary, "docker-compose not installed: apt-get install -y docker-compose"
-    (tmp_path / "docker").mkdir()
-    shutil.copy(DOCKER / "compose.yaml", tmp_path / "docker")
-    shutil.copy(DOCKER / "shepherd.env.example", tmp_path / "docker" / "shepherd.env")
+    binary = compose_copy(tmp_path)
     shutil.copytree(ROOT / "monitoring", tmp_path / "monitoring")
     for profiles in (["monitoring"], ["demo", "monitoring"]):
         result = subprocess.run(
