@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import bmdb
 from shepherd.config import Settings, SettingsError
 from shepherd.providers import Provider
-from shepherd.providers.base import ProviderMachine, refuse_placeholder
+from shepherd.providers.base import API_PROVIDERS, ProviderMachine, refuse_placeholder
 from shepherd.redaction import database_url_problem, redact_url
 from shepherd.workflows.guard import GuardLimits
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-HTTP_PROVIDERS = ("simulator", "equinix")
 
 
 class Runtime:
@@ -180,7 +179,7 @@ def check_settings(settings: Settings) -> None:
     instead of failing (and backing off) every machine it is handed.
     """
     check_bmdb_url(settings.bmdb_url)
-    if settings.provider in HTTP_PROVIDERS:
+    if settings.provider in API_PROVIDERS:
         refuse_placeholder("SHEPHERD_DEVICE_PREFIX", settings.device_prefix)
         refuse_placeholder("SHEPHERD_SSH_KEY_LABEL", settings.ssh_key_label)
     elif settings.provider == "static":
@@ -221,7 +220,7 @@ def build_provider(settings: Settings) -> Provider:
     from shepherd.providers import ssh_keys
 
     check_settings(settings)
-    if settings.provider in HTTP_PROVIDERS:
+    if settings.provider in API_PROVIDERS:
         from shepherd.providers.equinix import (
             DEFAULT_BASE_URL,
             ClientConfig,
@@ -292,7 +291,7 @@ def power_for(settings: Settings, provider: Provider, session: bmdb.Session,
                                attempts=settings.bmc_attempts)
         return power.ExclusivePower(driver, session, machine.bmc.lock_name,
                                     wait=settings.bmc_lock_wait, recorder=recorder)
-    if settings.provider in HTTP_PROVIDERS:
+    if settings.provider in API_PROVIDERS:
         return power.ProviderPower(provider, machine.provider_id, recorder=recorder)
     return None
 

@@ -20,30 +20,16 @@ import requests
 import bmdb
 from shepherd import state_env
 from shepherd.config import Settings
-from shepherd.processes import kill_marked, marked_processes
+from shepherd.processes import kill_marked
 from shepherd.providers import ssh_keys
 from shepherd.runtime import build_provider, check_settings
 from shepherd.simulator import Simulator
 from shepherd.simulator.racks import Racks
 from shepherd.up import RUN_MARKER, SIM_SANDBOX, Plan, UpError, UpOptions, plan, racks
+from tests.up_fixtures import FAST, THRESHOLDS, leftovers, user_env
 
 MACHINES = 5
-THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
 
-
-def leftovers(run_id: str, workdir: Path) -> list[str]:
-    """Processes of this run still alive: marked children, and simulated devices' own
-    processes (they run in sessions of their own, marked by their sandbox)."""
-    pids = set(marked_processes(RUN_MARKER, run_id))
-    pids |= set(marked_processes(SIM_SANDBOX, str(workdir / "simulator"), prefix=True))
-    found = []
-    for pid in sorted(pids):
-        with contextlib.suppress(OSError):
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z":
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
-    return found
 
 
 def second_terminal(up: Plan, directory: Path) -> Settings:
@@ -166,17 +152,7 @@ def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broke
         pytest.skip("no redis-server binary")
     run_id = uuid.uuid4().hex
     workdir = tmp_path / "var"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SHEPHERD_", "PROMETHEUS_", "FLOWER_"))}
-    env.update({
-        RUN_MARKER: run_id,
-        "SHEPHERD_RECONCILE_INTERVAL": "1", "SHEPHERD_UPDATE_INTERVAL": "2",
-        "SHEPHERD_SOURCE_INTERVAL": "1", "SHEPHERD_SWEEP_INTERVAL": "1",
-        # SQLite: a session's keep-alive waits behind other writers (see shepherd.up).
-        "SHEPHERD_SESSION_INTERVAL": "10",
-        "SHEPHERD_HEARTBEAT_TIMEOUT": "10", "SHEPHERD_FIRST_HEARTBEAT_TIMEOUT": "60",
-        "SHEPHERD_AGENT_ARGS": "--interval 1", "PYTHONUNBUFFERED": "1",
-    })
+    env = {**user_env(**FAST), RUN_MARKER: run_id}
     out = tmp_path / "up.out"
     argv = [sys.executable, "-m", "shepherd.cli", "up", "--workdir", str(workdir),
             "--machines", str(MACHINES), "--port", "0", "--flower-port", "0",

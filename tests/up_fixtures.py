@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -115,18 +115,8 @@ class UpRun:
         self.process.send_signal(signal.SIGINT)
         return self.process.wait(timeout=timeout)
 
-    def leftovers(self) -> list[int]:
-        """Processes of this run still alive (zombies aside)."""
-        pids = set(marked_processes(RUN_MARKER, self.run_id))
-        pids |= set(marked_processes(SIM_SANDBOX, str(self.workdir / "simulator"),
-                                     prefix=True))
-        alive = []
-        for pid in sorted(pids):
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if stat != "Z":
-                    alive.append(pid)
-        return alive
+    def leftovers(self) -> list[str]:
+        return leftovers(self.run_id, self.workdir)
 
     def kill(self) -> None:
         """Whatever is left, for the test's teardown."""
@@ -136,6 +126,22 @@ class UpRun:
             self.process.wait(timeout=10)
         kill_marked(RUN_MARKER, self.run_id)
         kill_marked(SIM_SANDBOX, str(self.workdir / "simulator"), prefix=True)
+
+
+def leftovers(run_id: str, workdir: Path) -> list[str]:
+    """Processes of a run still alive (zombies aside), each as "pid: command line":
+    marked children, and simulated devices' own processes (they run in sessions of
+    their own, marked by their sandbox)."""
+    pids = set(marked_processes(RUN_MARKER, run_id))
+    pids |= set(marked_processes(SIM_SANDBOX, str(workdir / "simulator"), prefix=True))
+    found = []
+    for pid in sorted(pids):
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append(f"{pid}: {cmd.decode(errors='replace')[:200]}")
+    return found
 
 
 class UpRuns:
@@ -187,7 +193,3 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
-
-
-def args(*pairs: Sequence[str]) -> list[str]:
-    return [part for pair in pairs for part in pair]

@@ -21,6 +21,7 @@ from bmdb.power_states import PowerObservation
 from bmdb.refusals import Refusal
 from shepherd import tables
 from shepherd.operator.stored import printable
+from shepherd.providers.base import API_PROVIDERS
 from shepherd.workflows.guard import PAUSED_PREFIX
 
 #: The command that lifts each kind of hold (``MACHINE`` is replaced by the id).
@@ -169,10 +170,10 @@ class Explanation:
 
 # -- at a glance: heartbeat, power, provider, hardware (the web view's columns) ---------
 
-#: Providers whose device state (``Provided.provider_status``) says something of power:
-#: those speaking Equinix's API. A static inventory's status is what the file says.
+#: What the device state (``Provided.provider_status``) of a provider speaking Equinix's
+#: API (``API_PROVIDERS``) says of power. A static inventory's status is what the file
+#: says, nothing of power.
 STATUS_POWER = {"Running": "On", "Stopped": "Off", "Provisioning": "Transitioning"}
-API_PROVIDERS = frozenset({"equinix", "simulator"})
 SIMULATOR = "simulator"
 
 
@@ -251,11 +252,12 @@ def provider_shown(provider: str | None) -> Shown:
 # -- a hardware report as tables --------------------------------------------------------
 
 #: Known fields of ``shepherd.agent.agent.hardware_report`` and their headings.
-HARDWARE_LABELS: dict[str, str] = {"cpu": "CPU", "memory_bytes": "Memory", "block_devices": "Disks",
-                   "network_interfaces": "NICs", "warnings": "Warnings",
-                   "hostname": "Hostname", "model": "Model", "cores": "Cores",
-                   "threads": "Threads", "name": "Name", "size_bytes": "Size",
-                   "mac": "MAC"}
+HARDWARE_LABELS: dict[str, str] = {
+    "hostname": "Hostname", "cpu": "CPU", "memory_bytes": "Memory", "block_devices": "Disks",
+    "network_interfaces": "NICs", "warnings": "Warnings", "model": "Model",
+    "cores": "Cores", "threads": "Threads", "name": "Name", "size_bytes": "Size",
+    "mac": "MAC",
+}
 
 
 @dataclass(frozen=True)

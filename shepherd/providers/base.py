@@ -56,6 +56,12 @@ class NotSupported(ProviderError):
     """The provider cannot do this at all (e.g. reboot a statically listed machine)."""
 
 
+#: Providers that speak Equinix Metal's API (the simulator is a faithful copy of it):
+#: the runtime builds them on ``EquinixClient``, and their device state says
+#: something of a machine's power.
+API_PROVIDERS = ("simulator", "equinix")
+
+
 @dataclass(frozen=True, slots=True)
 class ProviderMachine:
     """A machine as the provider sees it: where to reach it and how it is doing.

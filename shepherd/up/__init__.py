@@ -39,9 +39,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from shepherd.simulator.ssh import SANDBOX_MARKER as SIM_SANDBOX
 from shepherd.up.children import ChildFailed
 from shepherd.up.environment import RUN_MARKER, Plan, UpError, UpOptions, plan
-from shepherd.up.supervisor import SIM_SANDBOX, Up
+from shepherd.up.supervisor import Up
 
 __all__ = ["RUN_MARKER", "SIM_SANDBOX", "ChildFailed", "Plan", "Up", "UpError", "UpOptions",
            "main", "plan"]

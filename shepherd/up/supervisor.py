@@ -28,6 +28,7 @@ from shepherd.config import Settings
 from shepherd.files import write_private
 from shepherd.processes import kill_marked
 from shepherd.runtime import Runtime
+from shepherd.simulator.ssh import SANDBOX_MARKER as SIM_SANDBOX
 from shepherd.up import announce, environment, ports, progress, racks, state
 from shepherd.up.children import CRASH_LIMIT, CRASH_WINDOW, Child, ChildFailed
 from shepherd.up.environment import (
@@ -41,7 +42,6 @@ from shepherd.up.environment import (
 
 #: ``run()``'s status when a port or option clashes, found before anything started.
 EXIT_CLASH = 2
-SIM_SANDBOX = "SHEPHERD_SIM_SANDBOX"
 #: How often children are looked at (deaths, due restarts), whatever the progress pace.
 TEND_INTERVAL = 0.5
 
