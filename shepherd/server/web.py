@@ -236,29 +236,40 @@ def _error(status: int, message: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class MachineRow:
-    """One line of the list: the BMDB's summary, and what is shown beside it."""
+class AtAGlance:
+    """What the list's row and the machine page show beside the BMDB's own record:
+    hostname, heartbeat age, power and provider, from one ``operator.Glance``."""
 
-    m: bmdb.inspection.MachineSummary
     hostname: str | None
     heartbeat: operator.Shown
     power: operator.Shown
     provider: operator.Shown
 
+    @classmethod
+    def of(cls, look: operator.Glance | None, provider: str | None,
+           provider_status: str | None, now: dt.datetime) -> AtAGlance:
+        if look is None:
+            look = operator.Glance(None, None, None, None)
+        return cls(look.hostname,
+                   operator.heartbeat_shown(look.agent_started_at, look.last_heartbeat_at,
+                                            now, _db().thresholds),
+                   operator.power_shown(look.power, provider, provider_status, now),
+                   operator.provider_shown(provider))
+
+
+@dataclass(frozen=True)
+class MachineRow:
+    """One line of the list: the BMDB's summary, and what is shown beside it."""
+
+    m: bmdb.inspection.MachineSummary
+    shown: AtAGlance
+
 
 def _rows(found: operator.MachineList, looks: dict[uuid.UUID, operator.Glance]
           ) -> list[MachineRow]:
-    thresholds, rows = _db().thresholds, []
-    for m in found.machines:
-        look = looks.get(m.id)
-        started, last = (look.agent_started_at, look.last_heartbeat_at) if look else (None, None)
-        rows.append(MachineRow(
-            m, look.hostname if look else None,
-            operator.heartbeat_shown(started, last, found.now, thresholds),
-            operator.power_shown(look.power if look else None, m.provider,
-                                 m.provider_status, found.now),
-            operator.provider_shown(m.provider)))
-    return rows
+    return [MachineRow(m, AtAGlance.of(looks.get(m.id), m.provider, m.provider_status,
+                                       found.now))
+            for m in found.machines]
 
 
 @bp.get("/")
@@ -318,14 +329,9 @@ def machine(machine: str) -> tuple[str, int] | str:
     report = (detail.tags.get("HardwareReport") or {}).get("report")
     return render_template(
         "machine.html", d=detail, why=why, history_rows=HISTORY_ROWS,
-        hostname=look.hostname if look else None,
-        heartbeat=operator.heartbeat_shown(look.agent_started_at if look else None,
-                                           look.last_heartbeat_at if look else None,
-                                           detail.now, db.thresholds),
-        power=operator.power_shown(look.power if look else None, provided.get("provider"),
-                                   provided.get("provider_status"), detail.now),
+        shown=AtAGlance.of(look, provided.get("provider"), provided.get("provider_status"),
+                           detail.now),
         observed=look.power if look else None,
-        provider=operator.provider_shown(provided.get("provider")),
         hardware=None if report is None else operator.hardware_sections(report))
 
 
