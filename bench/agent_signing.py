@@ -4,7 +4,7 @@ Each path runs in a python3 of its own, importing the agent from the real bundle
 (``agent_bundle()``, through zipimport, as on a machine): ``cryptography`` (the venv's
 python3, which has it) and the bundled pure-Python ``ecdsa`` (``python3 -S``: the
 standard library only, as on a stock machine). With ``--rootfs`` the same runs on a
-stock system's own python3 too (a root filesystem of ``tests.minimal_systems``, e.g.
+stock system's own python3 too (a root filesystem of ``tests.support.minimal_systems``, e.g.
 bullseye's Python 3.9), through chroot.
 
 Per path: the one-off cost at takeover (import the agent and its Ed25519, make the

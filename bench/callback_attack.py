@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.common import arguments, postgres
 from bench.heartbeat_ingest import HEADER, load, seed, serve, sign
-from tests.servers import self_signed
+from tests.support.servers import self_signed
 
 
 async def _slow(host: str, port: int, tls: ssl.SSLContext, stop: Event,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 import bmdb
-from tests.servers import PostgresServer
+from tests.support.servers import PostgresServer
 
 if TYPE_CHECKING:
     from psycopg2.extensions import cursor

@@ -35,7 +35,7 @@ from shepherd.providers.base import register_provided
 from shepherd.providers.equinix import EquinixProvider, ProviderConfig
 from shepherd.server import ServerConfig, start_server
 from shepherd.simulator import Simulator
-from tests.servers import RedisServer, free_port
+from tests.support.servers import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).with_name("celery"))

@@ -63,7 +63,7 @@ from shepherd.agent.protocol import (
     HEARTBEAT_PATH,
     signing_payload,
 )
-from tests.servers import free_port, wait_for_port
+from tests.support.servers import free_port, wait_for_port
 
 REPO = Path(__file__).resolve().parent.parent
 

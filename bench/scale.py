@@ -63,7 +63,7 @@ from shepherd.providers.base import Capacity, ProviderMachine
 from shepherd.server import RunningServer, ServerConfig, start_server
 from shepherd.workflows import guard, sourcing, updater
 from shepherd.workflows.guard import GuardLimits
-from tests.servers import free_port
+from tests.support.servers import free_port
 
 PROVIDER = "bench"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

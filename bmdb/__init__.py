@@ -57,7 +57,6 @@ from bmdb import (
     tags,
     work,
 )
-from bmdb.api import BMDB, connect
 from bmdb.backlog import Thresholds
 from bmdb.backoff import Backoff, default_backoff, next_interval
 from bmdb.database import CommitOutcomeUnknown, Tx
@@ -70,6 +69,7 @@ from bmdb.errors import (
     SessionExpired,
     WorkGone,
 )
+from bmdb.handle import BMDB, connect
 from bmdb.processes import EXCLUSION_GROUPS, Process, exclusion_group
 from bmdb.sessions import Session
 from bmdb.sweep import SweepResult

@@ -2,7 +2,7 @@
 
 The BMDB stores only the last interval (whole seconds); the next one follows
 from the descriptor and that previous interval, by the rules below (the table in
-docs/ARCHITECTURE.md section 4 is a test: ``tests/test_backoff.py``).
+docs/ARCHITECTURE.md section 4 is a test: ``tests/bmdb/test_backoff.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What operators read: machines by filter (with their tags, work, backoffs and holds),
 one machine's work and backoffs, sessions.
 
-For people (the CLI and the web view, through ``shepherd.operator``), not hot paths:
+For people (the CLI and the web view, through ``shepherd.operations``), not hot paths:
 these statements are composed per call. None counts a whole table: pages are keyset
 walks and fleet figures come from ``counters``. Every record is
 a plain frozen dataclass, so callers never see a table or a row. Times are the
@@ -411,7 +411,7 @@ def machine_tags_as_stored(tx: Tx, machine_id: uuid.UUID) -> dict[str, dict[str,
     document that does not decode (nested deeper than the stack allows, or text that
     is not JSON at all, which SQLite never checks) would fail the whole read, and with
     it ``shepherd show``, ``explain`` and the machine's page. Operators' code decodes
-    the text itself, with bounds (``shepherd.operator.stored``). SQLite's column is
+    the text itself, with bounds (``shepherd.operations.stored``). SQLite's column is
     read as bytes, decoded with replacement: a value stored there as a BLOB need not
     be UTF-8, and the driver would fail on it.
     """

@@ -61,13 +61,13 @@ def glances(tx: Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]
 def _hostname(tx: Tx, report: sa.ColumnElement[Any]) -> sa.ColumnElement[str | None]:
     """The report's top-level ``hostname`` when it is a string, else NULL; never an
     error, whatever the row holds (on SQLite a report may be text that is not JSON, or
-    a JSON array: ``shepherd.operator.stored`` says why), and cut in SQL, so a page
+    a JSON array: ``shepherd.operations.stored`` says why), and cut in SQL, so a page
     never fetches a whole report."""
     if tx.dialect == "postgresql":
         # The json operators give NULL for what is not an object, but raise on escapes
         # the json type stored without complaint (a lone surrogate, \u0000): such a
         # report is not looked into (CASE evaluates its branches lazily). Its machine
-        # page still shows the report, decoded by ``shepherd.operator.stored``.
+        # page still shows the report, decoded by ``shepherd.operations.stored``.
         risky = report.cast(sa.Text).op("~*")(sa.literal(UNSAFE_ESCAPES))
         is_text = sa.func.json_typeof(report.op("->")(sa.literal("hostname"))) == "string"
         text = report.op("->>")(sa.literal("hostname"))

@@ -1,7 +1,7 @@
 """The BMDB's tables, as SQLAlchemy Core metadata.
 
 The Alembic migrations in ``migrations/versions`` create exactly this schema;
-``tests/test_migrations.py`` checks that they agree.
+``tests/bmdb/test_migrations.py`` checks that they agree.
 
 Invariants and where they are enforced:
 

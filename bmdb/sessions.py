@@ -30,7 +30,7 @@ from bmdb.errors import SessionExpired
 from bmdb.types import db_now
 
 if TYPE_CHECKING:
-    from bmdb.api import BMDB
+    from bmdb.handle import BMDB
     from bmdb.processes import Process
     from bmdb.work import Retriever, Work
 

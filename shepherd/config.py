@@ -194,9 +194,9 @@ class Settings:
     ssh_key_path: Path = Path("var/ssh/shepherd_ed25519")
     # Replace a different key registered under ssh_key_label (a deliberate rotation).
     ssh_key_replace: bool = False
-    bmaas_endpoint: str = "http://127.0.0.1:8080"
+    callback_url: str = "http://127.0.0.1:8080"
     # PEM file of the CA agents verify the callback server against (empty: plain HTTP).
-    bmaas_ca_file: str = ""
+    callback_ca_file: str = ""
     # Intervals (seconds) of what beat schedules.
     reconcile_interval: float = 60.0
     update_interval: float = 60.0
@@ -357,8 +357,8 @@ class Settings:
             ssh_key_label=_get(env, "SSH_KEY_LABEL", d.ssh_key_label),
             ssh_key_path=Path(_get(env, "SSH_KEY_PATH", str(d.ssh_key_path))),
             ssh_key_replace=_bool(env, "SSH_KEY_REPLACE", d.ssh_key_replace),
-            bmaas_endpoint=_get(env, "BMAAS_ENDPOINT", d.bmaas_endpoint),
-            bmaas_ca_file=_get(env, "BMAAS_CA_FILE", d.bmaas_ca_file),
+            callback_url=_get(env, "CALLBACK_URL", d.callback_url),
+            callback_ca_file=_get(env, "CALLBACK_CA_FILE", d.callback_ca_file),
             reconcile_interval=_float(env, "RECONCILE_INTERVAL", d.reconcile_interval),
             update_interval=_float(env, "UPDATE_INTERVAL", d.update_interval),
             source_interval=_float(env, "SOURCE_INTERVAL", d.source_interval),

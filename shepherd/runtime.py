@@ -254,9 +254,9 @@ def build_provider(settings: Settings) -> Provider:
 def initializer_settings(settings: Settings) -> InitializerSettings:
     from shepherd.workflows.initializer import InitializerSettings
 
-    ca = Path(settings.bmaas_ca_file).read_text() if settings.bmaas_ca_file else None
+    ca = Path(settings.callback_ca_file).read_text() if settings.callback_ca_file else None
     return InitializerSettings(
-        ssh_key_path=settings.ssh_key_path, bmaas_endpoint=settings.bmaas_endpoint,
+        ssh_key_path=settings.ssh_key_path, callback_url=settings.callback_url,
         ca_certificate=ca, connect_timeout=settings.ssh_connect_timeout,
         exec_timeout=settings.ssh_exec_timeout, agent_args=settings.agent_args,
         heartbeat_interval=settings.agent_interval,
@@ -308,9 +308,9 @@ def guard_limits(settings: Settings, *, interactive: bool = False) -> GuardLimit
     return GuardLimits(
         max_share=settings.recovery_max_share, min_silent=settings.recovery_min_silent,
         reboots_per_hour=settings.reboots_per_hour,
-        healthz_url=settings.bmaas_endpoint.rstrip("/") + "/healthz",
+        healthz_url=settings.callback_url.rstrip("/") + "/healthz",
         healthz_timeout=min(timeout, INTERACTIVE_HEALTHZ_TIMEOUT) if interactive else timeout,
-        healthz_ca_file=settings.bmaas_ca_file or None,
+        healthz_ca_file=settings.callback_ca_file or None,
     )
 
 

@@ -13,7 +13,7 @@ task's (``TaskDef``), and both sides go through the declaration:
 * a sender builds the call with ``AGENT_START.bind(machine_id, work_id)``, which
   the type checker holds to the same parameters, then ``.send(app, ...)`` it.
 
-``tests/test_task_api.py`` shows mypy refusing a wrong call, and checks that every
+``tests/celery/test_task_api.py`` shows mypy refusing a wrong call, and checks that every
 declared task is registered by the workers with the declared signature.
 
 Nothing here imports Celery at run time: ``shepherd machines`` stays Celery-free.

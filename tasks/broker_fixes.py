@@ -1,6 +1,6 @@
 """A work-around for kombu's Redis transport (5.7.0) crashing a worker when Redis restarts.
 
-What happens (found by ``tests/test_faults.py``, Redis restarted while a task ran):
+What happens (found by ``tests/end_to_end/test_faults.py``, Redis restarted while a task ran):
 with late acks a running task's message is unacknowledged; when the broker
 connection drops, kombu closes the old channel, which first detaches the channel
 from its transport (``transport.client = None``) and then tries to give the unacked
@@ -72,7 +72,7 @@ def check_kombu_version() -> None:
             f"Redis transport internals (kombu.transport.redis.Channel._connparams) and "
             f"was written for kombu {written_for} only. Before running Shepherd on kombu "
             f"{installed}: run the Redis-restart fault scenario (./dev test "
-            f'tests/test_faults.py -k "redis_restart or dead_broker_channel"), read '
+            f'tests/end_to_end/test_faults.py -k "redis_restart or dead_broker_channel"), read '
             f"{installed}'s Channel._connparams and channel close path, then update "
             f"KOMBU_VERSIONS in tasks/broker_fixes.py (or drop the work-around if kombu "
             f"fixed the crash); or install kombu {written_for} (./dev, requirements.lock)."

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from tests.servers import MissingServer, PostgresServer, RedisServer
+from tests.support.servers import MissingServer, PostgresServer, RedisServer
 
 TEMPLATE = "shepherd_template"
 
@@ -125,7 +125,7 @@ def redis_url(redis_server: RedisServer | None) -> str:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The fault scenarios' recovery times and invariant summaries, as a short table."""
-    faults = sys.modules.get("tests.fault_fixtures")  # only if a fault test was collected
+    faults = sys.modules.get("tests.support.fault_fixtures")  # only if a fault test was collected
     if faults is None or not faults.RECOVERIES:
         return
     terminalreporter.write_sep("=", "fault scenarios: recovery after the fault ended")

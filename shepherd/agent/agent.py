@@ -148,11 +148,11 @@ def read_init(raw: str) -> Init:
         machine_id = str(uuid.UUID(str(init.get("machine_id"))))
     except ValueError as error:
         raise TakeoverFailed("TakeoverInit.machine_id is not a UUID") from error
-    endpoint = init.get("bmaas_endpoint")
+    endpoint = init.get("callback_url")
     parts = urllib.parse.urlsplit(endpoint if isinstance(endpoint, str) else "")
     if not isinstance(endpoint, str) or parts.scheme not in ("http", "https") or (
             not parts.hostname):
-        raise TakeoverFailed("TakeoverInit.bmaas_endpoint must be an http(s) URL")
+        raise TakeoverFailed("TakeoverInit.callback_url must be an http(s) URL")
     ca = init.get("ca_certificate")
     if ca is not None and not isinstance(ca, str):
         raise TakeoverFailed("TakeoverInit.ca_certificate must be a PEM string or null")

@@ -4,7 +4,7 @@ Takeover (over SSH, once per takeover): the initializer writes one ``TakeoverIni
 JSON to the agent's stdin; the agent makes a fresh ed25519 key and answers one
 ``TakeoverResponse`` JSON on stdout::
 
-    {"machine_id": "<uuid>", "bmaas_endpoint": "https://host:port",
+    {"machine_id": "<uuid>", "callback_url": "https://host:port",
      "ca_certificate": "<PEM>"|null, "nonce": "<base64, 32 random bytes>",
      "answer_key": "<base64, 32 bytes>", "heartbeat_interval": 60.0}
     {"success": {"init_message": <the init, echoed>, "key": "<base64, 32 bytes>",
@@ -48,7 +48,7 @@ HEADER_ANSWER_SIGNATURE = "X-Shepherd-Answer-Signature"
 KEY_BYTES = 32
 
 # The bounds of a heartbeat body's documents (reports), as the server enforces them
-# (``shepherd.server.bodies``) and operators' views show them (``shepherd.operator.
+# (``shepherd.server.bodies``) and operators' views show them (``shepherd.operations.
 # stored``): kept here, with the wire format, so that both read the same numbers and
 # the CLI need not import the server.
 MAX_DEPTH = 16
@@ -77,7 +77,7 @@ class TakeoverInit:
     """What the initializer tells a freshly uploaded agent."""
 
     machine_id: uuid.UUID
-    bmaas_endpoint: str
+    callback_url: str
     ca_certificate: str | None = None
     _: KW_ONLY
     nonce: str
@@ -87,7 +87,7 @@ class TakeoverInit:
     def __post_init__(self) -> None:
         if not isinstance(self.machine_id, uuid.UUID):
             raise ProtocolError(f"machine_id must be a UUID, got {self.machine_id!r}")
-        _check_endpoint(self.bmaas_endpoint)
+        _check_endpoint(self.callback_url)
         if self.ca_certificate is not None and not isinstance(self.ca_certificate, str):
             raise ProtocolError("ca_certificate must be a PEM string or null")
         _check_nonce(self.nonce)
@@ -100,7 +100,7 @@ class TakeoverInit:
     def to_json(self) -> dict[str, Any]:
         return {
             "machine_id": str(self.machine_id),
-            "bmaas_endpoint": self.bmaas_endpoint,
+            "callback_url": self.callback_url,
             "ca_certificate": self.ca_certificate,
             "nonce": self.nonce,
             "answer_key": self.answer_key,
@@ -113,13 +113,13 @@ class TakeoverInit:
 
     @classmethod
     def from_json(cls, value: Any) -> TakeoverInit:
-        obj = _object(value, "TakeoverInit", {"machine_id", "bmaas_endpoint", "ca_certificate",
+        obj = _object(value, "TakeoverInit", {"machine_id", "callback_url", "ca_certificate",
                                                "nonce", "answer_key", "heartbeat_interval"})
         try:
             machine_id = uuid.UUID(_string(obj.get("machine_id"), "machine_id"))
         except ValueError as error:
             raise ProtocolError(f"machine_id is not a UUID: {obj.get('machine_id')!r}") from error
-        return cls(machine_id, _string(obj.get("bmaas_endpoint"), "bmaas_endpoint"),
+        return cls(machine_id, _string(obj.get("callback_url"), "callback_url"),
                    obj.get("ca_certificate"), nonce=_string(obj.get("nonce"), "nonce"),
                    answer_key=_string(obj.get("answer_key"), "answer_key"),
                    heartbeat_interval=obj.get("heartbeat_interval"))  # type: ignore[arg-type]
@@ -265,9 +265,9 @@ def _base64(value: Any, what: str, size: int | None = None) -> bytes:
 
 
 def _check_endpoint(endpoint: Any) -> None:
-    parts = urlsplit(_string(endpoint, "bmaas_endpoint"))
+    parts = urlsplit(_string(endpoint, "callback_url"))
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ProtocolError(f"bmaas_endpoint must be an http(s) URL with a host: {endpoint!r}")
+        raise ProtocolError(f"callback_url must be an http(s) URL with a host: {endpoint!r}")
 
 
 def _object(value: Any, what: str, allowed: set[str]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ maintenance, quarantine clear, host-key forget, ssh-key (``power`` is ``power.py
 ``start`` and ``reconcile`` go through the worker layer (``workers.py``); the CLI never
 runs a workflow itself, so every reboot or agent start happens in a worker, under its
 session, limits and provider budget. Holds and host keys are single BMDB transactions
-(``shepherd.operator``), each with its history row naming who did it (``--by``,
+(``shepherd.operations``), each with its history row naming who did it (``--by``,
 default: the login name).
 """
 
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 import bmdb
-from shepherd import operator
+from shepherd import operations
 from shepherd.cli import render
 from shepherd.cli.context import Context, Failed
 from shepherd.cli.workers import WorkerLayer
@@ -25,24 +25,24 @@ from shepherd.providers.base import ProviderError
 
 
 def clear_backoff(ctx: Context) -> int:
-    machine_id = operator.parse_machine_id(ctx.args.machine)
-    process = operator.parse_process(ctx.args.process)
-    cleared = operator.clear_backoff(ctx.runtime.session, machine_id, process)
+    machine_id = operations.parse_machine_id(ctx.args.machine)
+    process = operations.parse_process(ctx.args.process)
+    cleared = operations.clear_backoff(ctx.runtime.session, machine_id, process)
     ctx.emit({"machine": machine_id, "process": process.value, "cleared": cleared},
              lambda: render.cleared(machine_id, process.value, cleared))
     return 0
 
 
 def start(ctx: Context) -> int:
-    process = operator.parse_process(ctx.args.process, operator.BACKLOG_PROCESSES)
-    machine_id = operator.parse_machine_id(ctx.args.machine)
+    process = operations.parse_process(ctx.args.process, operations.BACKLOG_PROCESSES)
+    machine_id = operations.parse_machine_id(ctx.args.machine)
     wait = ctx.args.wait if ctx.args.wait is not None else ctx.settings.dispatch_ttl
     workers = ctx.workers()  # before the claim: no workers, nothing claimed
     session = ctx.runtime.session
     try:
-        work = operator.claim_for_handoff(session, process, machine_id,
+        work = operations.claim_for_handoff(session, process, machine_id,
                                           ctx.settings.dispatch_ttl, ctx.guard_limits())
-    except (bmdb.NotClaimable, operator.RecoveryPaused) as error:
+    except (bmdb.NotClaimable, operations.RecoveryPaused) as error:
         raise Failed(str(error)) from None
     task = hand_over(session, work, workers, wait)
     ctx.emit({"machine": machine_id, "process": process.value, "work": work.id, "task": task},
@@ -63,7 +63,7 @@ def hand_over(session: bmdb.Session, work: bmdb.Work, workers: WorkerLayer,
             work.cancel(f"operator start: dispatch failed: {type(error).__name__}")
         raise Failed(f"machine {machine}: could not dispatch {process}: {error}; "
                      "claim cancelled") from None
-    if not operator.wait_adopted(session, work, wait):
+    if not operations.wait_adopted(session, work, wait):
         # WorkGone here means a worker adopted it at the last moment: a success.
         with contextlib.suppress(bmdb.WorkGone):
             work.cancel(f"operator start: no worker adopted the claim within {wait:g}s")
@@ -102,23 +102,23 @@ def actor(ctx: Context) -> str:
 
 
 def maintenance(ctx: Context) -> int:
-    machine_id = operator.parse_machine_id(ctx.args.machine)
+    machine_id = operations.parse_machine_id(ctx.args.machine)
     session = ctx.runtime.session
     if ctx.args.state == "on":
         if ctx.args.reason is None:
-            raise operator.BadArgument("maintenance on needs --reason TEXT: say why (it is "
+            raise operations.BadArgument("maintenance on needs --reason TEXT: say why (it is "
                                        "shown to everyone and kept in history)")
-        change = operator.put_maintenance(session, machine_id, ctx.args.reason, actor(ctx))
+        change = operations.put_maintenance(session, machine_id, ctx.args.reason, actor(ctx))
     else:
-        change = operator.lift_maintenance(session, machine_id, actor(ctx),
+        change = operations.lift_maintenance(session, machine_id, actor(ctx),
                                            ctx.args.reason or "")
     ctx.emit(change, lambda: render.hold_change(change))
     return 0
 
 
 def quarantine(ctx: Context) -> int:
-    machine_id = operator.parse_machine_id(ctx.args.machine)
-    change = operator.clear_quarantine(ctx.runtime.session, machine_id, actor(ctx),
+    machine_id = operations.parse_machine_id(ctx.args.machine)
+    change = operations.clear_quarantine(ctx.runtime.session, machine_id, actor(ctx),
                                        ctx.args.reason or "")
     ctx.emit(change, lambda: render.hold_change(change))
     return 0
@@ -127,13 +127,13 @@ def quarantine(ctx: Context) -> int:
 def host_key(ctx: Context) -> int:
     """``host-key forget``: refused (exit 1) when the inventory itself pins the key, as
     forgetting the BMDB's copy would change nothing."""
-    machine_id = operator.parse_machine_id(ctx.args.machine)
+    machine_id = operations.parse_machine_id(ctx.args.machine)
     session = ctx.runtime.session
     who = actor(ctx)
-    provided = operator.provided_at(session, machine_id)
+    provided = operations.provided_at(session, machine_id)
     if provided is not None and provided[0] == ctx.settings.provider == "static":
         try:
-            pin = operator.inventory_pin(ctx.runtime.provider, provided[1])
+            pin = operations.inventory_pin(ctx.runtime.provider, provided[1])
         except ProviderError as error:
             raise Failed(f"machine {machine_id}: cannot read the inventory to see whether it "
                          f"pins the host key: {error}") from None
@@ -141,7 +141,7 @@ def host_key(ctx: Context) -> int:
             raise Failed(f"machine {machine_id}: its host key ({pin.fingerprint}) is pinned "
                          f"in {pin.where} (entry {pin.provider_id}): edit host_key there "
                          "instead; nothing was forgotten")
-    forgotten = operator.forget_host_key(session, machine_id, who)
+    forgotten = operations.forget_host_key(session, machine_id, who)
     ctx.emit(forgotten, lambda: render.host_key_forgotten(forgotten))
     return 0
 

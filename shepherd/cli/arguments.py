@@ -66,7 +66,7 @@ class Runner:
     Why: the parser is built for every ``shepherd`` run (``--help`` too), and the
     command modules load the BMDB, SQLAlchemy and the operator package; imported with
     the parser, they cost every run half a second before it did anything (issue 14).
-    ``tests/test_cli_startup.py`` checks that every runner resolves and what the
+    ``tests/operators/test_cli_startup.py`` checks that every runner resolves and what the
     parser loads.
     """
 

@@ -18,7 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import bmdb
-from shepherd import config, operator, state_env
+from shepherd import config, operations, state_env
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer
 from shepherd.config import Settings
 from shepherd.redaction import database_url_problem, redact_url
@@ -59,7 +59,7 @@ class Context:
         if self._runtime is None:
             if self.url_source == "the default" and self.args.command != "migrate" \
                     and not default_bmdb_exists():
-                raise operator.BadArgument(outside_any_state())
+                raise operations.BadArgument(outside_any_state())
             check_bmdb_url(self.settings.bmdb_url, self.url_source)
             self._runtime = Runtime(self.settings, COMPONENT)
         return self._runtime
@@ -95,7 +95,7 @@ class Context:
     def emit(self, data: Any, text: Callable[[], str]) -> None:
         """``data`` as one JSON document with ``--json``, else ``text()`` for people."""
         if getattr(self.args, "json", False):
-            print(json.dumps(operator.jsonable(data), default=str))
+            print(json.dumps(operations.jsonable(data), default=str))
         else:
             print(text())
 
@@ -132,19 +132,19 @@ def check_bmdb_url(text: str, source: str) -> None:
     shown = redact_url(text)
     problem = database_url_problem(text)
     if problem is not None:
-        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}: {problem}")
+        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: {problem}")
     try:
         url = sa.make_url(text)
     except (sa.exc.ArgumentError, ValueError):
-        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}, is not "
+        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}, is not "
                                    f"a database URL ({URL_SHAPE})") from None
     try:
         url.get_dialect().import_dbapi()
     except sa.exc.NoSuchModuleError:
-        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}: no database "
+        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: no database "
                                    f"dialect {url.drivername!r} ({URL_SHAPE})") from None
     except ImportError as error:
-        raise operator.BadArgument(f"the BMDB URL from {source}, {shown!r}: its driver "
+        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: its driver "
                                    f"{error.name or url.drivername!r} is not installed"
                                    ) from None
 

@@ -13,13 +13,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from shepherd import tables
+from shepherd import text_tables
 from shepherd.cli.context import Context
 from shepherd.inventory.fields import InventoryError
 from shepherd.inventory.file import load_inventory, ssh_endpoint
 from shepherd.inventory.host_keys import parse_host_key
 from shepherd.inventory.probe import probe_machines
-from shepherd.operator import BadArgument
+from shepherd.operations import BadArgument
 from shepherd.providers.base import ProviderMachine
 
 EXIT_PROBE_FAILED = 1
@@ -73,7 +73,7 @@ def _text(path: Path, machines: list[ProviderMachine], probes: list[Any] | None,
         for row, found in zip(rows, probes, strict=True):
             row += [_power(found), _host_key(found)]
             problems += _problems(found)
-    lines.append(tables.table(headers, rows, max_width=90))
+    lines.append(text_tables.table(headers, rows, max_width=90))
     if probes is not None:
         lines.append(f"probes: {len(probes) - failed} machine(s) answered as listed, "
                      f"{failed} did not")

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace,
     from shepherd.cli.context import Context, Failed
     from shepherd.cli.workers import CeleryWorkers
     from shepherd.config import SettingsError
-    from shepherd.operator import BadArgument
+    from shepherd.operations import BadArgument
     from shepherd.providers.base import ProviderError
     from shepherd.redaction import redact_url
 

@@ -14,9 +14,9 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 
 import bmdb
-from bmdb.api import alembic_config
+from bmdb.handle import alembic_config
 from shepherd.cli.context import Context, Failed
-from shepherd.operator import BadArgument
+from shepherd.operations import BadArgument
 from shepherd.redaction import redact_url
 
 #: Alembic revisions counted from another (``+1``, ``head-1``): valid or not only

@@ -4,7 +4,7 @@ drivers Recovery uses (its BMC from the inventory, else its provider's reboot AP
 Unlike ``start``, this runs in the CLI process, not in a worker: an operator at a
 console wants the BMC's answer now, and the BMDB claim (``Process.POWER``, in the
 agent group) gives the same exclusion a worker would have. The work lives in
-``shepherd.operator.power``; this module maps its outcomes to exit statuses: 0 done
+``shepherd.operations.power``; this module maps its outcomes to exit statuses: 0 done
 and verified, 1 refused (busy) or failed (the BMC, a timeout), 2 a bad argument.
 """
 
@@ -13,16 +13,16 @@ from __future__ import annotations
 import dataclasses
 
 import bmdb
-from shepherd import operator
+from shepherd import operations
 from shepherd.cli import render
 from shepherd.cli.actions import actor
 from shepherd.cli.context import Context, Failed
-from shepherd.operator import power as operator_power
+from shepherd.operations import power as operator_power
 from shepherd.runtime import recoverer_settings
 
 
 def power(ctx: Context) -> int:
-    machine_id = operator.parse_machine_id(ctx.args.machine)
+    machine_id = operations.parse_machine_id(ctx.args.machine)
     command = ctx.args.command
     runtime = ctx.runtime
     who = actor(ctx)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bmdb
-from shepherd import operator
+from shepherd import operations
 from shepherd.cli import render
 from shepherd.cli.context import Context
 
@@ -13,35 +13,35 @@ def fleet(ctx: Context) -> int:
     read; ``--json`` adds ``refusals`` beside the counts."""
     db = ctx.db
     counts, refusals = db.read(lambda tx: (bmdb.fleet.fleet_counts(tx, db.thresholds),
-                                           operator.refusals(tx)))
-    ctx.emit({**operator.jsonable(counts), "refusals": refusals},
+                                           operations.refusals(tx)))
+    ctx.emit({**operations.jsonable(counts), "refusals": refusals},
              lambda: render.fleet(counts, refusals))
     return 0
 
 
 def machines(ctx: Context) -> int:
     args = ctx.args
-    f = operator.machine_filter(
+    f = operations.machine_filter(
         tags=args.tag, without=args.without, provider=args.provider, work=args.work,
         backoff=args.backoff, limit=args.limit, after=args.after)
-    found = ctx.db.read(lambda tx: operator.list_machines(tx, f))
+    found = ctx.db.read(lambda tx: operations.list_machines(tx, f))
     ctx.emit(found, lambda: render.machines(found))
     return 0
 
 
 def show(ctx: Context) -> int:
-    machine_id = operator.parse_machine_id(ctx.args.machine)
+    machine_id = operations.parse_machine_id(ctx.args.machine)
     history = ctx.args.history
-    detail = ctx.db.read(lambda tx: operator.show_machine(tx, machine_id, history))
+    detail = ctx.db.read(lambda tx: operations.show_machine(tx, machine_id, history))
     ctx.emit(detail, lambda: render.show(detail))
     return 0
 
 
 def explain(ctx: Context) -> int:
-    machine_id = operator.parse_machine_id(ctx.args.machine)
-    found = operator.explain_machine(ctx.db, machine_id, ctx.guard_limits())
-    data = {**operator.jsonable(found),
-            "processes": [{**operator.jsonable(p), "claimable": p.claimable,
+    machine_id = operations.parse_machine_id(ctx.args.machine)
+    found = operations.explain_machine(ctx.db, machine_id, ctx.guard_limits())
+    data = {**operations.jsonable(found),
+            "processes": [{**operations.jsonable(p), "claimable": p.claimable,
                            "state": p.state, "summary": p.summary}
                           for p in found.processes]}
     ctx.emit(data, lambda: render.explain(found))
@@ -50,6 +50,6 @@ def explain(ctx: Context) -> int:
 
 def sessions(ctx: Context) -> int:
     include_dead = not ctx.args.alive
-    now, found = ctx.db.read(lambda tx: operator.list_sessions(tx, include_dead))
+    now, found = ctx.db.read(lambda tx: operations.list_sessions(tx, include_dead))
     ctx.emit({"now": now, "sessions": found}, lambda: render.sessions(now, found))
     return 0

@@ -1,5 +1,5 @@
 """What operator commands print for people: tables and paragraphs from the operator's
-views (``shepherd.operator``). Scripts get ``--json`` instead, so nothing here is parsed.
+views (``shepherd.operations``). Scripts get ``--json`` instead, so nothing here is parsed.
 
 Pure functions of the views: no BMDB, no settings, so the wording can be read and
 changed in one place.
@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from shepherd import operator, tables
-from shepherd.operator.stored import printable
+from shepherd import operations, text_tables
+from shepherd.operations.stored import printable
 
 
 def fleet(c: Any, refusals: Sequence[Any] = ()) -> str:
@@ -25,28 +25,28 @@ def fleet(c: Any, refusals: Sequence[Any] = ()) -> str:
         f"machines {c.machines}   provided {c.provided}   agent started "
         f"{c.agent_started}   heartbeating {c.heartbeating}",
         f"held (in no backlog): {held or 'none'}", "",
-        tables.table(["PROCESS", "BACKLOG", "WORK", "BACKOFFS"], rows),
+        text_tables.table(["PROCESS", "BACKLOG", "WORK", "BACKOFFS"], rows),
         "(backlog: what a claim could take, held and backing-off machines excluded; "
         "the Recovery guard is not asked: `shepherd explain`)",
     ]
-    lines += [f"RECONCILE REFUSING: {operator.refusal_text(r)}" for r in refusals]
+    lines += [f"RECONCILE REFUSING: {operations.refusal_text(r)}" for r in refusals]
     return "\n".join(lines)
 
 
 def machines(found: Any) -> str:
     counts = "  ".join(f"{tag}={n}" for tag, n in found.tag_counts.items())
     rows = [(m.id, m.provider, m.provider_id,
-             operator.status_text(m.provider_status, m.provider), m.address,
-             [operator.short_tag(t) for t in m.tags], m.work, m.backoffs, m.holds)
+             operations.status_text(m.provider_status, m.provider), m.address,
+             [operations.short_tag(t) for t in m.tags], m.work, m.backoffs, m.holds)
             for m in found.machines]
     matched = f"~{found.matched} (estimated)" if found.matched_estimated else found.matched
     shown = (f"{len(found.machines)} of {matched} matching" if
              found.next_cursor or found.matched_estimated else f"{matched} matching")
     lines = [
         f"fleet: {found.total} machines  {counts}",
-        tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
+        text_tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
                       "WORK", "BACKOFF", "HELD"], rows),
-        f"({shown}; tags: {operator.TAG_LEGEND})",
+        f"({shown}; tags: {operations.TAG_LEGEND})",
     ]
     if found.next_cursor:
         lines.append(f"next page: add --after {found.next_cursor}")
@@ -54,8 +54,8 @@ def machines(found: Any) -> str:
 
 
 def show(d: Any) -> str:
-    lines = [f"machine {d.id}  (created {tables.when(d.created_at)}; "
-             f"BMDB time {tables.when(d.now)} UTC)"]
+    lines = [f"machine {d.id}  (created {text_tables.when(d.created_at)}; "
+             f"BMDB time {text_tables.when(d.now)} UTC)"]
     lines += _holds(d.holds)
     lines += ["", "TAGS"]
     if not d.tags:
@@ -65,7 +65,7 @@ def show(d: Any) -> str:
                           if k not in ("agent_started", "heartbeat_seen"))
         lines.append(f"  {name}: {shown}")
         if name == "Provided" and values.get("provider_status") == "Missing":
-            lines.append(f"    {operator.status_text('Missing', values.get('provider'))}: "
+            lines.append(f"    {operations.status_text('Missing', values.get('provider'))}: "
                          "left alone, never deleted")
     lines += ["", "HOST KEY"]
     lines.append(f"  recorded at the first takeover: {d.host_key_fingerprint}" if d.host_key
@@ -75,14 +75,14 @@ def show(d: Any) -> str:
     if not d.work:
         lines.append("  (none)")
     for w in d.work:
-        lines.append(f"  {w.process} work {w.id} since {tables.when(w.started_at)}")
+        lines.append(f"  {w.process} work {w.id} since {text_tables.when(w.started_at)}")
         lines.append(f"    {session_line(w, d.now)}")
         if w.dispatch_deadline is not None:
-            lines.append(f"    waiting to be adopted until {tables.when(w.dispatch_deadline)}")
+            lines.append(f"    waiting to be adopted until {text_tables.when(w.dispatch_deadline)}")
     lines += ["", "BACKOFFS", _backoffs(d)]
     lines += ["", "HISTORY (newest first)"]
     if d.history:
-        lines.append(tables.table(
+        lines.append(text_tables.table(
             ["AT", "PROCESS", "EVENT", "SESSION", "CAUSE"],
             [(h["at"], h["process"], h["event"], h["session_id"], _safe(h["cause"]))
              for h in d.history], max_width=80))
@@ -93,17 +93,17 @@ def show(d: Any) -> str:
 
 def _holds(holds: list[Any]) -> list[str]:
     """HELD lines: why the machine is in no backlog, and how to let it back."""
-    return [f"HELD: {operator.hold_text(h)} — in no backlog; `{operator.lift_command(h)}`"
+    return [f"HELD: {operations.hold_text(h)} — in no backlog; `{operations.lift_command(h)}`"
             for h in holds]
 
 
 def _backoffs(d: Any) -> str:
     if not d.backoffs:
         return "  (none)"
-    return tables.table(
+    return text_tables.table(
         ["PROCESS", "UNTIL", "STATE", "INTERVAL", "CAUSE"],
-        [(b.process, b.until, "active, " + tables.relative(b.until, d.now) if b.active
-          else "expired", tables.duration(b.interval_s), _safe(b.cause)) for b in d.backoffs])
+        [(b.process, b.until, "active, " + text_tables.relative(b.until, d.now) if b.active
+          else "expired", text_tables.duration(b.interval_s), _safe(b.cause)) for b in d.backoffs])
 
 
 def _value(value: Any) -> str:
@@ -112,7 +112,7 @@ def _value(value: Any) -> str:
     if isinstance(value, bytes):
         return value.hex()[:16] + "…"
     if hasattr(value, "astimezone"):
-        return tables.when(value)
+        return text_tables.when(value)
     return json.dumps(value) if isinstance(value, dict | list) else printable(value)
 
 
@@ -126,14 +126,14 @@ def session_line(work: Any, now: Any) -> str:
     s = work.session
     if s is None:
         return f"session {work.session_id}: gone (the sweep releases this work)"
-    state = (f"alive, deadline {tables.relative(s.deadline, now)}" if s.alive else
-             f"DEAD since {tables.when(s.deadline)} (the sweep releases this work)")
+    state = (f"alive, deadline {text_tables.relative(s.deadline, now)}" if s.alive else
+             f"DEAD since {text_tables.when(s.deadline)} (the sweep releases this work)")
     return f"session {s.id} ({s.component} on {s.holder}): {state}"
 
 
 def explain(e: Any) -> str:
     lines = [f"machine {e.id}  tags: {', '.join(e.tags) or '(none)'}",
-             f"BMDB time {tables.when(e.now)} UTC"]
+             f"BMDB time {text_tables.when(e.now)} UTC"]
     lines += _holds(e.holds)
     for p in e.processes:
         lines += ["", f"{p.process}: {p.verdict}"]
@@ -142,7 +142,7 @@ def explain(e: Any) -> str:
             lines.append("  work:    none in its exclusion group")
         else:
             lines.append(f"  work:    {p.work.process} work {p.work.id} since "
-                         f"{tables.when(p.work.started_at)}")
+                         f"{text_tables.when(p.work.started_at)}")
             lines.append(f"           {session_line(p.work, e.now)}")
         lines.append(f"  backoff: {_backoff_line(p.backoff, e.now)}")
         if p.guard:
@@ -154,9 +154,9 @@ def _backoff_line(b: Any, now: Any) -> str:
     if b is None:
         return "none"
     if b.active:
-        return (f"until {tables.when(b.until)} ({tables.relative(b.until, now)}) "
+        return (f"until {text_tables.when(b.until)} ({text_tables.relative(b.until, now)}) "
                 f"after: {b.cause}")
-    return f"expired at {tables.when(b.until)} (was: {b.cause})"
+    return f"expired at {text_tables.when(b.until)} (was: {b.cause})"
 
 
 def _guard_line(p: Any) -> str:
@@ -171,11 +171,17 @@ def _guard_line(p: Any) -> str:
 
 
 def sessions(now: Any, found: list[Any]) -> str:
-    rows = [(s.id, s.component, s.holder, s.started_at,
-             tables.relative(s.deadline, now) if s.alive else f"DEAD {tables.when(s.deadline)}",
-             s.work) for s in found]
-    return (tables.table(["SESSION", "COMPONENT", "HOLDER", "STARTED", "DEADLINE", "WORK"], rows)
-            + f"\n({len(found)} sessions)")
+    rows = [(s.id, s.component, s.holder, s.started_at, _deadline(s, now), s.work)
+            for s in found]
+    header = ["SESSION", "COMPONENT", "HOLDER", "STARTED", "DEADLINE", "WORK"]
+    return text_tables.table(header, rows) + f"\n({len(found)} sessions)"
+
+
+def _deadline(found: Any, now: Any) -> str:
+    """When a live session's lease ends; a dead one's deadline, marked."""
+    if found.alive:
+        return text_tables.relative(found.deadline, now)
+    return f"DEAD {text_tables.when(found.deadline)}"
 
 
 def cleared(machine_id: Any, process: str, backoff: Any) -> str:
@@ -183,7 +189,7 @@ def cleared(machine_id: Any, process: str, backoff: Any) -> str:
         return f"machine {machine_id} had no {process} backoff"
     state = "active" if backoff.active else "already expired"
     return (f"cleared {process} backoff of machine {machine_id} ({state}, until "
-            f"{tables.when(backoff.until)}, after: {backoff.cause})")
+            f"{text_tables.when(backoff.until)}, after: {backoff.cause})")
 
 
 def swept(result: Any) -> str:
@@ -197,15 +203,15 @@ def hold_change(c: Any) -> str:
     m = c.machine
     if c.action == "on":
         lines = [f"machine {m}: {'now' if c.changed else 'already'} "
-                 f"{operator.hold_text(c.hold)}"]
+                 f"{operations.hold_text(c.hold)}"]
     elif c.changed:
-        lines = [f"machine {m}: out of {c.kind} (was: {operator.hold_text(c.hold)})"]
+        lines = [f"machine {m}: out of {c.kind} (was: {operations.hold_text(c.hold)})"]
     else:
         was = "in maintenance" if c.kind == "maintenance" else "quarantined"
         lines = [f"machine {m} was not {was}; nothing changed"]
     others = [h for h in c.remaining if h.kind != c.kind or c.action == "on"]
     if c.action != "on" and others:
-        lines += [f"  still held: {operator.hold_text(h)} (`{operator.lift_command(h)}`)"
+        lines += [f"  still held: {operations.hold_text(h)} (`{operations.lift_command(h)}`)"
                   for h in others]
     elif c.action != "on" and c.changed:
         lines.append("  back in the backlogs: AgentStart and Recovery may claim it again")
@@ -213,7 +219,7 @@ def hold_change(c: Any) -> str:
         lines.append(f"  note: {w.process} work {w.id} holds it now; a hold stops new "
                      "claims, not work under way")
     if c.backoff is not None and c.action != "on":
-        lines.append(f"  note: Recovery backoff until {tables.when(c.backoff.until)} "
+        lines.append(f"  note: Recovery backoff until {text_tables.when(c.backoff.until)} "
                      f"(`shepherd clear-backoff {m} recovery` to retry sooner)")
     return "\n".join(lines)
 

@@ -39,7 +39,7 @@ Hooks used (uvicorn 0.54, ``uvicorn/protocols/http/httptools_impl.py``):
 parent's only adds 400 handling), ``on_message_begin``, ``on_url``, ``on_header``,
 ``on_headers_complete``, ``on_message_complete``, ``on_response_complete``; attributes
 ``transport``, ``parser``, ``cycle``, ``pipeline``, ``connections``, ``client``,
-``loop``. tests/test_server_attacks.py fails if a uvicorn upgrade moves them.
+``loop``. tests/server/test_server_attacks.py fails if a uvicorn upgrade moves them.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ schema type accepts, so the refusal names the field holding it. Python's ``json`
 would otherwise read NaN and write it back as ``NaN``, which SQLite stores and
 PostgreSQL refuses.
 
-Invariant (``tests/test_bodies.py``): what ``parse_heartbeat`` accepts, ``bmdb.tags``
+Invariant (``tests/server/test_bodies.py``): what ``parse_heartbeat`` accepts, ``bmdb.tags``
 stores on PostgreSQL and on SQLite and reads back equal to what was sent.
 """
 

@@ -1,6 +1,6 @@
 """The operator's web view, served by ``shepherd serve`` next to the agent callbacks.
 
-Server-rendered HTML (Flask + Jinja, no JavaScript), from the same ``shepherd.operator``
+Server-rendered HTML (Flask + Jinja, no JavaScript), from the same ``shepherd.operations``
 reads as the CLI, so the page and ``shepherd show`` never disagree:
 
   GET /                      redirect to /machines
@@ -55,7 +55,7 @@ from flask import (
 from werkzeug.wrappers import Response
 
 import bmdb
-from shepherd import operator, tables
+from shepherd import operations, text_tables
 from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
 
@@ -125,7 +125,7 @@ def parse_refresh(raw: str | None) -> int | None:
     if raw is None or raw in ("", "0", "off"):
         return None
     if not (raw.isascii() and raw.isdigit()) or not REFRESH_MIN <= int(raw) <= REFRESH_MAX:
-        raise operator.BadArgument(
+        raise operations.BadArgument(
             f"refresh must be a whole number of seconds from {REFRESH_MIN} to "
             f"{REFRESH_MAX}, or off, not {raw[:40]!r}")
     return int(raw)
@@ -135,7 +135,7 @@ def parse_refresh(raw: str | None) -> int | None:
 def _refresh() -> tuple[str, int] | None:
     try:
         g.refresh = parse_refresh(request.args.get("refresh"))
-    except operator.BadArgument as error:
+    except operations.BadArgument as error:
         g.refresh = None
         return _error(400, str(error))
     return None
@@ -160,7 +160,7 @@ def _keep_refresh(url: str) -> str:
 class Banner:
     """What is wrong fleet-wide, for the top of every page."""
 
-    problems: operator.Problems
+    problems: operations.Problems
     decision: guard.GuardDecision
     callback: guard.CallbackCheck | None
 
@@ -185,7 +185,7 @@ def _banner() -> Banner:
     the guard's figures (counters and the Recovery backlog's indexes) and the cached
     callback check."""
     db, limits, callback = _db(), current_app.extensions["shepherd_guard_limits"], _callback()
-    problems, decision = db.read(lambda tx: (operator.problems(tx), guard.decide(
+    problems, decision = db.read(lambda tx: (operations.problems(tx), guard.decide(
         tx, db.thresholds, limits, callback)))
     return Banner(problems, decision, callback)
 
@@ -204,12 +204,12 @@ def _db() -> bmdb.BMDB:
 
 @bp.app_template_filter("when")
 def _when(value: dt.datetime | None) -> str:
-    return tables.when(value)
+    return text_tables.when(value)
 
 
 @bp.app_template_filter("relative")
 def _relative(value: dt.datetime, now: dt.datetime) -> str:
-    return tables.relative(value, now)
+    return text_tables.relative(value, now)
 
 
 @bp.app_template_filter("process")
@@ -223,12 +223,12 @@ def _short(value: Any) -> str:
     return str(value)[:8]
 
 
-# The shared wording (``shepherd.operator.views``), so the pages say what the CLI says.
-bp.add_app_template_filter(operator.hold_text, "hold")
-bp.add_app_template_filter(operator.lift_command, "lift_command")
-bp.add_app_template_filter(operator.refusal_text, "refusal")
-bp.add_app_template_filter(operator.status_text, "status")
-bp.add_app_template_filter(operator.printable, "printable")
+# The shared wording (``shepherd.operations.views``), so the pages say what the CLI says.
+bp.add_app_template_filter(operations.hold_text, "hold")
+bp.add_app_template_filter(operations.lift_command, "lift_command")
+bp.add_app_template_filter(operations.refusal_text, "refusal")
+bp.add_app_template_filter(operations.status_text, "status")
+bp.add_app_template_filter(operations.printable, "printable")
 
 
 def _error(status: int, message: str) -> tuple[str, int]:
@@ -238,23 +238,23 @@ def _error(status: int, message: str) -> tuple[str, int]:
 @dataclass(frozen=True)
 class AtAGlance:
     """What the list's row and the machine page show beside the BMDB's own record:
-    hostname, heartbeat age, power and provider, from one ``operator.Glance``."""
+    hostname, heartbeat age, power and provider, from one ``operations.Glance``."""
 
     hostname: str | None
-    heartbeat: operator.Shown
-    power: operator.Shown
-    provider: operator.Shown
+    heartbeat: operations.Shown
+    power: operations.Shown
+    provider: operations.Shown
 
     @classmethod
-    def of(cls, look: operator.Glance | None, provider: str | None,
+    def of(cls, look: operations.Glance | None, provider: str | None,
            provider_status: str | None, now: dt.datetime) -> AtAGlance:
         if look is None:
-            look = operator.Glance(None, None, None, None)
+            look = operations.Glance(None, None, None, None)
         return cls(look.hostname,
-                   operator.heartbeat_shown(look.agent_started_at, look.last_heartbeat_at,
+                   operations.heartbeat_shown(look.agent_started_at, look.last_heartbeat_at,
                                             now, _db().thresholds),
-                   operator.power_shown(look.power, provider, provider_status, now),
-                   operator.provider_shown(provider))
+                   operations.power_shown(look.power, provider, provider_status, now),
+                   operations.provider_shown(provider))
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ class MachineRow:
     shown: AtAGlance
 
 
-def _rows(found: operator.MachineList, looks: dict[uuid.UUID, operator.Glance]
+def _rows(found: operations.MachineList, looks: dict[uuid.UUID, operations.Glance]
           ) -> list[MachineRow]:
     return [MachineRow(m, AtAGlance.of(looks.get(m.id), m.provider, m.provider_status,
                                        found.now))
@@ -281,16 +281,16 @@ def index() -> Response:
 def machines() -> tuple[str, int] | str:
     args = request.args
     try:
-        f = operator.machine_filter(
+        f = operations.machine_filter(
             tags=args.getlist("tag"), without=args.getlist("without"),
             provider=args.get("provider"), work=args.get("work"), backoff=args.get("backoff"),
-            limit=operator.parse_limit(args.get("limit")), after=args.get("after"))
-    except operator.BadArgument as error:
+            limit=operations.parse_limit(args.get("limit")), after=args.get("after"))
+    except operations.BadArgument as error:
         return _error(400, str(error))
 
-    def read(tx: bmdb.Tx) -> tuple[operator.MachineList, dict[uuid.UUID, operator.Glance]]:
-        found = operator.list_machines(tx, f)
-        return found, operator.glances(tx, [m.id for m in found.machines])
+    def read(tx: bmdb.Tx) -> tuple[operations.MachineList, dict[uuid.UUID, operations.Glance]]:
+        found = operations.list_machines(tx, f)
+        return found, operations.glances(tx, [m.id for m in found.machines])
 
     found, looks = _db().read(read)
     next_page = None
@@ -299,31 +299,31 @@ def machines() -> tuple[str, int] | str:
         # would be taken for one of url_for's own options.
         query = {**request.args.to_dict(flat=False), "after": [found.next_cursor]}
         next_page = url_for("web.machines") + "?" + urlencode(query, doseq=True)
-    return render_template("machines.html", found=found, f=f, tags=operator.TAGS,
+    return render_template("machines.html", found=found, f=f, tags=operations.TAGS,
                            next_page=next_page, rows=_rows(found, looks),
-                           short_tags=operator.SHORT_TAGS, held=found.held_counts,
+                           short_tags=operations.SHORT_TAGS, held=found.held_counts,
                            processes=[p.value for p in bmdb.Process])
 
 
 @bp.get("/machines/<machine>")
 def machine(machine: str) -> tuple[str, int] | str:
     try:
-        machine_id = operator.parse_machine_id(machine)
-    except operator.BadArgument as error:
+        machine_id = operations.parse_machine_id(machine)
+    except operations.BadArgument as error:
         return _error(404, str(error))
     db = _db()
     limits = current_app.extensions["shepherd_guard_limits"]
     callback = _callback()  # HTTP (or its cached answer), so before the read transaction
 
-    def read(tx: bmdb.Tx) -> tuple[operator.MachineDetail, operator.Explanation,
-                                   operator.Glance | None]:
-        return (operator.show_machine(tx, machine_id, HISTORY_ROWS),
-                operator.explain(tx, machine_id, db.thresholds, limits, callback),
-                operator.glances(tx, [machine_id]).get(machine_id))
+    def read(tx: bmdb.Tx) -> tuple[operations.MachineDetail, operations.Explanation,
+                                   operations.Glance | None]:
+        return (operations.show_machine(tx, machine_id, HISTORY_ROWS),
+                operations.explain(tx, machine_id, db.thresholds, limits, callback),
+                operations.glances(tx, [machine_id]).get(machine_id))
 
     try:
         detail, why, look = db.read(read)
-    except operator.UnknownMachine as error:
+    except operations.UnknownMachine as error:
         return _error(404, str(error))
     provided = detail.tags.get("Provided") or {}
     report = (detail.tags.get("HardwareReport") or {}).get("report")
@@ -332,10 +332,10 @@ def machine(machine: str) -> tuple[str, int] | str:
         shown=AtAGlance.of(look, provided.get("provider"), provided.get("provider_status"),
                            detail.now),
         observed=look.power if look else None,
-        hardware=None if report is None else operator.hardware_sections(report))
+        hardware=None if report is None else operations.hardware_sections(report))
 
 
 @bp.get("/sessions")
 def sessions() -> str:
-    now, found = _db().read(lambda tx: operator.list_sessions(tx))
+    now, found = _db().read(lambda tx: operations.list_sessions(tx))
     return render_template("sessions.html", now=now, sessions=found)

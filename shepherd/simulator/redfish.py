@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import requests
 
-from shepherd.processes import stop_process
+from shepherd.os_processes import stop_process
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import paramiko
 
-from shepherd.processes import kill_marked
+from shepherd.os_processes import kill_marked
 from shepherd.simulator.api import ApiRequest, ApiServer
 from shepherd.simulator.faults import Faults
 from shepherd.simulator.persist import World, WorldError, read_world, world_path, write_world

@@ -39,7 +39,7 @@ from paramiko.common import (
 from paramiko.sftp import SFTP_OK, SFTP_OP_UNSUPPORTED
 from typing_extensions import Buffer
 
-from shepherd.processes import kill_marked
+from shepherd.os_processes import kill_marked
 
 log = logging.getLogger(__name__)
 MARKER = "SHEPHERD_SIM_DEVICE"

@@ -26,7 +26,7 @@ from typing import TextIO
 from shepherd import state_env
 from shepherd.config import Settings
 from shepherd.files import write_private
-from shepherd.processes import kill_marked
+from shepherd.os_processes import kill_marked
 from shepherd.runtime import Runtime
 from shepherd.simulator.ssh import SANDBOX_MARKER as SIM_SANDBOX
 from shepherd.up import announce, environment, ports, progress, racks, state

@@ -3,7 +3,7 @@ AgentStart and Recovery (per machine).
 
 A Celery task adopts (or claims) a ``bmdb.Work`` and calls::
 
-    result = initialize(work, provider, InitializerSettings(ssh_key_path=..., bmaas_endpoint=...))
+    result = initialize(work, provider, InitializerSettings(ssh_key_path=..., callback_url=...))
     result = recover(work, provider, power_for, RecovererSettings())
     reason = recovery_paused(db, thresholds)        # before sourcing Recovery at all
 

@@ -69,7 +69,7 @@ class InitializerSettings:
     """
 
     ssh_key_path: Path
-    bmaas_endpoint: str
+    callback_url: str
     ca_certificate: str | None = None
     connect_timeout: float = 10.0
     exec_timeout: float = 60.0
@@ -251,7 +251,7 @@ def take_over(machine: ProviderMachine, machine_id: uuid.UUID,
     is uploaded)."""
     assert machine.address is not None
     try:
-        init = TakeoverInit(machine_id, settings.bmaas_endpoint, settings.ca_certificate,
+        init = TakeoverInit(machine_id, settings.callback_url, settings.ca_certificate,
                             nonce=new_nonce(), answer_key=answer_key,
                             heartbeat_interval=settings.heartbeat_interval)
     except ProtocolError as error:

@@ -1,0 +1,177 @@
+"""``explain``: why a machine is or is not claimable, in words an operator can act on.
+
+Why it reads the tags *and* runs the backlog query: the query is the truth (what a
+claim would see), the tags say why. For Recovery it asks the guard the way every
+claimer does (``guard.decide``, inside this same read transaction, with the callback
+server checked before it), so "claimable" here is exactly what a claim would take.
+All of it comes from one transaction, on the BMDB's clock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import bmdb
+from bmdb import inspection
+from shepherd.operations.arguments import BACKLOG_PROCESSES
+from shepherd.operations.reads import require_machine
+from shepherd.operations.views import (
+    Explanation,
+    ProcessExplanation,
+    hold_text,
+    iso,
+    lift_command,
+    status_text,
+)
+from shepherd.workflows import guard
+from shepherd.workflows.guard import CallbackCheck, GuardDecision, GuardLimits
+
+
+def explain_machine(db: bmdb.BMDB, machine_id: uuid.UUID, limits: GuardLimits
+                    ) -> Explanation:
+    """``explain`` with the whole guard a claimer asks: the callback server checked first
+    (when ``limits`` names it), outside the transaction, then one read transaction."""
+    callback = guard.check_callback(limits)
+    return db.read(lambda tx: explain(tx, machine_id, db.thresholds, limits, callback))
+
+
+def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
+            limits: GuardLimits | None = None, callback: CallbackCheck | None = None
+            ) -> Explanation:
+    """For AgentStart and Recovery: in the backlog or not and why, the work holding the
+    machine in the group (and whether its session lives), the active backoff, and for
+    Recovery what the blast-radius guard decides (share of silent agents, hourly budget,
+    and the callback server's health as ``guard.check_callback`` found it: not checked
+    when ``callback`` is None; ``explain_machine`` checks it)."""
+    require_machine(tx, machine_id)
+    # As stored: no document is decoded, so none that is undecodable can fail this.
+    tags = inspection.machine_tags_as_stored(tx, machine_id)
+    holds = bmdb.holds.holds_of(tx, machine_id)
+    decision = guard.decide(tx, thresholds, limits or GuardLimits(), callback)
+    out = [explain_process(tx, process, machine_id, thresholds, tags,
+                           decision if process is bmdb.Process.RECOVERY else None, holds)
+           for process in BACKLOG_PROCESSES]
+    return Explanation(now=tx.now, id=machine_id, tags=list(tags), processes=out,
+                       holds=holds)
+
+
+def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
+                    thresholds: bmdb.Thresholds, tags: dict[str, dict[str, Any]],
+                    decision: GuardDecision | None = None,
+                    holds: list[bmdb.holds.Hold] | None = None) -> ProcessExplanation:
+    """One process of ``explain``; ``decision`` is the guard's, for a guarded process.
+    A hold (maintenance, quarantine) is the reason before any other: the backlog
+    queries leave held machines out whatever their tags say."""
+    held = inspection.machine_work(tx, machine_id, bmdb.exclusion_group(process))
+    backoffs = inspection.machine_backoffs(tx, machine_id, process)
+    if holds is None:
+        holds = bmdb.holds.holds_of(tx, machine_id)
+    if holds:
+        reason = held_reason(holds)
+    elif process is bmdb.Process.AGENT_START:
+        reason = _agent_start_reason(tags)
+    else:
+        reason = _recovery_reason(tags, tx.now, thresholds)
+    return ProcessExplanation(
+        process=process.value,
+        in_backlog=inspection.in_backlog(tx, process, machine_id, thresholds),
+        backlog=reason, work=held[0] if held else None,
+        backoff=backoffs[0] if backoffs else None,
+        paused=decision.paused if decision else None,
+        guard=guard_figures(decision) if decision else {},
+    )
+
+
+def guard_figures(decision: GuardDecision) -> dict[str, Any]:
+    """The numbers behind the guard's decision, as ``explain`` shows them."""
+    return {"started": decision.started, "silent": decision.silent,
+            "max_share": decision.max_share, "min_silent": decision.min_silent,
+            "reboots_last_hour": decision.reboots_last_hour,
+            "reboots_per_hour": decision.reboots_per_hour,
+            "callback_server": decision.callback_url,
+            "callback_healthy": decision.callback_healthy}
+
+
+def why_not(db: bmdb.BMDB, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb.NotClaimable:
+    """The reason a claim of ``machine_id`` for ``process`` found nothing, as the BMDB's
+    own error types, in ``explain``'s words (which say *why* a machine is not in its
+    backlog, where the BMDB's own reason only says that it is not)."""
+
+    def read(tx: bmdb.Tx) -> ProcessExplanation:
+        require_machine(tx, machine_id)
+        tags = inspection.machine_tags_as_stored(tx, machine_id)
+        return explain_process(tx, process, machine_id, db.thresholds, tags)
+
+    mine = db.read(read)
+    if mine.in_backlog and mine.work is not None:
+        return bmdb.MachineBusy(machine_id, process.value, mine.summary.removeprefix(
+            "in backlog but "))
+    if mine.in_backlog and mine.backing_off:
+        return bmdb.MachineInBackoff(machine_id, process.value, mine.summary.removeprefix(
+            "in backlog but "))
+    if mine.in_backlog:  # became claimable meanwhile: a race, not a reason
+        return bmdb.NotClaimable(machine_id, process.value, "its state changed during the "
+                                 "claim; try again")
+    return bmdb.NotInBacklog(machine_id, process.value, mine.summary)
+
+
+# -- the wording -----------------------------------------------------------------------
+
+
+def held_reason(holds: list[bmdb.holds.Hold]) -> str:
+    """Why a held machine is in no backlog, and the command that lets it back."""
+    return "; ".join(f"{hold_text(h)}: held machines are in no backlog "
+                     f"(`{lift_command(h)}` lets it back)" for h in holds)
+
+
+def _gone_reason(provided: dict[str, Any] | None) -> str | None:
+    """Why a machine its provider no longer lists is in no backlog, or None."""
+    if provided is None or provided["provider_status"] != bmdb.ProviderStatus.MISSING.value:
+        return None
+    return (f"{status_text(provided['provider_status'], provided['provider'])} since "
+            f"{iso(provided['updated_at'])}, as {provided['provider_id']}: Shepherd "
+            "leaves it alone and never deletes it")
+
+
+def _agent_start_reason(tags: dict[str, dict[str, Any]]) -> str:
+    provided = tags.get("Provided")
+    if provided is None:
+        return "no Provided tag: no provider has reported this machine"
+    at = f"{provided['provider']} {provided['provider_id']}"
+    gone = _gone_reason(provided)
+    if gone:
+        return gone
+    if provided["provider_status"] != bmdb.ProviderStatus.RUNNING.value:
+        return (f"provider status is {provided['provider_status']}, not Running "
+                f"({at}, updated {iso(provided['updated_at'])})")
+    started = tags.get("AgentStarted")
+    if started is not None:
+        return f"has AgentStarted: agent started at {iso(started['started_at'])}"
+    return f"Running at the provider ({at}) and no agent started yet"
+
+
+def _recovery_reason(tags: dict[str, dict[str, Any]], now: dt.datetime,
+                     thresholds: bmdb.Thresholds) -> str:
+    started = tags.get("AgentStarted")
+    if started is None:
+        return "no AgentStarted tag: no agent to recover"
+    gone = _gone_reason(tags.get("Provided"))
+    if gone:
+        return gone
+    heartbeat = tags.get("AgentHeartbeat")
+    if heartbeat is None:
+        due = started["started_at"] + dt.timedelta(seconds=thresholds.first_heartbeat)
+        if due > now:
+            return (f"first heartbeat not yet due: agent started at "
+                    f"{iso(started['started_at'])}, due by {iso(due)}")
+        return (f"no heartbeat since the agent started at {iso(started['started_at'])}; "
+                f"the first was due by {iso(due)}")
+    last = heartbeat["last_heartbeat_at"]
+    stale_at = last + dt.timedelta(seconds=thresholds.heartbeat)
+    if stale_at > now:
+        return (f"heartbeat fresh: last at {iso(last)}, silent only after "
+                f"{iso(stale_at)}")
+    return (f"heartbeat stale: last at {iso(last)}, older than "
+            f"{thresholds.heartbeat:g}s since {iso(stale_at)}")

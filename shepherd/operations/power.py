@@ -1,0 +1,198 @@
+"""An operator's power command on one machine: read its power, or turn it on, off, or
+off and on again, through the same drivers Recovery uses.
+
+Why a claim: ``on``, ``off`` and ``cycle`` change the machine under the workflows'
+feet, so they run as work of ``Process.POWER``, in the exclusion group of AgentStart
+and Recovery: refused with the BMDB's reason (``MachineBusy``) while either holds the
+machine, and neither can claim it while the command runs. A machine in maintenance
+can be claimed: powering it is what maintenance is for. ``status`` only reads, so it
+claims nothing (the BMC's fleet-wide lock still applies: ``Runtime.power_for``).
+
+Verified like the reboot ladder's rungs: by polling the power state until it is the
+one wanted (``ladder.Watch``), never by the BMC's acknowledgement. The outcome is a
+``Power`` history row, then ``Finished``; a failure cancels the work with its cause
+(history says ``Canceled``, no backoff: an operator is there to read it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import bmdb
+from shepherd.operations.reads import provided_at
+from shepherd.power import PowerAction, PowerControl, PowerError, PowerState
+from shepherd.providers.base import NotFound, Provider, ProviderError, ProviderMachine
+from shepherd.workflows.ladder import Endpoint, LadderSettings, Watch
+
+COMMANDS = ("status", "on", "off", "cycle")
+#: The history event of a power command's outcome (at most 16 characters).
+POWER_EVENT = "Power"
+#: What each changing command does: (action, the state that verifies it), in order.
+STEPS: dict[str, tuple[tuple[PowerAction, PowerState], ...]] = {
+    "on": ((PowerAction.POWER_ON, PowerState.ON),),
+    "off": ((PowerAction.POWER_OFF, PowerState.OFF),),
+    "cycle": ((PowerAction.POWER_OFF, PowerState.OFF), (PowerAction.POWER_ON, PowerState.ON)),
+}
+
+PowerFor = Callable[[ProviderMachine], PowerControl | None]
+
+
+class PowerRefused(Exception):
+    """The command cannot be done (no provider lists the machine, nothing controls its
+    power, the BMC failed or did not do it in time); the message says which."""
+
+
+@dataclass(frozen=True)
+class PowerTarget:
+    machine_id: uuid.UUID
+    provider: str
+    provider_id: str
+    machine: ProviderMachine
+    power: PowerControl
+
+    @property
+    def bmc(self) -> str:
+        return self.power.description
+
+
+@dataclass(frozen=True)
+class PowerStatus:
+    machine: uuid.UUID
+    provider: str
+    provider_id: str
+    bmc: str
+    power: str
+
+
+@dataclass(frozen=True)
+class PowerResult:
+    machine: uuid.UUID
+    command: str
+    bmc: str
+    #: The power state seen last ("On", "Off").
+    power: str
+    #: What was observed, step by step ("off: power On -> Off; on: power Off -> On").
+    detail: str
+    seconds: float
+    work: uuid.UUID
+    #: Holds of the machine (``maintenance``, ``quarantine``) at the claim.
+    holds: list[bmdb.holds.Kind]
+
+
+def locate(session: bmdb.Session, provider_of: Callable[[], Provider], power_for: PowerFor,
+           machine_id: uuid.UUID) -> PowerTarget:
+    """The machine as its provider lists it now, and its power control; ``PowerRefused``
+    when there is none (``UnknownMachine`` for no such machine). ``provider_of`` is
+    called once the BMDB knows the machine: building a provider may cost API calls."""
+    provided = provided_at(session, machine_id)
+    if provided is None:
+        raise PowerRefused(f"machine {machine_id} has no Provided tag: no provider lists it, "
+                           "so nothing says where its BMC is")
+    name, provider_id = provided
+    provider = provider_of()
+    if name != provider.name:
+        raise PowerRefused(f"machine {machine_id} is provided by {name}, but this shepherd's "
+                           f"provider is {provider.name} (SHEPHERD_PROVIDER)")
+    try:
+        machine = provider.get_machine(provider_id)
+    except NotFound:
+        raise PowerRefused(f"machine {machine_id}: {name} no longer lists {provider_id}, so "
+                           "nothing says where its BMC is") from None
+    except ProviderError as error:
+        raise PowerRefused(f"machine {machine_id}: provider {name}: {error}") from None
+    try:
+        power = power_for(machine)
+    except PowerError as error:
+        raise PowerRefused(f"machine {machine_id} ({name} {provider_id}): "
+                           f"{type(error).__name__}: {error}") from None
+    if power is None:
+        raise PowerRefused(f"machine {machine_id} ({name} {provider_id}): nothing controls "
+                           f"its power: its inventory entry has no bmc table and provider "
+                           f"{name} has no reboot API")
+    return PowerTarget(machine_id, name, provider_id, machine, power)
+
+
+def read_status(target: PowerTarget) -> PowerStatus:
+    """The machine's power as its BMC reports it now."""
+    try:
+        state = target.power.power_state()
+    except PowerError as error:
+        raise PowerRefused(f"machine {target.machine_id}: {type(error).__name__}: "
+                           f"{error}") from None
+    return PowerStatus(target.machine_id, target.provider, target.provider_id, target.bmc,
+                       state.value)
+
+
+def change(session: bmdb.Session, target: PowerTarget, command: str,
+           settings: LadderSettings, actor: str,
+           clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> PowerResult:
+    """Claim the machine for ``Process.POWER`` (``NotClaimable`` when busy), do
+    ``command``'s steps, each verified within ``settings.rung_timeout``, then finish;
+    on any failure cancel the claim with the cause and raise ``PowerRefused``."""
+    steps = STEPS[command]
+    work = session.claim_machine(bmdb.Process.POWER, target.machine_id)
+    started = clock()
+    try:
+        holds = session.transact(lambda tx: [h.kind for h in bmdb.holds.holds_of(
+            tx, target.machine_id)])
+        power, detail = _run(work, target, steps, settings, clock, sleep)
+    except BaseException as error:  # Ctrl-C too: never leave the claim to the sweep
+        cause = (f"power {command} by {actor} via {target.bmc}: "
+                 f"{_describe(error)}")
+        with contextlib.suppress(bmdb.BMDBError):  # a lost session: the sweep releases it
+            work.cancel(cause[:2000])
+        if isinstance(error, PowerRefused | PowerError):
+            raise PowerRefused(f"machine {target.machine_id}: {cause}; claim cancelled"
+                               ) from None
+        raise
+    seconds = clock() - started
+    work.note(POWER_EVENT, f"{command} by {actor} via {target.bmc}: verified after "
+                           f"{seconds:.1f}s: {detail}")
+    work.finish()
+    return PowerResult(target.machine_id, command, target.bmc, power.value, detail,
+                       round(seconds, 3), work.id, holds)
+
+
+def _run(work: bmdb.Work, target: PowerTarget,
+         steps: tuple[tuple[PowerAction, PowerState], ...], settings: LadderSettings,
+         clock: Callable[[], float], sleep: Callable[[float], None]
+         ) -> tuple[PowerState, str]:
+    power = target.power
+    for action, _ in steps:
+        if not power.supports(action):
+            raise PowerRefused(f"{power.description} does not offer {action.value}")
+    if not power.reads_state:
+        raise PowerRefused(f"{power.description} cannot read the power state, so a change "
+                           "could not be verified")
+    watch = Watch(power, Endpoint(target.machine.address, target.machine.ssh_port),
+                  settings, clock, sleep)
+    details = []
+    state = PowerState.UNKNOWN
+    for action, wanted in steps:
+        if watch.state() is wanted:  # BMCs differ on "on" when on: do not ask them
+            details.append(f"{action.value}: already {wanted.value}")
+            state = wanted
+            continue
+        work.ensure_held()
+        step_started = clock()
+        power.act(action)
+        reached, seen = watch.reaches(wanted, step_started)
+        details.append(f"{action.value}: {seen}")
+        if not reached:
+            raise PowerRefused(f"not verified within {settings.rung_timeout:g}s: "
+                               f"{'; '.join(details)}")
+        state = wanted
+    return state, "; ".join(details)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, PowerRefused):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(error).__name__}: {error}"

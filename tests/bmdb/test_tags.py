@@ -1,0 +1,199 @@
+"""Tags: upserts and deletes, and the backlog markers that must follow them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+import bmdb
+from bmdb import Process
+from tests.support.bmdb_helpers import backlog_ids, seed_provided, start_agent
+
+KEY = b"k" * 32
+
+
+def _tags(db: bmdb.BMDB, machine: uuid.UUID) -> set[str]:
+    return set(db.read(lambda tx: bmdb.queries.machine_tags(tx, machine)))
+
+
+def _marker(db: bmdb.BMDB, table: sa.Table, column: str, machine: uuid.UUID) -> bool:
+    query = sa.select(table.c[column]).where(table.c.machine_id == machine)
+    return db.read(lambda tx: tx.execute(query).scalar_one())
+
+
+def test_every_tag_can_be_deleted_and_the_markers_follow(db, session):
+    (machine,) = seed_provided(session, 1)
+    start_agent(session, machine)
+
+    def fill(tx: bmdb.Tx) -> None:
+        bmdb.tags.record_heartbeat(tx, machine, tx.now)
+        bmdb.tags.set_hardware_report(tx, machine, {"cpu": {"threads": 4}})
+        bmdb.tags.set_os_installation_request(tx, machine, 3, {"kind": "none"})
+        bmdb.tags.set_os_installation_report(tx, machine, 3, {"error": "unsupported"})
+
+    session.transact(fill)
+    assert _marker(db, bmdb.schema.agent_started, "heartbeat_seen", machine)
+    assert _marker(db, bmdb.schema.provided, "agent_started", machine)
+    deletes = [
+        ("AgentHeartbeat", bmdb.tags.delete_heartbeat),
+        ("HardwareReport", bmdb.tags.delete_hardware_report),
+        ("OSInstallationRequest", bmdb.tags.delete_os_installation_request),
+        ("OSInstallationReport", bmdb.tags.delete_os_installation_report),
+        ("AgentStarted", bmdb.tags.delete_agent_started),
+    ]
+    for tag, delete in deletes:
+        assert tag in _tags(db, machine)
+        session.transact(lambda tx, d=delete: d(tx, machine))
+        assert tag not in _tags(db, machine)
+    assert not _marker(db, bmdb.schema.provided, "agent_started", machine)
+    assert backlog_ids(session, Process.AGENT_START) == {machine}
+    session.transact(lambda tx: bmdb.tags.delete_provided(tx, machine))
+    assert _tags(db, machine) == set()
+    assert backlog_ids(session, Process.AGENT_START) == set()
+
+
+def test_provided_ids_are_unique_per_provider(db, session):
+    first, second = seed_provided(session, 2)
+
+    def same_id(provider: str):
+        return lambda tx: bmdb.tags.upsert_provided(
+            tx, second, provider=provider, provider_id=str(first), provider_status="Running")
+
+    try:
+        session.transact(same_id("test"))
+    except sa.exc.IntegrityError:
+        pass
+    else:
+        raise AssertionError("two machines took one provider id")
+    session.transact(same_id("another-provider"))  # another provider's namespace
+
+
+def test_a_provided_update_during_an_agent_start_keeps_the_marker(pg_url):
+    """The updater rewrites Provided while AgentStart finishes on the machine.
+
+    The upsert's marker (EXISTS AgentStarted) comes from a snapshot taken before
+    it waited for the finish's row lock; writing it back would put the started
+    machine into the AgentStart backlog again.
+    """
+    db = bmdb.connect(pg_url)
+    with db.start_session("a", interval=5) as session:
+        (machine,) = seed_provided(session, 1)
+        holding, release = threading.Event(), threading.Event()
+
+        def finish_agent_start(tx: bmdb.Tx) -> None:
+            bmdb.tags.set_agent_started(tx, machine, KEY)  # locks the Provided row
+            holding.set()
+            assert release.wait(10)
+
+        finisher = threading.Thread(target=lambda: session.transact(finish_agent_start))
+        finisher.start()
+        assert holding.wait(10)
+        updater = threading.Thread(target=lambda: session.transact(
+            lambda tx: bmdb.tags.upsert_provided(
+                tx, machine, provider="test", provider_id=str(machine),
+                provider_status="Running", address="127.0.0.2")))
+        updater.start()
+        time.sleep(0.5)  # the update now waits for the finish's lock
+        release.set()
+        finisher.join(10)
+        updater.join(10)
+        assert _marker(db, bmdb.schema.provided, "agent_started", machine)
+        assert backlog_ids(session, Process.AGENT_START) == set()
+    db.close()
+
+
+def test_a_restart_during_a_heartbeat_keeps_the_heartbeat_marker(pg_url):
+    """A second AgentStarted while a heartbeat is being recorded: the same race one tag up."""
+    db = bmdb.connect(pg_url, thresholds=bmdb.Thresholds(first_heartbeat=0, heartbeat=600))
+    with db.start_session("a", interval=5) as session:
+        (machine,) = seed_provided(session, 1)
+        start_agent(session, machine)
+        holding, release = threading.Event(), threading.Event()
+
+        def heartbeat(tx: bmdb.Tx) -> None:
+            bmdb.tags.record_heartbeat(tx, machine, tx.now)  # locks the AgentStarted row
+            holding.set()
+            assert release.wait(10)
+
+        beat = threading.Thread(target=lambda: session.transact(heartbeat))
+        beat.start()
+        assert holding.wait(10)
+        restart = threading.Thread(target=lambda: session.transact(
+            lambda tx: bmdb.tags.set_agent_started(tx, machine, b"n" * 32)))
+        restart.start()
+        time.sleep(0.5)
+        release.set()
+        beat.join(10)
+        restart.join(10)
+        assert _marker(db, bmdb.schema.agent_started, "heartbeat_seen", machine)
+        assert backlog_ids(session, Process.RECOVERY) == set()  # heard from: not silent
+    db.close()
+
+
+def test_history_outlives_a_deleted_machine(db, session):
+    (machine,) = seed_provided(session, 1)
+    session.claim_machine(Process.AGENT_START, machine).finish()
+    session.transact(lambda tx: bmdb.tags.delete_machine(tx, machine))
+    assert db.read(lambda tx: bmdb.queries.machine_tags(tx, machine)) == {}
+    events = [row["event"] for row in db.read(lambda tx: bmdb.queries.history(tx, machine))]
+    assert events == ["Finished", "Started"]
+
+
+def test_every_agent_start_writes_a_new_nonce_even_for_the_same_key(db, session):
+    """What no-replay rests on (``bmdb.queries.lock_agent_credentials``): a takeover's
+    nonce replaces the last one, also when an agent answered with the same key, and a
+    caller that names none still gets a new one, never the old."""
+    (machine,) = seed_provided(session, 1)
+    given = "n" * 44
+    session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, KEY, given))
+    nonces = [db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine)).nonce]
+    for _ in range(2):
+        session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, KEY))
+        nonces.append(db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine)).nonce)
+    assert nonces[0] == given and len(set(nonces)) == 3
+    for bad in ("short", "x" * 65):
+        with pytest.raises(ValueError, match="nonce"):
+            session.transact(lambda tx, b=bad: bmdb.tags.set_agent_started(tx, machine, KEY, b))
+
+
+def test_the_takeover_view_agrees_with_the_reads_it_replaces(db, session):
+    """``queries.takeover_view`` (AgentStart's one read before acting) says what
+    ``machine_tag``, ``host_keys.pinned`` and ``agent_credentials`` say, at every stage."""
+    bare, provided, started = seed_provided(session, 3)
+    session.transact(lambda tx: bmdb.tags.delete_provided(tx, bare))
+    start_agent(session, started)
+    session.transact(lambda tx: bmdb.host_keys.pin(tx, started, "ssh-ed25519 AAAA", "SHA256:x"))
+    for machine in (bare, provided, started, uuid.uuid4()):
+        def both(tx: bmdb.Tx, m: uuid.UUID = machine) -> tuple[object, tuple[object, ...]]:
+            current = bmdb.queries.agent_credentials(tx, m)
+            return bmdb.queries.takeover_view(tx, m), (
+                bmdb.queries.machine_tag(tx, "Provided", m), bmdb.host_keys.pinned(tx, m),
+                current.public_key if current else None)
+
+        view, separately = db.read(both)
+        assert (view.provided, view.host_key, view.agent_key) == separately
+    assert db.read(lambda tx: bmdb.queries.takeover_view(tx, started)).agent_key == b"\x01" * 32
+
+
+def test_any_claimable_is_whether_a_claim_would_find_a_machine(db, session):
+    agent_start = bmdb.backlog.retriever(Process.AGENT_START, db.thresholds)
+
+    def claimable() -> bool:
+        return db.read(lambda tx: bmdb.work.any_claimable(tx, Process.AGENT_START,
+                                                            agent_start))
+
+    assert not claimable()
+    (machine,) = seed_provided(session, 1)
+    assert claimable()
+    work = session.claim_backlog(Process.AGENT_START, 1)[0]
+    assert not claimable()  # busy
+    work.fail("ssh: refused")
+    assert not claimable()  # in backoff
+    session.transact(lambda tx: bmdb.work.clear_backoff(tx, machine, Process.AGENT_START))
+    assert claimable()
+    start_agent(session, machine)
+    assert not claimable()  # out of the backlog

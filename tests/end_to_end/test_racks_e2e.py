@@ -1,0 +1,199 @@
+"""Real racks end to end: machines listed in a static inventory, each an SSH server of
+the simulator behind an emulated Redfish BMC (sushy-emulator, which no one here
+wrote) whose power changes reach the machine; real Celery workers and beat on
+PostgreSQL and Redis, all on loopback.
+
+Each test runs the whole control plane for tens of seconds: marked slow.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import bmdb
+from shepherd.inventory.host_keys import key_line_fingerprint
+from shepherd.providers import ssh_keys
+from shepherd.simulator.racks import Racks
+from shepherd.simulator.redfish import available as sushy_available
+from tests.support.celery_fixtures import ControlPlane, control_plane, overlapping_work, wait_until
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sushy_available(), reason="sushy-tools is not installed"),
+]
+__all__ = ["control_plane"]
+
+
+@pytest.fixture
+def racked(control_plane: Callable[..., ControlPlane], tmp_path: Path
+           ) -> Iterator[Callable[..., tuple[ControlPlane, Racks]]]:
+    """``racked(count, **env)``: a control plane whose provider is the static inventory
+    of ``count`` racked simulator machines (workers not started yet)."""
+    started: list[Racks] = []
+
+    def make(count: int, **env: str) -> tuple[ControlPlane, Racks]:
+        directory = tmp_path / "racks"
+        cp = control_plane(reservations=count, SHEPHERD_PROVIDER="static",
+                           SHEPHERD_STATIC_INVENTORY=str(directory / "inventory.toml"),
+                           SHEPHERD_RECOVERY_MAX_SHARE="1.0", **env)
+        key = ssh_keys.load_or_create(cp.env["SHEPHERD_SSH_KEY_PATH"])
+        racks = Racks(cp.simulator, directory, count,
+                      authorized_keys=[ssh_keys.public_key_openssh(key)]).start()
+        started.append(racks)
+        return cp, racks
+
+    yield make
+    for racks in started:
+        racks.stop()
+
+
+def machine_of(cp: ControlPlane, name: str) -> uuid.UUID:
+    [machine_id] = [m for m in cp.machine_ids() if cp.provider_id(m) == name]
+    return machine_id
+
+
+def rows(cp: ControlPlane, machine_id: uuid.UUID, event: str | None = None,
+         process: str | None = None) -> list[dict]:
+    return [h for h in cp.history() if h["machine_id"] == machine_id
+            and (event is None or h["event"] == event)
+            and (process is None or h["process"] == process)]
+
+
+def heartbeating(cp: ControlPlane, machine_id: uuid.UUID, after: object = None) -> bool:
+    beat = cp.tags(machine_id).get("AgentHeartbeat")
+    return beat is not None and (after is None or beat["last_heartbeat_at"] > after)
+
+
+def hold(cp: ControlPlane, machine_id: uuid.UUID, reason: str) -> None:
+    with cp.db.start_session("test-operator", interval=2) as session:
+        session.transact(lambda tx: bmdb.holds.put(tx, machine_id, bmdb.holds.MAINTENANCE,
+                                                   reason, "test"))
+
+
+def test_a_racked_fleet_recovers_through_its_bmc(racked) -> None:
+    """Four machines: one hangs (the ladder reboots it through its BMC), one loses only
+    its agent (restarted, no reboot), one in maintenance hangs too (never touched),
+    one presents another host key than its pin (nothing uploaded)."""
+    cp, racks = racked(4, SHEPHERD_RUNG_TIMEOUT="25")
+    hung, killed, resting, impostor = (m.id for m in racks.machines)
+    stale_pin = cp.simulator.host_key_line(impostor)
+    new_key = cp.simulator.rotate_host_key(impostor)
+    cp.start_worker("w1", concurrency=3)
+    cp.start_beat()
+    cp.wait_for(lambda c: c.heartbeating == 3, timeout=60, what="3 machines heartbeating")
+    ids = {name: machine_of(cp, name) for name in (hung, killed, resting, impostor)}
+
+    # The impostor: refused before anything was uploaded, both keys named, backing off.
+    [failed] = wait_until(lambda: rows(cp, ids[impostor], "Failed",
+                                       bmdb.Process.AGENT_START.value)[-1:],
+                          30, "the impostor's AgentStart to fail", cp)
+    assert "host key mismatch" in failed["cause"]
+    assert key_line_fingerprint(new_key) in failed["cause"]
+    assert key_line_fingerprint(stale_pin) in failed["cause"]
+    assert not any(cp.simulator.sandbox(impostor).glob("shepherd-agent*"))
+    assert "AgentStarted" not in cp.tags(ids[impostor])
+
+    hold(cp, ids[resting], "disk swap")
+    started = time.time()
+    cp.simulator.hang(hung)
+    cp.simulator.hang(resting)
+    cp.simulator.kill_agent(killed)
+
+    def finished(name: str) -> dict | None:
+        done = rows(cp, ids[name], "Finished", bmdb.Process.RECOVERY.value)
+        return done[-1] if done else None
+
+    done_hung = wait_until(lambda: finished(hung), 90, "Recovery of the hung machine", cp)
+    done_killed = wait_until(lambda: finished(killed), 60, "Recovery of the dead agent", cp)
+    wait_until(lambda: heartbeating(cp, ids[hung], done_hung["at"]), 60,
+               "heartbeats from the rebooted machine", cp)
+    wait_until(lambda: heartbeating(cp, ids[killed], done_killed["at"]), 30,
+               "heartbeats from the restarted agent", cp)
+
+    # The hung machine: rung 0 failed (no SSH), rung 1 was seen to power-cycle it.
+    rungs = [r["cause"] for r in rows(cp, ids[hung], "Rung")]
+    assert rungs[0].startswith("rung 0 (agent restart): not verified")
+    assert rungs[1].startswith("rung 1 (graceful restart): verified")
+    # The evidence: power seen leaving On and coming back, or (when the emulator's
+    # Off lasted less than one poll, which its fake driver allows) SSH answering
+    # again on the machine that was hung before the reset.
+    assert re.search(r": power (On -> )?Off -> On$|: SSH banner (went away|was away before "
+                     r"the reset) and came back", rungs[1]), rungs[1]
+    assert racks.bmc.resets(hung) == ["GracefulRestart"]
+    assert cp.simulator.devices[hung].power_changes >= 2
+    assert rows(cp, ids[hung], "Finished", bmdb.Process.AGENT_START.value)[-1]["at"] \
+        > done_hung["at"]
+    # The dead agent: restarted over SSH, its machine never power-cycled.
+    [restart] = [r["cause"] for r in rows(cp, ids[killed], "Rung")]
+    assert restart.startswith("rung 0 (agent restart): verified")
+    assert racks.bmc.resets(killed) == [] and cp.simulator.devices[killed].power_changes == 0
+    # The machine in maintenance: silent all along, never claimed, never reset. Give
+    # Recovery its chance first: past the heartbeat timeout (3 s) plus several
+    # sourcing rounds (0.5 s), however fast the other two recovered.
+    time.sleep(max(0.0, started + 5 - time.time()))
+    assert rows(cp, ids[resting], process=bmdb.Process.RECOVERY.value) == []
+    assert racks.bmc.resets(resting) == [] and cp.simulator.devices[resting].hung
+    assert overlapping_work(cp.history()) == []
+    assert cp.log_problems("w1", "beat") == []
+
+
+def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked) -> None:
+    """A BMC that acknowledges resets but never changes power: the ladder is exhausted,
+    twice, then the machine is quarantined and left alone. A wrong BMC password: a
+    cause naming the BMC, a backoff, and the password nowhere."""
+    cp, racks = racked(2, SHEPHERD_RUNG_TIMEOUT="2", SHEPHERD_QUARANTINE_AFTER="2",
+                       SHEPHERD_BOOT_WAIT="2")
+    frozen, locked_out = (m.id for m in racks.machines)
+    wrong = racks.directory / "wrong-password"
+    wrong.write_text("not-the-bmc-password\n")
+    wrong.chmod(0o600)
+    inventory = racks.inventory_path.read_text()
+    system = racks.bmc.system_path(locked_out)
+    racks.inventory_path.write_text(inventory.replace(
+        f'bmc = {{ system = "{system}" }}',
+        f'bmc = {{ system = "{system}", password_file = "{wrong}" }}'))
+    racks.bmc.set_frozen(frozen)
+    cp.start_worker("w1", concurrency=2)
+    cp.start_beat()
+    cp.wait_for(lambda c: c.heartbeating == 2, timeout=60, what="2 machines heartbeating")
+    ids = {name: machine_of(cp, name) for name in (frozen, locked_out)}
+    cp.simulator.hang(frozen)
+    cp.simulator.hang(locked_out)
+
+    def quarantined() -> bool:
+        return any(r["event"] == "Held" for r in rows(cp, ids[frozen], process="Quarantine"))
+
+    wait_until(quarantined, 90, "the frozen machine quarantined", cp)
+    failures = rows(cp, ids[frozen], "Failed", bmdb.Process.RECOVERY.value)
+    assert len(failures) == 2
+    assert all(f["cause"].startswith("ladder exhausted") for f in failures)
+    rungs = [r["cause"][:28] for r in rows(cp, ids[frozen], "Rung")]
+    assert rungs.count("rung 3 (power off, then on):") == 2
+    resets_at_quarantine = len(racks.bmc.resets(frozen))
+    assert resets_at_quarantine == 2 * 3  # graceful, force, off: twice; never on
+
+    bad = wait_until(lambda: rows(cp, ids[locked_out], "Failed",
+                                  bmdb.Process.RECOVERY.value), 30, "the refused login", cp)
+    assert "BmcAuthFailed" in bad[0]["cause"] and racks.bmc.base_url in bad[0]["cause"]
+    assert racks.bmc.resets(locked_out) == []
+    with cp.db.start_session("test-reader", interval=2) as session:
+        backoffs = session.transact(
+            lambda tx: bmdb.inspection.machine_backoffs(tx, ids[locked_out]))
+    assert any(b.process == bmdb.Process.RECOVERY.value for b in backoffs)
+
+    # Quarantined: nothing more is done to it, however long it stays silent.
+    time.sleep(6)
+    assert len(rows(cp, ids[frozen], "Failed", bmdb.Process.RECOVERY.value)) == 2
+    assert len(racks.bmc.resets(frozen)) == resets_at_quarantine
+    password = racks.password_path.read_text().strip()
+    for name in ("w1", "beat"):
+        assert password not in cp.log(name)
+        assert "not-the-bmc-password" not in cp.log(name)
+    assert all(password not in (h["cause"] or "") for h in cp.history())
+    assert overlapping_work(cp.history()) == []

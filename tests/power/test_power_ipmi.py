@@ -1,0 +1,144 @@
+"""IpmiPower against ipmi_sim (Debian's openipmi) on loopback, cross-checked with ipmitool.
+
+The simulated machine's power is a file the BMC's chassis_control script writes,
+so each action is observed where the machine has it, and read back by an
+independent client (``ipmitool -I lanplus``).
+"""
+
+# Fixtures imported from tests.support.bmc_fixtures, used as arguments:
+# ruff: noqa: F401, F811
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from shepherd.power import (
+    ActionUnsupported,
+    BmcAuthFailed,
+    BmcSpec,
+    BmcUnreachable,
+    IpmiPower,
+    PowerAction,
+    PowerState,
+    connect,
+)
+from tests.support.bmc_fixtures import IpmiBmc, ipmi_bmc
+
+
+def ipmitool_power(bmc: IpmiBmc) -> str:
+    """"on" or "off", as Debian's ipmitool reads the chassis."""
+    result = bmc.ipmitool("chassis", "power", "status")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().rsplit(" ", 1)[-1]
+
+
+def test_reads_the_power_as_ipmitool_does(ipmi_bmc: IpmiBmc) -> None:
+    power = connect(ipmi_bmc.spec())
+    assert isinstance(power, IpmiPower) and power.reads_state
+    assert power.description == f"ipmi 127.0.0.1:{ipmi_bmc.port}"
+    assert power.power_state() == PowerState.ON
+    assert ipmitool_power(ipmi_bmc) == "on"
+
+
+def test_off_on_and_reset_reach_the_chassis(ipmi_bmc: IpmiBmc) -> None:
+    power = IpmiPower(ipmi_bmc.spec(), timeout=10)
+    power.act(PowerAction.POWER_OFF)
+    assert not ipmi_bmc.powered()
+    assert power.power_state() == PowerState.OFF and ipmitool_power(ipmi_bmc) == "off"
+    power.act(PowerAction.POWER_ON)
+    assert ipmi_bmc.powered()
+    assert power.power_state() == PowerState.ON and ipmitool_power(ipmi_bmc) == "on"
+    power.act(PowerAction.FORCE_RESTART)
+    assert ipmi_bmc.resets == 1 and ipmi_bmc.powered()
+    changes = [line for line in ipmi_bmc.chassis_log if " set " in line]
+    assert changes == ["0x20 set power 0", "0x20 set power 1", "0x20 set reset 1"]
+
+
+def test_ipmi_has_no_graceful_restart(ipmi_bmc: IpmiBmc) -> None:
+    power = IpmiPower(ipmi_bmc.spec())
+    assert not power.supports(PowerAction.GRACEFUL_RESTART)
+    assert all(power.supports(a) for a in PowerAction if a != PowerAction.GRACEFUL_RESTART)
+    with pytest.raises(ActionUnsupported, match="no graceful_restart"):
+        power.act(PowerAction.GRACEFUL_RESTART)
+    assert [line for line in ipmi_bmc.chassis_log if " set " in line] == []  # nothing sent
+
+
+def test_a_bmc_that_refuses_chassis_control_is_unsupported(tmp_path: Path) -> None:
+    """ipmi_sim without a chassis_control script reads power but answers
+    "Invalid data field in request" (0xcc) to on/off/reset."""
+    bmc = IpmiBmc(tmp_path / "plain", chassis_control=False).start()
+    try:
+        power = IpmiPower(bmc.spec())
+        assert power.power_state() == PowerState.OFF
+        with pytest.raises(ActionUnsupported, match="0xcc"):
+            power.act(PowerAction.POWER_ON)
+        assert ipmitool_power(bmc) == "off"
+    finally:
+        bmc.stop()
+
+
+def test_wrong_credentials_are_refused_and_never_shown(
+        ipmi_bmc: IpmiBmc, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = Path(ipmi_bmc.wrong_password_file).read_text().strip()
+    started = time.monotonic()
+    with pytest.raises(BmcAuthFailed, match="Incorrect password") as refused:
+        IpmiPower(ipmi_bmc.spec(wrong_password=True)).power_state()
+    assert time.monotonic() - started < 5, "a refusal is not retried"
+    with pytest.raises(BmcAuthFailed, match="Unauthorized name"):
+        IpmiPower(ipmi_bmc.spec(username="nobody")).act(PowerAction.POWER_OFF)
+    assert ipmi_bmc.powered()  # nothing happened
+    message = str(refused.value)
+    assert f"127.0.0.1:{ipmi_bmc.port}" in message
+    captured = capsys.readouterr()
+    everything = [message, repr(refused.value), caplog.text, captured.out, captured.err]
+    for secret in (wrong, ipmi_bmc.password):
+        assert not [text for text in everything if secret in text]
+
+
+def test_an_unreachable_bmc_fails_within_a_bound(tmp_path: Path) -> None:
+    """pyghmi alone gives up after about 5 s; the child process is killed at ``timeout``."""
+    password = tmp_path / "password"
+    password.write_text("irrelevant\n")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+        silent.bind(("127.0.0.1", 0))  # bound, so no ICMP refusal: packets vanish
+        port = silent.getsockname()[1]
+        power = IpmiPower(connect_spec(port, password), timeout=1.0, attempts=2, backoff=0.05)
+        started = time.monotonic()
+        with pytest.raises(BmcUnreachable, match="no answer after 2 attempts") as failed:
+            power.power_state()
+        elapsed = time.monotonic() - started
+    assert 2.0 <= elapsed < 4.0, f"{elapsed:.1f}s"
+    assert f"127.0.0.1:{port}" in str(failed.value)
+
+
+def connect_spec(port: int, password_file: Path) -> BmcSpec:
+    return BmcSpec(driver="ipmi", address="127.0.0.1", port=port, username="admin",
+                   password_file=str(password_file))
+
+
+def _state_in_child(spec: BmcSpec, queue: multiprocessing.Queue) -> None:
+    queue.put(str(IpmiPower(spec).power_state()))
+
+
+def test_a_process_forked_after_a_call_still_works(ipmi_bmc: IpmiBmc) -> None:
+    """Celery's prefork pool forks workers; pyghmi's I/O thread would not survive a
+    fork, which is why each call runs in a process of its own."""
+    spec = ipmi_bmc.spec()
+    assert IpmiPower(spec).power_state() == PowerState.ON  # used in this process first
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_state_in_child, args=(spec, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=20) == "On"
+    finally:
+        child.join(timeout=10)
+    assert child.exitcode == 0

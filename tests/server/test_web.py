@@ -1,0 +1,821 @@
+"""The operator's web view, loaded in a real headless Chromium from the distribution.
+
+The server runs in-process on loopback with a seeded BMDB; Chromium renders each page
+and dumps the DOM, which the tests read with the standard library's HTML parser.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import requests
+
+import bmdb
+from shepherd import runtime
+from shepherd.config import Settings
+from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.workflows.guard import GuardLimits
+from tests.support.operator_fixtures import Fleet, seed_fleet
+from tests.support.servers import free_port
+
+pytestmark = pytest.mark.timeout(120)
+VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
+                  "source", "track", "wbr"})
+BROWSER_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1366,900")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("Chromium is missing: install it with `apt-get install -y chromium` "
+                    "(./dev test does as root)")
+    return path
+
+
+@pytest.fixture
+def web(sqlite_url: str) -> Iterator[tuple[RunningServer, bmdb.BMDB, Fleet]]:
+    db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
+    with db.start_session("test", interval=2) as session:
+        fleet = seed_fleet(db, session)
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db) as server:
+            yield server, db, fleet
+    db.close()
+
+
+@pytest.fixture
+def browse(chromium: str, tmp_path: Path):
+    def load(url: str) -> Page:
+        result = subprocess.run(
+            [chromium, *BROWSER_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}",
+             "--dump-dom", url],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return Page.parse(result.stdout)
+
+    return load
+
+
+class Page(HTMLParser):
+    """Rows (``tr``) with their attributes and text, the classes of each row's cells,
+    and the text of elements with an id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[dict[str, str], str]] = []
+        #: Per row (in ``rows``' order), the ``class`` of each of its ``td`` cells.
+        self.cell_classes: list[list[str]] = []
+        self._cells: list[str] = []
+        self.by_id: dict[str, str] = {}
+        #: The attributes of each element with an id (links' ``href``).
+        self.attributes_by_id: dict[str, dict[str, str]] = {}
+        self.title = ""
+        self._row: tuple[dict[str, str], list[str]] | None = None
+        self._ids: list[list] = []  # [tag, id, text parts, depth of that tag]
+        self._in_title = False
+        self.text_parts: list[str] = []
+        #: Every element's tag name seen (a ``script`` here would be an injected one).
+        self.start_tags: set[str] = set()
+        #: The attributes of every link, and the hidden inputs (name -> value).
+        self.anchors: list[dict[str, str]] = []
+        self.hidden_inputs: dict[str, str] = {}
+
+    @classmethod
+    def parse(cls, html: str) -> Page:
+        page = cls()
+        page.feed(html)
+        return page
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.text_parts)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = {k: v or "" for k, v in attrs}
+        self.start_tags.add(tag)
+        if tag == "a":
+            self.anchors.append(attributes)
+        if tag == "input" and attributes.get("type") == "hidden":
+            self.hidden_inputs[attributes.get("name", "")] = attributes.get("value", "")
+        if tag == "tr":
+            self._row, self._cells = (attributes, []), []
+        if tag == "td" and self._row is not None:
+            self._cells.append(attributes.get("class", ""))
+        if tag in VOID:
+            if "id" in attributes:
+                self.attributes_by_id[attributes["id"]] = attributes
+            return
+        for open_ in self._ids:
+            if open_[0] == tag:
+                open_[3] += 1
+        if "id" in attributes:
+            self.attributes_by_id[attributes["id"]] = attributes
+            self._ids.append([tag, attributes["id"], [], 1])
+        self._in_title = tag == "title"
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tr" and self._row is not None:
+            self.rows.append((self._row[0], " ".join(" ".join(self._row[1]).split())))
+            self.cell_classes.append(self._cells)
+            self._row = None
+        for open_ in list(self._ids):
+            if open_[0] == tag:
+                open_[3] -= 1
+                if open_[3] == 0:
+                    self._ids.remove(open_)
+                    self.by_id[open_[1]] = " ".join(" ".join(open_[2]).split())
+        self._in_title = False
+
+    def handle_data(self, data: str) -> None:
+        self.text_parts.append(data)
+        if self._in_title:
+            self.title += data
+        if self._row is not None:
+            self._row[1].append(data)
+        for open_ in self._ids:
+            open_[2].append(data)
+
+    def rows_with(self, attribute: str) -> list[tuple[dict[str, str], str]]:
+        return [(a, t) for a, t in self.rows if attribute in a]
+
+    def classes_of(self, attribute: str, value: str) -> list[str]:
+        """The cell classes of the row whose ``attribute`` is ``value``."""
+        (found,) = [c for (a, _), c in zip(self.rows, self.cell_classes, strict=True)
+                    if a.get(attribute) == value]
+        return found
+
+
+def test_machines_page_shows_tags_counts_and_filters(web, browse) -> None:
+    server, _, fleet = web
+    page = browse(f"{server.url}/")  # redirects to /machines
+    assert page.title.startswith("Machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert set(rows) == {str(m) for m in fleet.all}
+    assert "AgentStart" in rows[str(fleet.busy)]
+    assert "Stopped" in rows[str(fleet.stopped)]
+    counts = page.by_id["tag-counts"]
+    for expected in ("machines 9", "Provided 9", "AgentStarted 5", "AgentHeartbeat 2",
+                     "HardwareReport 0"):
+        assert expected in counts
+
+    filtered = browse(f"{server.url}/machines?tag=AgentStarted&without=AgentHeartbeat")
+    assert {a["data-machine"] for a, _ in filtered.rows_with("data-machine")} == {
+        str(fleet.silent), str(fleet.orphaned), str(fleet.fresh_agent)}
+    assert filtered.by_id["matched"].startswith("3 matching")
+    backing_off = browse(f"{server.url}/machines?backoff=any")
+    assert [a["data-machine"] for a, _ in backing_off.rows_with("data-machine")] == [
+        str(fleet.backing_off)]
+    held = browse(f"{server.url}/machines?work=recovery")
+    assert [a["data-machine"] for a, _ in held.rows_with("data-machine")] == [
+        str(fleet.orphaned)]
+
+
+def test_machines_pages_follow_the_next_link_and_refuse_bad_pages(web, browse) -> None:
+    server, _, fleet = web
+    seen: list[str] = []
+    url: str | None = f"{server.url}/machines?tag=Provided&limit=4"
+    pages = 0
+    while url:
+        page = browse(url)
+        seen += [a["data-machine"] for a, _ in page.rows_with("data-machine")]
+        following = page.attributes_by_id.get("next-page")
+        url = f"{server.url}{following['href']}" if following else None
+        pages += 1
+        assert pages <= 3
+    assert sorted(seen) == sorted(str(m) for m in fleet.all) and len(seen) == len(set(seen))
+    assert pages == 3 and "9 matching, showing 1 on this page" in page.by_id["matched"]
+    assert "first-page" in page.attributes_by_id
+    for query, error in (("limit=100000", "limit must be from 1 to 1000"),
+                         ("limit=ten", "limit must be a whole number"),
+                         ("after=bm9wZQ", "is not a page cursor")):
+        answer = requests.get(f"{server.url}/machines?{query}", timeout=10)
+        assert answer.status_code == 400 and error in answer.text
+
+
+def test_machine_page_shows_work_backoffs_and_history(web, browse) -> None:
+    server, db, fleet = web
+    healthy = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert healthy.by_id["machine-id"] == str(fleet.healthy)
+    assert {a["data-tag"] for a, _ in healthy.rows_with("data-tag")} == {
+        "Provided", "AgentStarted", "AgentHeartbeat"}
+    (backoff,) = healthy.rows_with("data-backoff")
+    assert backoff[0]["class"] == "expired" and "expired" in backoff[1]
+    assert "reboot: API 500" in backoff[1]
+    assert [a["data-event"] for a, _ in healthy.rows_with("data-event")] == ["Failed", "Started"]
+
+    orphaned = browse(f"{server.url}/machines/{fleet.orphaned}")
+    (work,) = orphaned.rows_with("data-work")
+    assert str(fleet.dead_session) in work[1] and "dead" in work[1]
+    explain = {a["data-explain"]: t for a, t in orphaned.rows_with("data-explain")}
+    assert "held by work" in explain["ShepherdRecovery"]
+    assert "PAUSED" in explain["ShepherdRecovery"]
+
+    busy = browse(f"{server.url}/machines/{fleet.backing_off}")
+    ((attributes, active),) = busy.rows_with("data-backoff")
+    assert attributes["class"] == "active"
+    assert "active, ends in" in active and "ssh: connection refused" in active
+
+    # The history of a machine with more events is newest first.
+    session = db.start_session("more", interval=2)
+    try:
+        work = session.claim_machine(bmdb.Process.AGENT_START, fleet.new)
+        work.finish(lambda tx: bmdb.tags.set_agent_started(tx, fleet.new, b"\x03" * 32))
+    finally:
+        session.close()
+    new = browse(f"{server.url}/machines/{fleet.new}")
+    assert [a["data-event"] for a, _ in new.rows_with("data-event")] == ["Finished", "Started"]
+
+
+def test_a_paused_recovery_is_not_shown_as_claimable(web, browse) -> None:
+    """The guard pauses Recovery (3 of 5 started agents silent): a silent machine in the
+    backlog is not claimable now, and its state is not green."""
+    server, _, fleet = web
+    silent = browse(f"{server.url}/machines/{fleet.silent}")
+    explain = {a["data-explain"]: t for a, t in silent.rows_with("data-explain")}
+    assert "PAUSED by the guard" in explain["ShepherdRecovery"]
+    assert "claimable" not in explain["ShepherdRecovery"]
+    assert "claimable" not in silent.classes_of("data-explain", "ShepherdRecovery")
+    assert "blocked" in silent.classes_of("data-explain", "ShepherdRecovery")
+    new = browse(f"{server.url}/machines/{fleet.new}")  # what green is for
+    assert "claimable" in new.classes_of("data-explain", "ShepherdAgentStart")
+
+
+def limits_from_env() -> GuardLimits:
+    """The guard limits ``shepherd serve`` builds from its settings (``Settings`` is the
+    only reader of the environment; ``start_server`` is given what it builds)."""
+    return runtime.guard_limits(Settings.from_env(), interactive=True)
+
+
+def test_the_machine_page_asks_the_callback_server_like_the_guard(
+        sqlite_url: str, browse, monkeypatch) -> None:
+    """The whole guard, as a worker asks it: with the share allowed, an unreachable
+    callback server alone pauses Recovery on the page; a healthy one does not."""
+    db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
+    monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1.0")
+    with db.start_session("test", interval=2) as session:
+        fleet = seed_fleet(db, session)
+        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db,
+                          limits=limits_from_env()) as server:
+            page = browse(f"{server.url}/machines/{fleet.silent}")
+        explain = {a["data-explain"]: t for a, t in page.rows_with("data-explain")}
+        assert "PAUSED" in explain["ShepherdRecovery"]
+        assert "callback server" in explain["ShepherdRecovery"]
+        port = free_port()
+        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{port}")
+        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, port=port,
+                          limits=limits_from_env()) as server:
+            page = browse(f"{server.url}/machines/{fleet.silent}")  # its own /healthz: 200
+        assert "claimable" in page.classes_of("data-explain", "ShepherdRecovery")
+    db.close()
+
+
+def test_holds_gone_machines_and_refusals_are_shown(web, browse) -> None:
+    """Maintenance and quarantine on the list and the machine page (with who, why and
+    the command that lifts them), a machine the provider stopped listing as gone, and a
+    reconcile refusal with its advice above the list."""
+    server, db, fleet = web
+
+    def changes(tx: bmdb.Tx) -> None:
+        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "replacing a DIMM", "alice")
+        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE,
+                       "the reboot ladder was exhausted 3 times in a row", "shepherd recovery")
+        bmdb.tags.set_provider_status(tx, [fleet.stopped], bmdb.ProviderStatus.MISSING)
+        bmdb.refusals.record(tx, "equinix", "FLEET MISMATCH: 2 at the provider but not in "
+                                            "the BMDB; set SHEPHERD_ASSIMILATE=true")
+
+    db.read(changes)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert rows[str(fleet.new)].endswith("maintenance")
+    assert rows[str(fleet.silent)].endswith("quarantine")
+    assert rows[str(fleet.healthy)].endswith("—")
+    assert "gone (no longer listed by test)" in rows[str(fleet.stopped)]
+    assert "gone" in page.classes_of("data-machine", str(fleet.stopped))[3]
+    counts = page.by_id["tag-counts"]
+    assert "maintenance 1" in counts and "quarantine 1" in counts
+    refusal = page.by_id["refusal-equinix"]
+    assert refusal.startswith("RECONCILE REFUSING : reconcile of equinix REFUSING since")
+    assert refusal.endswith("set SHEPHERD_ASSIMILATE=true")
+
+    held = browse(f"{server.url}/machines/{fleet.new}")
+    hold = held.by_id["hold-maintenance"]
+    assert hold.startswith("HELD : in maintenance since")
+    assert "because replacing a DIMM (by alice)" in hold
+    assert f"shepherd maintenance off {fleet.new} lets it back" in hold
+    explain = {a["data-explain"]: t for a, t in held.rows_with("data-explain")}
+    assert "not in backlog: in maintenance since" in explain["ShepherdAgentStart"]
+    assert "held machines are in no backlog" in explain["ShepherdAgentStart"]
+    assert held.by_id["host-key"].startswith("none recorded")
+    quarantined = browse(f"{server.url}/machines/{fleet.silent}").by_id["hold-quarantine"]
+    assert "quarantined since" in quarantined and "(by shepherd recovery)" in quarantined
+    assert f"shepherd quarantine clear {fleet.silent}" in quarantined
+    gone = browse(f"{server.url}/machines/{fleet.stopped}")
+    assert gone.by_id["gone"] == "gone (no longer listed by test): left alone, never deleted"
+
+
+def test_unknown_and_malformed_machines_get_a_404_page(web, browse) -> None:
+    server, _, _ = web
+    missing = "00000000-0000-4000-8000-000000000000"
+    page = browse(f"{server.url}/machines/{missing}")
+    assert page.by_id["error"] == f"no machine {missing} in the BMDB"
+    assert requests.get(f"{server.url}/machines/{missing}", timeout=10).status_code == 404
+    page = browse(f"{server.url}/machines/not-a-uuid")
+    assert "is not a machine id" in page.by_id["error"]
+    answer = requests.get(f"{server.url}/machines?work=dance", timeout=10)
+    assert answer.status_code == 400 and "unknown process" in answer.text
+
+
+def test_sessions_page(web, browse) -> None:
+    server, _, fleet = web
+    page = browse(f"{server.url}/sessions")
+    sessions = {a["data-session"]: (a["data-alive"], t) for a, t in page.rows_with("data-session")}
+    assert sessions[str(fleet.dead_session)][0] == "no"
+    assert "doomed-worker" in sessions[str(fleet.dead_session)][1]
+    assert any(alive == "yes" and "test" in text for alive, text in sessions.values())
+
+
+def test_the_web_view_can_have_a_listener_of_its_own(sqlite_url: str) -> None:
+    """Agents reach one socket, operators another: the fleet inventory is only on theirs."""
+    config = ServerConfig(bmdb_url=sqlite_url)
+    with start_server(config, operator_listen=("127.0.0.1", free_port())) as server:
+        assert server.operator_url and server.operator_url != server.url
+        assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
+        assert requests.get(f"{server.operator_url}/machines", timeout=10).status_code == 200
+        heartbeat = "/agent/v1/heartbeat"
+        assert requests.post(f"{server.operator_url}{heartbeat}", timeout=10).status_code == 404
+        assert requests.post(f"{server.url}{heartbeat}", timeout=10).status_code == 401
+        for url in (server.url, server.operator_url):
+            assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
+        # The fleet's metrics are operators' data too.
+        assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 404
+        assert requests.get(f"{server.operator_url}/metrics", timeout=10).status_code == 200
+        assert server.metrics_url == f"{server.operator_url}/metrics"
+
+
+def test_agents_listener_off_loopback_keeps_only_heartbeats_and_healthz(sqlite_url: str
+                                                                        ) -> None:
+    """Bound where machines reach it, with no operator listener: no view, no metrics
+    (and a warning says where they should go); heartbeats and /healthz stay."""
+    with start_server(ServerConfig(bmdb_url=sqlite_url), host="0.0.0.0") as server:
+        local = f"http://127.0.0.1:{server.port}"
+        assert server.operator_url is None and server.metrics_url is None
+        for path in ("/machines", "/metrics", "/sessions", "/"):
+            assert requests.get(f"{local}{path}", timeout=10).status_code == 404, path
+        assert requests.get(f"{local}/healthz", timeout=10).status_code == 200
+        assert requests.post(f"{local}/agent/v1/heartbeat", timeout=10).status_code == 401
+
+
+def test_with_the_view_off_the_operator_listener_still_serves_metrics(sqlite_url: str
+                                                                       ) -> None:
+    config = ServerConfig(bmdb_url=sqlite_url, operator_views=False)
+    with start_server(config, operator_listen=("127.0.0.1", free_port())) as server:
+        assert server.operator_url is None and server.metrics_url is not None
+        operators = server.metrics_url.removesuffix("/metrics")
+        assert requests.get(f"{operators}/machines", timeout=10).status_code == 404
+        assert requests.get(server.metrics_url, timeout=10).status_code == 200
+        assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize(("host", "operator_listen", "expected"), [
+    ("127.0.0.1", None, True), ("::1", None, True), ("localhost", None, True),
+    ("0.0.0.0", None, False), ("10.1.2.3", None, False), ("::", None, False),
+    ("127.0.0.1", ("127.0.0.1", 8471), False),
+])
+def test_the_agents_listener_serves_the_view_only_on_loopback(
+        sqlite_url: str, host: str, operator_listen, expected: bool) -> None:
+    from shepherd.server.serve import views_on_agent_listener
+
+    config = ServerConfig(bmdb_url=sqlite_url)
+    assert views_on_agent_listener(config, host, operator_listen) is expected
+
+
+def test_operator_views_can_be_turned_off(sqlite_url: str) -> None:
+    config = ServerConfig(bmdb_url=sqlite_url, operator_views=False)
+    with start_server(config) as server:
+        assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
+        assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 200
+
+
+# -- operator comfort: columns, hardware tables, provider, refresh, banner, CSP ----------
+
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'")
+#: Collects every CSP violation the page meets (an injected script: DevTools' own
+#: scripts are exempt from the page's policy, the page's are not).
+RECORD_VIOLATIONS = ("window.__violations = [];"
+                     "document.addEventListener('securitypolicyviolation', e => "
+                     "window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));")
+
+
+class Devtools:
+    """A headless Chromium driven over the DevTools protocol on a pipe
+    (``--remote-debugging-pipe``: fd 3 in, fd 4 out, NUL-separated JSON): what the
+    page really did, which ``--dump-dom`` cannot say (a stylesheet refused, a style
+    that did not apply, a CSP violation)."""
+
+    def __init__(self, chromium: str, profile: Path) -> None:
+        to_child, self._out = os.pipe()
+        self._in, from_child = os.pipe()
+        # Chromium reads fd 3 and writes fd 4: bash puts the pipe ends there (no
+        # preexec_fn, which is unsafe with the server's threads in this process).
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_child, from_child)]
+        for fd in (to_child, from_child):
+            os.close(fd)
+        self.process = subprocess.Popen(
+            ["bash", "-c", f'exec "$@" 3<&{high[0]} 4>&{high[1]} {high[0]}<&- {high[1]}>&-',
+             "bash", chromium, *BROWSER_FLAGS, f"--user-data-dir={profile}",
+             "--remote-debugging-pipe", "about:blank"],
+            pass_fds=high, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for fd in high:
+            os.close(fd)
+        self._buffer = b""
+        self._next_id = 0
+        self.events: list[dict] = []
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target,
+                                 flatten=True)["sessionId"]
+        for domain in ("Page", "Runtime", "Log"):
+            self.call(f"{domain}.enable", session=self.session)
+        self.call("Page.addScriptToEvaluateOnNewDocument", source=RECORD_VIOLATIONS,
+                  session=self.session)
+
+    def call(self, method: str, session: str | None = None, **params: object) -> dict:
+        self._next_id += 1
+        message: dict = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        os.write(self._out, json.dumps(message).encode() + b"\0")
+        answer = self._wait(lambda m: m.get("id") == self._next_id)
+        assert "error" not in answer, answer
+        return answer["result"]
+
+    def _wait(self, wanted, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\0", 1)
+                message = json.loads(raw)
+                if "method" in message:
+                    self.events.append(message)
+                if wanted(message):
+                    return message
+            left = deadline - time.monotonic()
+            assert left > 0, "Chromium did not answer in time"
+            if select.select([self._in], [], [], left)[0]:
+                chunk = os.read(self._in, 1 << 16)
+                assert chunk, "Chromium closed the DevTools pipe"
+                self._buffer += chunk
+
+    def load(self, url: str) -> None:
+        self.events.clear()
+        self.call("Page.navigate", url=url, session=self.session)
+        self._wait(lambda m: m.get("method") == "Page.loadEventFired")
+
+    def evaluate(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                           session=self.session)
+        return result["result"].get("value")
+
+    def violations(self) -> list[str]:
+        """The page's CSP violations, and any console line about the policy."""
+        seen = list(self.evaluate("window.__violations") or [])
+        return seen + [e["params"]["entry"]["text"] for e in self.events
+                       if e["method"] == "Log.entryAdded"
+                       and "Content Security Policy" in e["params"]["entry"]["text"]]
+
+    def style(self, selector: str, prop: str) -> str:
+        return self.evaluate(f"getComputedStyle(document.querySelector({json.dumps(selector)}))"
+                             f".getPropertyValue({json.dumps(prop)})")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call("Browser.close")
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+        os.close(self._in)
+        os.close(self._out)
+
+
+@pytest.fixture
+def devtools(chromium: str, tmp_path: Path) -> Iterator[Devtools]:
+    browser = Devtools(chromium, tmp_path / "devtools")
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+def test_the_devtools_harness_sees_a_violation_and_a_style(devtools: Devtools) -> None:
+    """The check below can fail: a page whose policy refuses its inline style reports
+    the violation, and the style does not apply."""
+    devtools.load("data:text/html,<meta http-equiv='Content-Security-Policy' "
+                  "content=\"style-src 'self'\"><header style='color: red'>x</header>")
+    assert any("style-src" in v for v in devtools.violations())
+    assert devtools.style("header", "color") == "rgb(0, 0, 0)"
+    devtools.load("data:text/html,<header style='color: red'>x</header>")
+    assert devtools.violations() == [] and devtools.style("header", "color") == "rgb(255, 0, 0)"
+
+
+def test_every_answer_carries_the_security_headers(web) -> None:
+    server, _, fleet = web
+    for path, status in (("/machines", 200), (f"/machines/{fleet.healthy}", 200),
+                         ("/sessions", 200), ("/machines?limit=ten", 400),
+                         ("/machines/not-a-uuid", 404), ("/no-such-page", 404),
+                         ("/machines?refresh=2", 400), ("/web-static/shepherd.css", 200)):
+        answer = requests.get(f"{server.url}{path}", timeout=10)
+        assert answer.status_code == status, path
+        assert answer.headers["Content-Security-Policy"] == CSP, path
+        assert answer.headers["X-Content-Type-Options"] == "nosniff", path
+        assert answer.headers["Referrer-Policy"] == "same-origin", path
+    css = requests.get(f"{server.url}/web-static/shepherd.css", timeout=10)
+    assert css.headers["Content-Type"].startswith("text/css")  # nosniff refuses others
+
+
+def test_pages_render_under_the_policy_with_their_styles(web, devtools: Devtools) -> None:
+    """Under the CSP, in Chromium: no violation on any page (error pages included),
+    the stylesheet is applied (the header's colours, a late heartbeat's red), and
+    no page has an inline style or script the policy would refuse."""
+    server, db, fleet = web
+    db.read(lambda tx: bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "DIMM", "alice"))
+    for path in ("/machines", "/machines?refresh=30", f"/machines/{fleet.quiet}",
+                 f"/machines/{fleet.new}", "/sessions", "/machines?limit=ten",
+                 "/machines/not-a-uuid"):
+        devtools.load(f"{server.url}{path}")
+        assert devtools.violations() == [], path
+        assert devtools.style("header", "background-color") == "rgb(29, 35, 48)", path
+        assert devtools.style("body", "font-size") == "14px", path
+        assert devtools.evaluate("document.querySelectorAll('[style], style, script')"
+                                 ".length") == 0, path
+    devtools.load(f"{server.url}/machines")
+    late = f"tr[data-machine='{fleet.quiet}'] td.heartbeat"
+    assert devtools.style(late, "color") == "rgb(179, 38, 30)"
+    assert devtools.style("#problems .banner", "background-color") == "rgb(253, 236, 234)"
+    held = f"tr[data-machine='{fleet.new}'] td.held .badge"
+    assert devtools.style(held, "color") == "rgb(161, 75, 0)"
+
+
+def _cells(page: Page, machine: object) -> dict[str, str]:
+    """The list's cells of one machine, by class (first class word)."""
+    return {c.split()[0]: c for c in page.classes_of("data-machine", str(machine)) if c}
+
+
+def test_the_list_shows_hostname_heartbeat_age_and_power(web, browse) -> None:
+    """Heartbeat age, late past the BMDB's thresholds (30 s, first 60 s); the hostname
+    from the stored report; the power last recorded, else "—" (the "test" provider's
+    status says nothing of power)."""
+    server, db, fleet = web
+
+    def seed(tx: bmdb.Tx) -> None:
+        bmdb.tags.set_hardware_report(tx, fleet.healthy, {"hostname": "rack1-u07",
+                                                          "cpu": {"cores": 8}})
+        bmdb.tags.set_hardware_report(tx, fleet.quiet, {"hostname": ["not", "a", "name"]})
+        bmdb.power_states.record_observed(tx, fleet.healthy, "On", "redfish http://bmc")
+        bmdb.power_states.record_observed(tx, fleet.silent, "Off", "redfish http://bmc")
+
+    db.read(seed)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert "rack1-u07" in rows[str(fleet.healthy)]
+    assert "On · " in rows[str(fleet.healthy)] and "s ago" in rows[str(fleet.healthy)]
+    assert "Off · " in rows[str(fleet.silent)]
+    assert "none since start 2h" in rows[str(fleet.silent)]
+    assert "10m" in rows[str(fleet.quiet)] and "not" not in rows[str(fleet.quiet)]
+    healthy, quiet = _cells(page, fleet.healthy), _cells(page, fleet.quiet)
+    silent, fresh = _cells(page, fleet.silent), _cells(page, fleet.fresh_agent)
+    assert "late" not in healthy["heartbeat"] and "late" in quiet["heartbeat"]
+    assert "late" in silent["heartbeat"] and "late" not in fresh["heartbeat"]
+    assert "observed" in healthy["power"] and "late" not in healthy["power"]
+    assert "observed" in silent["power"] and "late" in silent["power"]
+    assert _cells(page, fleet.new)["power"] == "power none"
+    assert _cells(page, fleet.new)["heartbeat"] == "heartbeat"
+
+    detail = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert detail.by_id["hostname"] == "rack1-u07"
+    assert detail.by_id["power"].startswith("On · ")
+    assert "read from redfish http://bmc" in detail.by_id["power"]
+    assert re.fullmatch(r"\d+s ago \(last heartbeat \S+; late after 30s\)",
+                        detail.by_id["heartbeat"]), detail.by_id["heartbeat"]
+    silent_page = browse(f"{server.url}/machines/{fleet.silent}")
+    assert silent_page.by_id["heartbeat"].startswith("none since start 2h")
+    assert "late" in silent_page.attributes_by_id["heartbeat"]["class"]
+
+
+def test_simulated_and_api_machines_name_their_provider_and_its_power(web, browse) -> None:
+    """The provider the BMDB records, the simulator marked as such; without a reading,
+    an API provider's device state stands in, marked "(provider)"."""
+    server, db, _ = web
+
+    def seed(tx: bmdb.Tx) -> tuple:
+        made = []
+        for provider, status in (("simulator", "Running"), ("equinix", "Stopped")):
+            machine = bmdb.tags.create_machine(tx)
+            bmdb.tags.upsert_provided(tx, machine, provider=provider,
+                                      provider_id=f"{provider}-1", provider_status=status,
+                                      address="127.0.0.1")
+            made.append(machine)
+        return tuple(made)
+
+    simulated, equinix = db.read(seed)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert rows[str(simulated)].split()[1:3] == ["simulator", "simulated"]
+    assert "On (provider)" in rows[str(simulated)]
+    assert rows[str(equinix)].split()[1] == "equinix" and "simulated" not in rows[str(equinix)]
+    assert "Off (provider)" in rows[str(equinix)]
+    assert _cells(page, equinix)["power"] == "power by-provider late"
+    assert _cells(page, simulated)["power"] == "power by-provider"
+    detail = browse(f"{server.url}/machines/{simulated}")
+    assert detail.by_id["provider"] == "simulator simulated"
+    assert detail.by_id["power"].startswith("On (provider)")
+
+
+HOSTILE = "<script>document.title='owned'</script><img src=x onerror=alert(1)>"
+
+
+def test_the_hardware_report_is_tables_and_hostile_text_stays_text(web, browse) -> None:
+    server, db, fleet = web
+    report = {
+        "hostname": HOSTILE,
+        "cpu": {"model": f"Xeon {HOSTILE}", "cores": 8, "threads": 16, "microcode": "0xb4"},
+        "memory_bytes": 17179869184,
+        "block_devices": [{"name": "nvme0n1", "size_bytes": 1024 ** 4},
+                          {"name": "sda", "size_bytes": 512, "rotational": True}],
+        "network_interfaces": [{"name": "eth0", "mac": "52:54:00:12:34:56"}],
+        "warnings": ["cpu: no physical id/core id in /proc/cpuinfo"],
+        "gpu": {"vendor": "nvidia", "count": 2},
+        "tpm": "2.0",
+        HOSTILE: "a key too",
+    }
+    db.read(lambda tx: bmdb.tags.set_hardware_report(tx, fleet.healthy, report))
+    page = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert page.title.startswith("Machine")  # the injected script never ran
+    assert page.by_id["hardware-cpu-title"] == "CPU"
+    cpu = page.by_id["hardware-cpu"]
+    assert "Model Xeon <script>" in cpu and "Cores 8" in cpu and "Threads 16" in cpu
+    assert "microcode 0xb4" in cpu  # an extra field, still shown
+    disks = [t for a, t in page.rows_with("data-row") if a["data-row"] == "block_devices"]
+    assert disks == ["nvme0n1 1024.0 GiB (1099511627776 bytes) —",
+                     "sda 0.0 GiB (512 bytes) yes"]
+    assert page.by_id["hardware-block_devices"].startswith("Name Size rotational")
+    nics = page.by_id["hardware-network_interfaces"]
+    assert nics == "Name MAC eth0 52:54:00:12:34:56"
+    summary = page.by_id["hardware-summary"]
+    assert "Memory 16.0 GiB (17179869184 bytes)" in summary and "tpm 2.0" in summary
+    assert f"{HOSTILE} a key too" in summary and f"Hostname {HOSTILE}" in summary
+    assert "vendor nvidia" in page.by_id["hardware-gpu"]
+    assert page.by_id["hardware-warnings"] == "cpu: no physical id/core id in /proc/cpuinfo"
+    assert page.by_id["hostname"] == HOSTILE
+    assert "script" not in page.start_tags and "img" not in page.start_tags
+    assert "HardwareReport" in {a["data-tag"] for a, _ in page.rows_with("data-tag")}
+    list_page = browse(f"{server.url}/machines")
+    assert "script" not in list_page.start_tags and "img" not in list_page.start_tags
+    assert HOSTILE in {a["data-machine"]: t for a, t in list_page.rows_with("data-machine")
+                       }[str(fleet.healthy)]
+
+
+def test_a_report_that_is_not_an_object_is_shown_not_failed(web, browse) -> None:
+    server, db, fleet = web
+    db.read(lambda tx: bmdb.tags.set_hardware_report(tx, fleet.quiet, {}))
+    page = browse(f"{server.url}/machines/{fleet.quiet}")
+    assert "hardware" in page.by_id and page.by_id["hostname"] == "—"
+
+
+def test_auto_refresh_is_bounded_and_kept_across_links(web, browse) -> None:
+    server, _, fleet = web
+    page = browse(f"{server.url}/machines?tag=Provided&limit=4&refresh=30")
+    assert page.attributes_by_id["auto-refresh"]["content"] == "30"
+    assert page.attributes_by_id["auto-refresh"]["http-equiv"] == "refresh"
+    assert "refresh=30" in page.attributes_by_id["next-page"]["href"]
+    links = [a.get("href", "") for a in page.anchors]
+    machine_links = [h for h in links if h.startswith("/machines/")]
+    assert machine_links and all(h.endswith("?refresh=30") for h in machine_links)
+    assert page.attributes_by_id["refresh-off"]["href"] == "/machines?tag=Provided&limit=4"
+    assert page.attributes_by_id["refresh-10"]["href"] == (
+        "/machines?tag=Provided&limit=4&refresh=10")
+    assert page.hidden_inputs == {"refresh": "30"}
+    following = browse(server.url + page.attributes_by_id["next-page"]["href"])
+    assert following.attributes_by_id["auto-refresh"]["content"] == "30"
+    assert "refresh=30" in following.attributes_by_id["first-page"]["href"]
+    detail = browse(f"{server.url}{machine_links[0]}")
+    assert detail.attributes_by_id["auto-refresh"]["content"] == "30"
+    plain = browse(f"{server.url}/machines")
+    assert "auto-refresh" not in plain.attributes_by_id and plain.hidden_inputs == {}
+    assert "class" in plain.attributes_by_id["refresh-off"]  # off is the current choice
+    for bad in ("4", "3601", "ten", "-5", "1e3", "٣٠"):
+        answer = requests.get(f"{server.url}/machines/{fleet.new}",
+                              params={"refresh": bad}, timeout=10)
+        assert answer.status_code == 400, bad
+        assert "refresh must be a whole number of seconds from 5 to 3600" in answer.text
+    for off in ("0", "off", ""):
+        assert requests.get(f"{server.url}/sessions", params={"refresh": off},
+                            timeout=10).status_code == 200
+
+
+def test_the_page_really_reloads_itself(web, devtools: Devtools) -> None:
+    """The meta refresh works under the CSP: the page loads again by itself."""
+    server, _, _ = web
+    devtools.load(f"{server.url}/sessions?refresh=5")
+    devtools.evaluate("window.__first_load = true")
+    devtools._wait(lambda m: m.get("method") == "Page.loadEventFired", timeout=20)
+    assert devtools.evaluate("window.__first_load === undefined")
+    assert devtools.evaluate("location.search") == "?refresh=5"
+
+
+def test_the_banner_names_every_problem_on_every_page(web, browse) -> None:
+    """The fixture's fleet has a dead session holding work and a guard pausing Recovery
+    (3 of 5 silent); a refusal is added: each is on every page, error pages too."""
+    server, db, fleet = web
+    db.read(lambda tx: bmdb.refusals.record(tx, "simulator", "FLEET MISMATCH: 1 at the "
+                                                             "provider but not in the BMDB"))
+    for path in ("/machines", f"/machines/{fleet.new}", "/sessions", "/machines/nope"):
+        page = browse(f"{server.url}{path}")
+        assert page.by_id["refusal-simulator"].startswith("RECONCILE REFUSING :"), path
+        dead = page.by_id["problem-dead-sessions"]
+        assert dead.startswith("DEAD SESSIONS : 1 past their deadline, not swept yet, "
+                               "holding 1 work items"), path
+        paused = page.by_id["problem-recovery-paused"]
+        assert paused.startswith("RECOVERY PAUSED : "), path
+        assert "3 of 5 started agents are silent (60% > 10%)" in paused, path
+    db.sweep()
+    db.read(lambda tx: bmdb.refusals.clear(tx, "simulator"))
+    page = browse(f"{server.url}/sessions")
+    assert "problem-dead-sessions" not in page.by_id and "refusal-simulator" not in page.by_id
+    assert "problem-recovery-paused" in page.by_id
+
+
+def test_a_quiet_fleet_has_no_banner_and_an_unhealthy_callback_server_is_named(
+        sqlite_url: str, browse) -> None:
+    db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
+    with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, limits=GuardLimits()) as server:
+        page = browse(f"{server.url}/machines")
+        assert "problems" not in page.by_id and page.title.startswith("Machines")
+    nowhere = f"http://127.0.0.1:{free_port()}/healthz"
+    limits = GuardLimits(healthz_url=nowhere, healthz_timeout=2.0)
+    with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, limits=limits) as server:
+        page = browse(f"{server.url}/sessions")
+    assert page.by_id["problem-callback"].startswith(
+        f"CALLBACK SERVER UNHEALTHY : callback server {nowhere} unreachable")
+    assert "callback server" in page.by_id["problem-recovery-paused"]
+    db.close()
+
+
+def test_holds_are_a_state_on_both_pages(web, browse) -> None:
+    server, db, fleet = web
+
+    def hold(tx: bmdb.Tx) -> None:
+        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "replacing a <DIMM>", "alice")
+        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE, "ladder exhausted", "shepherd")
+
+    db.read(hold)
+    page = browse(f"{server.url}/machines")
+    held = {a["data-machine"]: a for a, _ in page.rows_with("data-machine")}
+    assert held[str(fleet.new)]["data-held"] == "maintenance"
+    assert held[str(fleet.new)]["class"] == "held-row"
+    assert held[str(fleet.silent)]["data-held"] == "quarantine"
+    assert "data-held" not in held[str(fleet.healthy)]
+    state = browse(f"{server.url}/machines/{fleet.new}").by_id["state"]
+    assert state == "MAINTENANCE replacing a <DIMM> (by alice)"
+    assert browse(f"{server.url}/machines/{fleet.silent}").by_id["state"] == (
+        "QUARANTINED ladder exhausted (by shepherd)")
+    assert browse(f"{server.url}/machines/{fleet.healthy}").by_id["state"].startswith(
+        "not held")
+
+
+def test_the_stylesheet_ships_in_the_wheel() -> None:
+    """The image installs the wheel, which holds only the data files that
+    ``[options.package_data]`` names: a stylesheet left out would leave every page
+    unstyled there (the CSP allows no inline style to fall back on)."""
+    import configparser
+    import fnmatch
+
+    root = Path(__file__).resolve().parents[2]
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    shipped = dict(config["options.package_data"]) if config.has_section(
+        "options.package_data") else {}
+    static = root / "shepherd" / "server" / "static"
+    files = sorted(p.name for p in static.iterdir() if p.is_file())
+    assert files, "no stylesheet"
+    patterns = shipped.get("shepherd.server.static", "").replace(",", " ").split()
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert missing == [], ("add `shepherd.server.static = *.css` to setup.cfg's "
+                           "[options.package_data]")

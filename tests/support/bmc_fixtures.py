@@ -1,0 +1,264 @@
+"""BMCs no one here wrote, on loopback: import the fixtures explicitly.
+
+    from tests.support.bmc_fixtures import redfish_bmc, ipmi_bmc  # noqa: F401
+
+* ``redfish_bmc``: one ``sushy-emulator`` (fake driver, Basic auth) with one system,
+  ``node-1``, powered On. Its power changes land 1 to 11 s after the reset.
+* ``ipmi_bmc``: one ``ipmi_sim`` (Debian's ``openipmi``) whose chassis power is a
+  file, written by its ``chassis_control`` script; ``ipmitool`` reads it too.
+
+Each has a random password in a 0600 file, and builds the ``BmcSpec`` an
+inventory would give (``.spec()``), with another password file to test refusals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from shepherd.os_processes import stop_process
+from shepherd.power.spec import BmcSpec
+from shepherd.simulator.redfish import RedfishEmulator
+
+IPMI_HINT = "apt-get install -y openipmi ipmitool"
+USERNAME = "admin"
+
+
+def secret_file(path: Path, password: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(password + "\n")
+    return path
+
+
+def new_password(size: int = 12) -> str:
+    """Recognisable in a leak check, and never a substring of anything else."""
+    return f"pw-{secrets.token_hex(size)}"
+
+
+def ipmi_password() -> str:
+    """15 characters: IPMI 1.5 allows 16, IPMI 2.0 20 (ipmi_sim refuses longer ones)."""
+    return new_password(6)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+# -- Redfish ---------------------------------------------------------------------------
+
+
+class RedfishBmc:
+    """A running emulator plus the credentials files a spec points at."""
+
+    def __init__(self, emulator: RedfishEmulator, password: str, directory: Path) -> None:
+        self.emulator = emulator
+        self.password = password
+        self.password_file = secret_file(directory / "bmc-password", password)
+        self.wrong_password_file = secret_file(directory / "bmc-wrong", new_password())
+
+    @property
+    def address(self) -> str:
+        return self.emulator.base_url
+
+    def spec(self, system: str | None = None, *, wrong_password: bool = False,
+             **overrides: object) -> BmcSpec:
+        """``system``: an emulated system's *name* (its path is filled in), or None
+        to let the driver discover it."""
+        fields: dict[str, object] = {
+            "driver": "redfish", "address": self.address, "username": USERNAME,
+            "password_file": str(self.wrong_password_file if wrong_password
+                                 else self.password_file),
+            "system": self.emulator.system_path(system) if system else None,
+        }
+        fields.update(overrides)
+        return BmcSpec(**fields)  # type: ignore[arg-type]
+
+    def power_state(self, name: str = "node-1") -> str:
+        return self.emulator.power_state(name)
+
+
+@contextlib.contextmanager
+def running_redfish(directory: Path, systems: Sequence[tuple[str, str]] = (("node-1", "On"),),
+                    **options: object) -> Iterator[RedfishBmc]:
+    """An emulator with ``systems`` as (name, power state); ``options`` go to
+    ``RedfishEmulator`` (``notify_url``, ``frozen``...)."""
+    password = new_password()
+    entries = [(name, str(uuid.uuid4()), state) for name, state in systems]
+    emulator = RedfishEmulator(entries, username=USERNAME, password=password,
+                               workdir=directory / "emulator", **options)  # type: ignore[arg-type]
+    with emulator:
+        yield RedfishBmc(emulator, password, directory)
+
+
+@pytest.fixture
+def redfish_bmc(tmp_path: Path) -> Iterator[RedfishBmc]:
+    with running_redfish(tmp_path / "redfish") as bmc:
+        yield bmc
+
+
+# -- IPMI ------------------------------------------------------------------------------
+
+CHASSIS_SCRIPT = """#!/bin/sh
+# ipmi_sim's chassis_control: "<mc> get <param>..." prints param:value lines;
+# "<mc> set <param> <value>" changes it. Power is a file; resets are counted.
+dir=$(dirname "$0")
+echo "$*" >> "$dir/chassis.log"
+shift
+op=$1; shift
+if [ "$op" = get ]; then
+  for p in "$@"; do
+    [ "$p" = power ] && echo "power:$(cat "$dir/power")"
+  done
+  exit 0
+fi
+case "$1" in
+  power) echo "$2" > "$dir/power" ;;
+  reset) echo $(( $(cat "$dir/resets") + 1 )) > "$dir/resets" ;;
+  *) exit 1 ;;
+esac
+"""
+
+LAN_CONF = """name "shepherd-test"
+set_working_mc 0x20
+  startlan 1
+    addr 127.0.0.1 {port}
+    priv_limit admin
+    allowed_auths_callback none md2 md5 straight
+    allowed_auths_user none md2 md5 straight
+    allowed_auths_operator none md2 md5 straight
+    allowed_auths_admin none md2 md5 straight
+    guid a123456789abcdefa123456789abcdef
+  endlan
+{chassis}
+  user 2 true "{username}" "{password}" admin 10 none md2 md5 straight
+"""
+
+EMU = """mc_setbmc 0x20
+mc_add 0x20 0 no-device-sdrs 0x23 9 8 0x9f 0x1291 0xf02 persist_sdr
+sel_enable 0x20 1000 0x0a
+mc_enable 0x20
+"""
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class IpmiBmc:
+    """One ``ipmi_sim`` on ``127.0.0.1:port`` (UDP), its chassis power in a file."""
+
+    def __init__(self, directory: Path, power_on: bool = True,
+                 chassis_control: bool = True) -> None:
+        """``chassis_control=False``: no script, so ipmi_sim reads power but refuses
+        to change it ("Invalid data field in request"), a BMC that cannot do that."""
+        binary = shutil.which("ipmi_sim")
+        if binary is None or shutil.which("ipmitool") is None:
+            pytest.fail(f"ipmi_sim or ipmitool not found; install them with: {IPMI_HINT}")
+        self.binary = binary
+        self.chassis_control = chassis_control
+        self.directory = directory
+        self.password = ipmi_password()
+        directory.mkdir(parents=True, exist_ok=True)
+        self.script = directory / "chassis.sh"
+        self.script.write_text(CHASSIS_SCRIPT)
+        self.script.chmod(0o755)
+        (directory / "power").write_text("1\n" if power_on else "0\n")
+        (directory / "resets").write_text("0\n")
+        (directory / "state").mkdir(exist_ok=True)
+        self.password_file = secret_file(directory / "bmc-password", self.password)
+        self.wrong_password_file = secret_file(directory / "bmc-wrong", ipmi_password())
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> IpmiBmc:
+        for _ in range(3):  # a UDP port picked by bind-and-close can be taken meanwhile
+            self.port = _free_udp_port()
+            conf = self.directory / "lan.conf"
+            # ipmi_sim reads the password from this file: it stays in the test's directory.
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                chassis = (f'  chassis_control "{self.script} 0x20"' if self.chassis_control
+                           else "")
+                handle.write(LAN_CONF.format(port=self.port, chassis=chassis,
+                                             username=USERNAME, password=self.password))
+            (self.directory / "sim.emu").write_text(EMU)
+            log = (self.directory / "ipmi_sim.log").open("ab")
+            self.process = subprocess.Popen(
+                [self.binary, "-c", str(conf), "-f", str(self.directory / "sim.emu"),
+                 "-s", str(self.directory / "state"), "-n"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            log.close()
+            if wait_until(lambda: self.process.poll() is not None or
+                          self.ipmitool("chassis", "power", "status").returncode == 0,
+                          timeout=10, interval=0.1) and self.process.poll() is None:
+                return self
+            self.stop()
+        raise RuntimeError(f"ipmi_sim did not start; see {self.directory / 'ipmi_sim.log'}")
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        stop_process(process)
+
+    def spec(self, *, wrong_password: bool = False, **overrides: object) -> BmcSpec:
+        fields: dict[str, object] = {
+            "driver": "ipmi", "address": "127.0.0.1", "port": self.port, "username": USERNAME,
+            "password_file": str(self.wrong_password_file if wrong_password
+                                 else self.password_file),
+        }
+        fields.update(overrides)
+        return BmcSpec(**fields)  # type: ignore[arg-type]
+
+    def ipmitool(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Debian's ipmitool against this BMC (cipher suite 3: no 10 s suite probing;
+        the password from its file, not argv)."""
+        return subprocess.run(
+            ["ipmitool", "-I", "lanplus", "-C", "3", "-H", "127.0.0.1", "-p", str(self.port),
+             "-U", USERNAME, "-f", str(self.password_file), *args],
+            capture_output=True, text=True, timeout=20)
+
+    def powered(self) -> bool:
+        """The chassis power as the simulated machine has it (on: True). A method, not a
+        property: each call reads it anew, and the type checker must not assume that
+        two reads around a power action agree."""
+        return (self.directory / "power").read_text().strip() == "1"
+
+    @property
+    def resets(self) -> int:
+        return int((self.directory / "resets").read_text().strip() or 0)
+
+    @property
+    def chassis_log(self) -> list[str]:
+        """What ipmi_sim asked the chassis script, oldest first (``0x20 set power 1``)."""
+        path = self.directory / "chassis.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture
+def ipmi_bmc(tmp_path: Path) -> Iterator[IpmiBmc]:
+    bmc = IpmiBmc(tmp_path / "ipmi").start()
+    try:
+        yield bmc
+    finally:
+        bmc.stop()

@@ -1,0 +1,222 @@
+"""Stock Debian machines for the agent: debootstrapped root filesystems, each run as a
+chroot with its own sshd on a loopback port.
+
+A root filesystem is built once (``debootstrap --variant=minbase``, python3 and
+openssh-server and nothing else unless asked) and cached between runs under
+``SHEPHERD_TEST_ROOTFS_CACHE`` (default ``/var/cache/shepherd-tests/rootfs``), keyed by
+suite, packages and ``RECIPE``. A machine never writes to it: it runs on an overlay
+whose upper layer is the test's own directory, so a test may break its machine (remove
+python3, change root's shell, make the home read-only) and the next one starts clean.
+
+Each machine runs inside ``unshare --mount --pid --fork --kill-child``: sshd is pid 1
+of a PID namespace, so stopping it (or the test process dying) ends every process the
+machine started, the detached agent included, and the mounts vanish with the mount
+namespace. Nothing outlives the test but its cached root filesystems.
+
+Needs root (chroot, mounts, namespaces), debootstrap (``./dev test`` installs it) and
+the Debian mirror of the machine's apt sources. Without them ``require_minimal_systems``
+skips with the one-line reason: such a run does not pass these tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.servers import free_port
+
+CACHE = Path(os.environ.get("SHEPHERD_TEST_ROOTFS_CACHE", "/var/cache/shepherd-tests/rootfs"))
+#: Bump when the build steps below change, so that cached systems are rebuilt.
+RECIPE = "1"
+BASE_PACKAGES = ("python3", "openssh-server")
+APT_SOURCES = (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list"))
+FALLBACK_MIRROR = "http://deb.debian.org/debian"
+BUILD_TIMEOUT = 900.0
+SSHD_START_TIMEOUT = 15.0
+
+
+def require_minimal_systems() -> None:
+    """Skip, saying why in one line, where stock systems cannot be built or run."""
+    require_root_with("stock Debian machines", "debootstrap, chroot, mounts",
+                      ("debootstrap", "unshare", "chroot"))
+
+
+def require_root_with(what: str, root_for: str, tools: tuple[str, ...]) -> None:
+    """Skip, saying why in one line, unless this is root and has each of ``tools``."""
+    if os.geteuid() != 0:
+        pytest.skip(f"{what} need root ({root_for})")
+    for tool in tools:
+        if shutil.which(tool) is None:
+            pytest.skip(f"{what} need {tool}: ./dev test installs it, as root")
+
+
+def mirror() -> str:
+    """The Debian mirror the machine's own apt uses (the only one reachable here)."""
+    for path in APT_SOURCES:
+        if not path.exists():
+            continue
+        text = path.read_text()
+        found = (re.search(r"^URIs:\s*(\S+)", text, re.MULTILINE)
+                 or re.search(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)", text, re.MULTILINE))
+        if found:
+            return found.group(1)
+    return FALLBACK_MIRROR
+
+
+def rootfs(suite: str, extra: tuple[str, ...] = (), *,
+           include: tuple[str, ...] = BASE_PACKAGES) -> Path:
+    """The cached root filesystem of ``suite``: minbase with ``include`` (a stock
+    machine's python3 and openssh-server unless told), plus ``extra`` installed with
+    the system's own apt (debootstrap's --include cannot configure some Python
+    packages). Built beside its final place and renamed into it, so that a cut-off
+    build is never taken for a finished one."""
+    recipe = f"{RECIPE} {suite} {' '.join(extra)}"
+    if include != BASE_PACKAGES:
+        recipe += f" include={','.join(include)}"
+    key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    kind = "-".join(extra) or ("stock" if include == BASE_PACKAGES else "-".join(include))
+    final = CACHE / f"{suite}-{kind}-{key}"
+    if final.is_dir():
+        return final
+    CACHE.mkdir(parents=True, exist_ok=True)
+    building = CACHE / f".{final.name}.building-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        if extra:
+            _run(["cp", "-a", str(rootfs(suite, include=include)), str(building)])
+            shutil.copyfile("/etc/resolv.conf", building / "etc/resolv.conf")
+            _run(["chroot", str(building), "apt-get", "update", "-qq"])
+            _run(["chroot", str(building), "apt-get", "install", "-y", "-qq",
+                  "--no-install-recommends", *extra])
+        else:
+            _run(["debootstrap", "--variant=minbase", f"--include={','.join(include)}",
+                  suite, str(building), mirror()])
+        building.rename(final)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        if not final.is_dir():  # unless another run finished the same system first
+            raise
+    return final
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT,
+                          check=False, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"{shlex.join(command)} failed ({done.returncode}): {tail}")
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a test changes on its machine before sshd starts (on the overlay only)."""
+
+    remove_python3: bool = False
+    login_shell: str | None = None
+    #: Mount options for root's home (its own bind mount): "ro", "noexec".
+    home_mount: str | None = None
+    mount_proc: bool = True
+    mount_sys: bool = True
+    extra_lines: tuple[str, ...] = ()
+
+    def script(self) -> list[str]:
+        lines = []
+        if self.remove_python3:
+            lines.append('rm -f "$M"/usr/bin/python3*')
+        if self.login_shell:
+            lines.append(f'chroot "$M" usermod --shell {shlex.quote(self.login_shell)} root')
+        if self.mount_proc:
+            lines.append('mount -t proc proc "$M/proc"')
+        if self.mount_sys:
+            lines.append('mount -t sysfs sysfs "$M/sys"')
+        if self.home_mount:
+            lines.append('mount --bind "$M/root" "$M/root"')
+            lines.append(f'mount -o remount,bind,{self.home_mount} "$M/root"')
+        return [*lines, *self.extra_lines]
+
+
+class StockMachine:
+    """One running stock system: sshd on 127.0.0.1:``port``, root logs in with the
+    key whose OpenSSH public line was given. ``upper`` shows what the machine wrote."""
+
+    def __init__(self, root: Path, workdir: Path, authorized_key: str,
+                 changes: Changes = Changes()) -> None:
+        self.root, self.workdir = root, workdir
+        self.upper = workdir / "upper"
+        self.port = free_port()
+        self.address = "127.0.0.1"
+        self.log_path = workdir / "machine.log"
+        for name in ("upper", "work", "merged"):
+            (workdir / name).mkdir(parents=True)
+        self.script = "\n".join([
+            "set -eu",
+            f"M={shlex.quote(str(workdir / 'merged'))}",
+            f"mount -t overlay overlay -o lowerdir={root},upperdir={self.upper},"
+            f"workdir={workdir / 'work'} \"$M\"",
+            'mkdir -p "$M/root/.ssh" "$M/run/sshd"',
+            f'printf "%s\\n" {shlex.quote(authorized_key)} > "$M/root/.ssh/authorized_keys"',
+            'chmod 700 "$M/root/.ssh"',
+            *changes.script(),
+            f'exec chroot "$M" /usr/sbin/sshd -D -e -p {self.port} '
+            f"-o ListenAddress={self.address} -o PidFile=none",
+        ])
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def host_key(self) -> str:
+        """The machine's ed25519 host key line (``type base64``), as sshd presents it."""
+        line = (self.root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()
+        return f"{line[0]} {line[1]}"
+
+    def start(self) -> StockMachine:
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                ["unshare", "--mount", "--pid", "--fork", "--kill-child",
+                 "--propagation", "private", "sh", "-c", self.script],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + SSHD_START_TIMEOUT
+        while "Server listening" not in self.log():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the stock machine's sshd did not start: {self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """SIGKILL to unshare kills its child, pid 1 of the machine's PID namespace,
+        and with it every process the machine had, the detached agent included."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def written(self, path: str) -> Path:
+        """Where a file the machine wrote at ``path`` (absolute) lies on this host."""
+        return self.upper / path.lstrip("/")
+
+
+@contextlib.contextmanager
+def stock_machine(root: Path, workdir: Path, authorized_key: str,
+                  changes: Changes = Changes()) -> Iterator[StockMachine]:
+    machine = StockMachine(root, workdir, authorized_key, changes).start()
+    try:
+        yield machine
+    finally:
+        machine.stop()
