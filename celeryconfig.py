@@ -114,7 +114,7 @@ def _every(seconds: float, call: TaskCall[Any]) -> dict[str, object]:
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
     """What beat sends; an interval of 0 leaves that entry out (e.g. no reconcile)."""
     schedule: dict[str, tuple[float, TaskCall[Any]]] = {
-        "reconcile": (settings.reconcile_interval, task_api.RECONCILE.bind()),
+        "reconcile": (settings.reconcile_interval, task_api.RECONCILE.bind(wait_for_running=0)),
         "update": (settings.update_interval, task_api.UPDATE.bind()),
         "source-agent-start": (settings.source_interval,
                                task_api.SOURCE.bind(Process.AGENT_START.value)),

@@ -43,11 +43,12 @@ ready = time.process_time() - started
 rounds = int(sys.argv[2])
 server = signing.new_key()  # stands in for the servers' answer key
 verify = signing.verifier(server.public)
-payload = agent.signing_payload("6b1c2e0a-8a9e-4f57-9d0e-2f3c4b5a6d7e", key.public,
-                                "n" * 43, "POST", agent.HEARTBEAT_PATH, "1767225600.000000",
-                                json.dumps({"machine_id": "x" * 36}).encode())
-answer = agent.answer_payload("6b1c2e0a-8a9e-4f57-9d0e-2f3c4b5a6d7e", "1767225600.000000",
-                              200, b"{}")
+wire = agent.protocol
+payload = wire.signing_payload("6b1c2e0a-8a9e-4f57-9d0e-2f3c4b5a6d7e", key.public,
+                               "n" * 43, "POST", wire.HEARTBEAT_PATH, "1767225600.000000",
+                               json.dumps({"machine_id": "x" * 36}).encode())
+answer = wire.answer_payload("6b1c2e0a-8a9e-4f57-9d0e-2f3c4b5a6d7e", "1767225600.000000",
+                             200, b"{}")
 answer_signature = server.sign(answer)
 start = time.process_time()
 for _ in range(rounds):

@@ -17,7 +17,6 @@ import time
 import bmdb
 from bench.common import arguments, postgres
 from bmdb import Process
-from bmdb.work import eligible
 
 HANDFUL = 5
 
@@ -55,14 +54,14 @@ def seed(db: bmdb.BMDB, size: int) -> None:
 
 def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, float, int]:
     """Median through the library (clock read, build, execute) and of the bare SQL alone."""
-    retriever = bmdb.backlog.retriever(process, db.thresholds)
+    retriever = bmdb.retriever(process, db.thresholds)
     found = 0
     library, bare = [], []
     with db.engine.connect() as conn:
         for _ in range(runs):
             started = time.perf_counter()
-            tx = bmdb.Tx(conn=conn, now=bmdb.database.read_clock(conn))
-            query = eligible(tx, process, retriever).limit(100)
+            tx = bmdb.Tx(conn=conn, now=bmdb.read_clock(conn))
+            query = bmdb.eligible(tx, process, retriever).limit(100)
             found = len(conn.execute(query).all())
             library.append((time.perf_counter() - started) * 1000)
             sql = str(query.compile(conn, compile_kwargs={"literal_binds": True}))

@@ -75,7 +75,7 @@ def library_loop(url: str, seconds: float) -> int:
             if not claimed:
                 break
             work = claimed[0]
-            work.finish(functools.partial(bmdb.tags.set_agent_started,
+            work.finish(functools.partial(bmdb.set_agent_started,
                                           machine_id=work.machine_id, public_key=key))
             done += 1
     db.close()

@@ -31,9 +31,10 @@ from celery import Celery
 
 import bmdb
 from bench.common import arguments, postgres
+from shepherd.config import Settings
 from shepherd.providers.base import register_provided
 from shepherd.providers.equinix import EquinixProvider, ProviderConfig
-from shepherd.server import ServerConfig, start_server
+from shepherd.server import serve
 from shepherd.simulator import Simulator
 from tests.support.servers import RedisServer, free_port
 
@@ -50,7 +51,8 @@ class Bench:
         self.sim = Simulator(reservations=devices, token=TOKEN, ssh_port=free_port(),
                              provision_delay=0.0, workdir=workdir / "sim").start()
         self.db = bmdb.connect(pg_url)
-        self.server = start_server(ServerConfig(bmdb_url=pg_url, session_interval=2), port=0)
+        self.server = serve(Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0",
+                                     session_interval=2))
         self.redis_url = redis_url
         self.client = Celery("bench-client", broker=redis_url, backend=redis_url)
         self.client.conf.update(task_serializer="json", result_serializer="json",
@@ -68,7 +70,7 @@ class Bench:
             "SHEPHERD_PROVIDER_MIN_INTERVAL": "0", "SHEPHERD_PROVIDER_MAX_IN_FLIGHT": "8",
             "SHEPHERD_DEVICE_PREFIX": PREFIX, "SHEPHERD_SSH_KEY_LABEL": "bench",
             "SHEPHERD_SSH_KEY_PATH": str(workdir / "ssh" / "key"),
-            "SHEPHERD_BMAAS_ENDPOINT": self.server.url,
+            "SHEPHERD_CALLBACK_URL": self.server.url,
             "SHEPHERD_RECONCILE_INTERVAL": "0", "SHEPHERD_UPDATE_INTERVAL": "0",
             "SHEPHERD_SOURCE_INTERVAL": "0.1", "SHEPHERD_SWEEP_INTERVAL": "2",
             "SHEPHERD_BATCH_SIZE": "100", "SHEPHERD_IN_FLIGHT_CAP": "400",
@@ -97,7 +99,7 @@ class Bench:
 
         def register(tx: bmdb.Tx) -> list[uuid.UUID]:
             ids = [register_provided(tx, "equinix", m) for m in machines]
-            bmdb.tags.set_provider_status(tx, ids, bmdb.ProviderStatus.PROVISIONING)
+            bmdb.set_provider_status(tx, ids, bmdb.ProviderStatus.PROVISIONING)
             return ids
 
         with self.db.start_session("bench-seed") as session:
@@ -105,12 +107,12 @@ class Bench:
 
     def release(self, ids: list[uuid.UUID]) -> float:
         """Make ``ids`` Running in one commit: they enter the AgentStart backlog together."""
-        self.db.read(lambda tx: bmdb.tags.set_provider_status(
+        self.db.read(lambda tx: bmdb.set_provider_status(
             tx, ids, bmdb.ProviderStatus.RUNNING))
         return time.perf_counter()
 
     def started(self, ids: list[uuid.UUID]) -> int:
-        return self.db.read(lambda tx: bmdb.fleet.agents_started(tx, among=ids))
+        return self.db.read(lambda tx: bmdb.agents_started(tx, among=ids))
 
     def run_machines(self, count: int, *, with_ssh: bool, timeout: float = 300) -> float:
         ids = self.seed(count, with_ssh=with_ssh)

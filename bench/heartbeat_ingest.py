@@ -103,8 +103,8 @@ def seed(url: str, count: int) -> list[Agent]:
 
     def body(tx: bmdb.Tx) -> None:
         for agent in agents:
-            bmdb.tags.create_machine(tx, agent.machine)
-            bmdb.tags.set_agent_started(tx, agent.machine, agent.public, agent.nonce)
+            bmdb.create_machine(tx, agent.machine)
+            bmdb.set_agent_started(tx, agent.machine, agent.public, agent.nonce)
 
     db.read(body)
     with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import dataclasses
 import datetime as dt
 import hashlib
 import itertools
@@ -59,8 +60,11 @@ from shepherd.agent.protocol import (
     HEARTBEAT_PATH,
     signing_payload,
 )
+from shepherd.config import Settings
 from shepherd.providers.base import Capacity, ProviderMachine
-from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.runtime import Runtime
+from shepherd.server import RunningServer, ServeOptions, start_server
+from shepherd.server.options import COMPONENT
 from shepherd.workflows import guard, sourcing, updater
 from shepherd.workflows.guard import GuardLimits
 from tests.support.servers import free_port
@@ -199,11 +203,11 @@ HISTORY_ROWS = (
 Pattern = Sequence[tuple[str, str, int | None]]
 #: Every machine's own three rows: its takeover, and the host key pinned during it.
 BASE_HISTORY: Pattern = [(Process.AGENT_START.value, Event.STARTED, 1),
-                         (bmdb.history.HOST_KEY, bmdb.history.PINNED, None),
+                         (bmdb.Topic.HOST_KEY, bmdb.Event.PINNED, None),
                          (Process.AGENT_START.value, Event.FINISHED, 1)]
 #: What older history adds per machine, cycled: Recovery runs and takeovers.
 EXTRA_HISTORY: Pattern = [(Process.RECOVERY.value, Event.STARTED, 2),
-                          (Process.RECOVERY.value, bmdb.history.RUNG, 2),
+                          (Process.RECOVERY.value, bmdb.Event.RUNG, 2),
                           (Process.RECOVERY.value, Event.FINISHED, 2),
                           (Process.AGENT_START.value, Event.STARTED, 3),
                           (Process.AGENT_START.value, Event.FINISHED, 3),
@@ -635,8 +639,9 @@ def bench_on(url: str, shape: Shape) -> Iterator[Bench]:
     limits = GuardLimits(healthz_url=f"http://127.0.0.1:{port}/healthz")
     db, server_db = bmdb.connect(url), bmdb.connect(url)
     try:
-        with start_server(ServerConfig(bmdb_url=url, metrics_cache=0.0), port=port,
-                          db=server_db, limits=limits) as server, \
+        settings = Settings(bmdb_url=url, serve_listen=f"127.0.0.1:{port}", metrics_cache=0.0)
+        options = dataclasses.replace(ServeOptions.from_settings(settings), guard=limits)
+        with start_server(Runtime(settings, COMPONENT, db=server_db), options) as server, \
                 db.start_session("bench") as session:
             yield Bench(url, db, server, session, limits, shape)
     finally:

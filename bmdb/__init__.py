@@ -1,122 +1,205 @@
 """The Bare Metal Database: what Shepherd knows about every machine, and who works on it.
 
-A small public surface; everything below is importable from ``bmdb``::
+The package's face is this module: verbs and records, each ``bmdb.<name>``::
 
     db = bmdb.connect(url, migrate=True)           # PostgreSQL, or SQLite for one host
     with db.start_session("initializer") as session:
         for work in session.claim_backlog(bmdb.Process.AGENT_START, limit=10):
             ...                                      # minutes of SSH, many transactions
-            work.finish(lambda tx: bmdb.tags.set_agent_started(tx, work.machine_id, key))
+            work.finish(lambda tx: bmdb.set_agent_started(tx, work.machine_id, key))
             # or: work.fail("ssh: connection refused")   -> backoff, Failed history
             # or: work.cancel("shutting down")            -> no backoff
 
-    session.transact(lambda tx: bmdb.tags.record_heartbeat(tx, machine_id, signed_at))
+    session.transact(lambda tx: bmdb.record_heartbeat(tx, machine_id, signed_at))
     db.sweep()                                       # release work of dead sessions
 
 Handoff: a claimer passes ``work.id`` on; the receiver calls ``session.adopt(work_id)``
 (``WorkGone`` if the claim was released meanwhile). Claims made with ``dispatch_ttl``
-are released by the sweep if nobody adopts them in time.
+are released by the sweep if nobody adopts them in time. A database out of reach is
+``Unavailable``, whatever SQLAlchemy said.
 
-Modules: ``schema`` (tables and their invariants), ``tags`` (the only tag writer),
-``backlog`` (what needs doing), ``work`` (claim/adopt/finish/fail/cancel),
-``sessions`` (leases), ``sweep``, ``backoff``, ``queries`` (reads), ``fleet``
-(fleet-wide counts: dashboards, metrics, the guard's figures), ``inspection``
-(what operators list and inspect), ``errors``, ``singletons`` (at most one holder
-fleet-wide, e.g. reconcile), ``capacity`` (cooldowns for capacity that failed to
-provision), ``holds`` (maintenance and quarantine), ``host_keys`` (pinned SSH host
-keys), ``history`` (rows beyond a work item's own), ``refusals`` (reconcile refusals),
-``server_keys`` (fleet-wide server secrets, e.g. the answer-signing key),
-``counters`` (machines per tag combination and history totals, kept by triggers),
-``listing`` (a provider's listing compared with its Provided tags in SQL: the updater),
-``problems`` (the newest failures per process, dead sessions still holding work),
-``power_states`` (the last power state observed and action asked, per machine),
-``overview`` (a page's heartbeats, hostnames and recorded power).
-
-Every SQL statement of Shepherd lives in this package, behind named functions:
-callers outside it never import ``schema`` or SQLAlchemy.
+Every SQL statement of Shepherd lives in this package, behind these names: callers
+outside it import no submodule of it, and no SQLAlchemy (``tests/project/
+test_structure.py``). The submodules are the package's own: ``vocabulary`` at the
+bottom (processes, events, hold kinds, tag names: it imports nothing of ``bmdb``), the
+storage internals with a leading underscore (``_schema``, ``_counters``, ``_database``,
+``_types``), and one module per concern between them (``docs/ARCHITECTURE.md`` §4).
 """
 
-from bmdb import (
-    backlog,
-    capacity,
-    counters,
-    fleet,
-    history,
-    holds,
-    host_keys,
-    inspection,
-    listing,
-    overview,
-    power_states,
-    problems,
-    queries,
-    refusals,
-    schema,
-    server_keys,
-    singletons,
-    tags,
-    work,
+from bmdb._database import Tx, read_clock
+from bmdb.backlog import Thresholds, retriever
+from bmdb.backoff import (
+    AGENT_START_BACKOFF,
+    RECOVERY_BACKOFF,
+    Backoff,
+    default_backoff,
+    next_interval,
 )
-from bmdb.backlog import Thresholds
-from bmdb.backoff import Backoff, default_backoff, next_interval
-from bmdb.database import CommitOutcomeUnknown, Tx
+from bmdb.capacity import (
+    INTENT_LIFETIME,
+    cool_down,
+    cooling,
+    forget_intent,
+    pending_intents,
+    record_intent,
+)
 from bmdb.errors import (
+    BadURL,
     BMDBError,
+    CommitOutcomeUnknown,
+    DriverMissing,
     MachineBusy,
     MachineInBackoff,
     NotClaimable,
     NotInBacklog,
     SessionExpired,
+    Unavailable,
+    UnknownDialect,
     WorkGone,
 )
+from bmdb.fleet import (
+    DeadSessions,
+    Failure,
+    FleetCounts,
+    agents_started,
+    alive_sessions,
+    dead_sessions,
+    fleet_counts,
+    held_counts,
+    latest_failures,
+    recovery_starts_last_hour,
+    silent_machines,
+    task_outcomes,
+)
 from bmdb.handle import BMDB, connect
-from bmdb.processes import EXCLUSION_GROUPS, Process, exclusion_group
+from bmdb.history import CutoffTooRecent
+from bmdb.history import check_age as check_prune_age
+from bmdb.history import record as record_history
+from bmdb.holds import Hold, holds_of, quarantine_if_due
+from bmdb.holds import lift as lift_hold
+from bmdb.holds import put as put_hold
+from bmdb.host_keys import forget as forget_host_key
+from bmdb.host_keys import pin as pin_host_key
+from bmdb.host_keys import pinned as pinned_host_key
+from bmdb.inspection import (
+    ANY,
+    MAX_PAGE,
+    BackoffInfo,
+    MachineFilter,
+    MachineList,
+    MachineSummary,
+    SessionInfo,
+    StoredJSON,
+    WorkInfo,
+    in_backlog,
+    list_machines,
+    list_sessions,
+    machine_backoffs,
+    machine_created_at,
+    machine_tags_as_stored,
+    machine_work,
+)
+from bmdb.listing import ListedView, open_listing
+from bmdb.power_states import PowerObservation
+from bmdb.power_states import of_machine as power_of
+from bmdb.power_states import record_action as record_power_action
+from bmdb.power_states import record_observed as record_power_observed
+from bmdb.queries import (
+    AgentCredentials,
+    Glance,
+    TakeoverView,
+    active_work,
+    agent_credentials,
+    glances,
+    lock_agent_credentials,
+    machine_exists,
+    machine_tag,
+    machine_tags,
+    provided_by_provider_id,
+    provided_machine_id,
+    takeover_view,
+    work_holder,
+)
+from bmdb.queries import history as machine_history
+from bmdb.refusals import Refusal
+from bmdb.refusals import clear as clear_refusal
+from bmdb.refusals import current as current_refusals
+from bmdb.refusals import record as record_refusal
+from bmdb.revisions import MigrationRefused, UnknownRevision, check_revision
+from bmdb.server_keys import ensure as ensure_server_key
 from bmdb.sessions import Session
+from bmdb.singletons import hold as hold_singleton
+from bmdb.singletons import release as release_singleton
+from bmdb.singletons import try_acquire as try_acquire_singleton
 from bmdb.sweep import SweepResult
-from bmdb.tags import ProviderStatus
-from bmdb.work import Event, Work
+from bmdb.tags import (
+    create_machine,
+    delete_agent_started,
+    delete_hardware_report,
+    delete_heartbeat,
+    delete_machine,
+    delete_os_installation_report,
+    delete_os_installation_request,
+    delete_provided,
+    forget_every_agent,
+    mark_provided_missing,
+    record_heartbeat,
+    refresh_provided,
+    set_agent_started,
+    set_hardware_report,
+    set_os_installation_report,
+    set_os_installation_request,
+    set_provider_status,
+    upsert_provided,
+)
+from bmdb.urls import DatabaseURL, load_driver, parse_url
+from bmdb.vocabulary import (
+    ENDINGS,
+    EXCLUSION_GROUPS,
+    HOLD_KINDS,
+    HOUR,
+    LADDER_EXHAUSTED,
+    MAINTENANCE,
+    QUARANTINE,
+    TAG_NAMES,
+    Event,
+    HoldKind,
+    Process,
+    ProviderStatus,
+    Topic,
+    exclusion_group,
+)
+from bmdb.work import Work, any_claimable, clear_backoff, eligible
 
 __all__ = [
-    "BMDB",
-    "EXCLUSION_GROUPS",
-    "BMDBError",
-    "Backoff",
-    "CommitOutcomeUnknown",
-    "Event",
-    "MachineBusy",
-    "MachineInBackoff",
-    "NotClaimable",
-    "NotInBacklog",
-    "Process",
-    "ProviderStatus",
-    "Session",
-    "SessionExpired",
-    "SweepResult",
-    "Thresholds",
-    "Tx",
-    "Work",
-    "WorkGone",
-    "backlog",
-    "capacity",
-    "connect",
-    "counters",
-    "default_backoff",
-    "exclusion_group",
-    "fleet",
-    "history",
-    "holds",
-    "host_keys",
-    "inspection",
-    "listing",
-    "next_interval",
-    "overview",
-    "power_states",
-    "problems",
-    "queries",
-    "refusals",
-    "schema",
-    "server_keys",
-    "singletons",
-    "tags",
-    "work",
+    "AGENT_START_BACKOFF", "ANY", "BMDB", "ENDINGS", "EXCLUSION_GROUPS", "HOLD_KINDS", "HOUR",
+    "INTENT_LIFETIME", "LADDER_EXHAUSTED", "MAINTENANCE", "MAX_PAGE", "QUARANTINE",
+    "RECOVERY_BACKOFF", "TAG_NAMES",
+    "AgentCredentials", "BMDBError", "Backoff", "BackoffInfo", "BadURL",
+    "CommitOutcomeUnknown", "CutoffTooRecent", "DatabaseURL", "DeadSessions", "DriverMissing",
+    "Event", "Failure", "FleetCounts", "Glance", "Hold", "HoldKind", "ListedView",
+    "MachineBusy", "MachineFilter", "MachineInBackoff", "MachineList", "MachineSummary",
+    "MigrationRefused", "NotClaimable", "NotInBacklog", "PowerObservation", "Process",
+    "ProviderStatus", "Refusal", "Session", "SessionExpired", "SessionInfo", "StoredJSON",
+    "SweepResult", "TakeoverView", "Thresholds", "Topic", "Tx", "Unavailable",
+    "UnknownDialect", "UnknownRevision", "Work", "WorkGone", "WorkInfo",
+    "active_work", "agent_credentials", "agents_started", "alive_sessions", "any_claimable",
+    "check_prune_age", "check_revision", "clear_backoff", "clear_refusal", "connect",
+    "cool_down", "cooling", "create_machine", "current_refusals", "dead_sessions",
+    "default_backoff", "delete_agent_started", "delete_hardware_report", "delete_heartbeat",
+    "delete_machine", "delete_os_installation_report", "delete_os_installation_request",
+    "delete_provided", "eligible", "ensure_server_key", "exclusion_group", "fleet_counts",
+    "forget_every_agent", "forget_host_key", "forget_intent", "glances", "held_counts",
+    "hold_singleton", "holds_of", "in_backlog", "latest_failures", "lift_hold",
+    "list_machines", "list_sessions", "load_driver", "lock_agent_credentials",
+    "machine_backoffs", "machine_created_at", "machine_exists", "machine_history",
+    "machine_tag", "machine_tags", "machine_tags_as_stored", "machine_work",
+    "mark_provided_missing", "next_interval", "open_listing", "parse_url", "pending_intents",
+    "pin_host_key", "pinned_host_key", "power_of", "provided_by_provider_id",
+    "provided_machine_id", "put_hold", "quarantine_if_due", "read_clock", "record_heartbeat",
+    "record_history", "record_intent", "record_power_action", "record_power_observed",
+    "record_refusal", "recovery_starts_last_hour", "refresh_provided", "release_singleton",
+    "retriever", "set_agent_started", "set_hardware_report", "set_os_installation_report",
+    "set_os_installation_request", "set_provider_status", "silent_machines", "takeover_view",
+    "task_outcomes", "try_acquire_singleton", "upsert_provided", "work_holder",
 ]

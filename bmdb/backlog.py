@@ -21,11 +21,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bmdb import counters, schema
-from bmdb.database import Tx
-from bmdb.processes import Process
-from bmdb.tags import ProviderStatus
-from bmdb.types import AnyCompound, AnySelect
+from bmdb import _counters as counters
+from bmdb import _schema as schema
+from bmdb._database import Tx
+from bmdb._types import AnyCompound, AnySelect
+from bmdb.vocabulary import Process, ProviderStatus
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bmdb.processes import Process
+from bmdb.vocabulary import Process
 
 
 @dataclass(frozen=True)

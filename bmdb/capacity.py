@@ -11,8 +11,8 @@ import datetime as dt
 
 import sqlalchemy as sa
 
-from bmdb import schema
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb._database import Tx
 from bmdb.tags import upsert
 
 

@@ -1,4 +1,5 @@
-"""The errors the BMDB raises, so callers can tell a lost lease from a lost race."""
+"""The errors the BMDB raises, so callers can tell a lost lease from a lost race, and
+need none of SQLAlchemy's to tell that the database is out of reach."""
 
 from __future__ import annotations
 
@@ -7,6 +8,34 @@ import uuid
 
 class BMDBError(Exception):
     """Base of every error this package raises on purpose."""
+
+
+class Unavailable(BMDBError):
+    """The BMDB cannot be used now: it does not answer, the connection dropped, no
+    connection came free in time, or its schema is not (yet) migrated. Raised at the
+    package's boundary (every transaction, ``ping``, migrations) from SQLAlchemy's
+    errors, after the transient ones were retried; the text is the driver's first line.
+    """
+
+
+class CommitOutcomeUnknown(Unavailable):
+    """The connection dropped during COMMIT: the transaction may or may not have landed.
+
+    Never retried blindly (a claim could land twice). Sessions end on it, so that
+    whatever the lost commit did is released by the sweep.
+    """
+
+
+class BadURL(BMDBError, ValueError):
+    """A text that is not a database URL."""
+
+
+class UnknownDialect(BadURL):
+    """A database URL whose dialect (``postgresql``, ``sqlite``, ...) nobody provides."""
+
+
+class DriverMissing(BadURL):
+    """A database URL whose driver (``psycopg2``, ...) is not installed."""
 
 
 class SessionExpired(BMDBError):

@@ -19,22 +19,9 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bmdb import schema
-from bmdb.database import Tx, run_transaction
-
-#: Events beyond a work item's own (``bmdb.work.Event``); at most 16 characters.
-RUNG = "Rung"
-HELD = "Held"
-RELEASED = "Released"
-PINNED = "Pinned"
-FORGOTTEN = "Forgotten"
-
-#: The ``process`` column of rows that no work item wrote.
-MAINTENANCE = "Maintenance"
-QUARANTINE = "Quarantine"
-HOST_KEY = "HostKey"
-#: Rows about a machine's agent that no work item wrote (``shepherd up`` resuming).
-AGENT = "Agent"
+from bmdb import _schema as schema
+from bmdb._database import Tx, run_transaction
+from bmdb.vocabulary import HOUR
 
 _ADD = sa.insert(schema.history)
 
@@ -63,8 +50,6 @@ def check_age(age: dt.timedelta) -> None:
     row is written after its ``Started`` (a later transaction, so a later ``at``), so
     keeping all of the last hour keeps both halves of every pair the guard counts.
     """
-    from bmdb.fleet import HOUR  # fleet imports holds, which imports this module
-
     if age < HOUR:
         raise CutoffTooRecent(
             f"refusing to prune history younger than {HOUR} (asked: {age}): the "

@@ -16,35 +16,36 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from dataclasses import dataclass
-from typing import Literal
 
 import sqlalchemy as sa
 
-from bmdb import history, schema
-from bmdb.database import Tx
-from bmdb.processes import Process
+from bmdb import _schema as schema
+from bmdb import history
+from bmdb._database import Tx
+from bmdb.vocabulary import (
+    LADDER_EXHAUSTED,
+    MAINTENANCE,
+    QUARANTINE,
+    Event,
+    HoldKind,
+    Process,
+    Topic,
+)
 
-Kind = Literal["maintenance", "quarantine"]
-MAINTENANCE: Kind = "maintenance"
-QUARANTINE: Kind = "quarantine"
-HOLD_KINDS: tuple[Kind, ...] = (MAINTENANCE, QUARANTINE)
-#: How a Recovery failure that exhausted the reboot ladder begins its cause: what
-#: ``exhaustions_in_a_row`` counts.
-LADDER_EXHAUSTED = "ladder exhausted"
-_PROCESS = {MAINTENANCE: history.MAINTENANCE, QUARANTINE: history.QUARANTINE}
+_TOPIC = {MAINTENANCE: Topic.MAINTENANCE, QUARANTINE: Topic.QUARANTINE}
 MAX_REASON = 500
 
 
 @dataclass(frozen=True)
 class Hold:
     machine_id: uuid.UUID
-    kind: Kind
+    kind: HoldKind
     reason: str
     actor: str
     since: dt.datetime
 
 
-def put(tx: Tx, machine_id: uuid.UUID, kind: Kind, reason: str, actor: str) -> bool:
+def put(tx: Tx, machine_id: uuid.UUID, kind: HoldKind, reason: str, actor: str) -> bool:
     """Hold the machine (``kind``); False, changing nothing, if it already is so held."""
     h = schema.machine_holds
     if holds_of(tx, machine_id, kind):
@@ -52,22 +53,22 @@ def put(tx: Tx, machine_id: uuid.UUID, kind: Kind, reason: str, actor: str) -> b
     reason, actor = reason.strip()[:MAX_REASON], actor.strip()[:128]
     tx.execute(sa.insert(h).values(machine_id=machine_id, kind=kind, reason=reason,
                                    actor=actor, since=tx.now))
-    history.record(tx, machine_id, _PROCESS[kind], history.HELD, f"by {actor}: {reason}")
+    history.record(tx, machine_id, _TOPIC[kind], Event.HELD, f"by {actor}: {reason}")
     return True
 
 
-def lift(tx: Tx, machine_id: uuid.UUID, kind: Kind, actor: str, reason: str = "") -> bool:
+def lift(tx: Tx, machine_id: uuid.UUID, kind: HoldKind, actor: str, reason: str = "") -> bool:
     """Lift the hold; False if there was none."""
     h = schema.machine_holds
     deleted = tx.execute(sa.delete(h).where(h.c.machine_id == machine_id, h.c.kind == kind))
     if deleted.rowcount != 1:
         return False
     why = f"by {actor.strip()[:128]}" + (f": {reason.strip()[:MAX_REASON]}" if reason else "")
-    history.record(tx, machine_id, _PROCESS[kind], history.RELEASED, why)
+    history.record(tx, machine_id, _TOPIC[kind], Event.RELEASED, why)
     return True
 
 
-def holds_of(tx: Tx, machine_id: uuid.UUID, kind: Kind | None = None) -> list[Hold]:
+def holds_of(tx: Tx, machine_id: uuid.UUID, kind: HoldKind | None = None) -> list[Hold]:
     """The machine's holds (of ``kind`` only, if given), oldest first."""
     h = schema.machine_holds
     query = sa.select(h).where(h.c.machine_id == machine_id).order_by(h.c.since)
@@ -88,7 +89,7 @@ def exhaustions_in_a_row(tx: Tx, machine_id: uuid.UUID, limit: int) -> int:
     h = schema.history
     outcome = sa.and_(h.c.process == Process.RECOVERY.value,
                       h.c.event.in_(("Finished", "Failed")))
-    released = sa.and_(h.c.process == history.QUARANTINE, h.c.event == history.RELEASED)
+    released = sa.and_(h.c.process == Topic.QUARANTINE, h.c.event == Event.RELEASED)
     rows = tx.execute(
         sa.select(h.c.event, h.c.cause)
         .where(h.c.machine_id == machine_id, sa.or_(outcome, released))

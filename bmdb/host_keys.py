@@ -13,8 +13,10 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from bmdb import history, schema
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb import history
+from bmdb._database import Tx
+from bmdb.vocabulary import Event, Topic
 
 
 def pinned(tx: Tx, machine_id: uuid.UUID) -> str | None:
@@ -33,7 +35,7 @@ def pin(tx: Tx, machine_id: uuid.UUID, host_key: str, fingerprint: str) -> bool:
                                      recorded_at=tx.now).on_conflict_do_nothing())
     if added.rowcount != 1:
         return False
-    history.record(tx, machine_id, history.HOST_KEY, history.PINNED,
+    history.record(tx, machine_id, Topic.HOST_KEY, Event.PINNED,
                    f"trusted on first use: {fingerprint}")
     return True
 
@@ -44,5 +46,5 @@ def forget(tx: Tx, machine_id: uuid.UUID, actor: str) -> bool:
     deleted = tx.execute(sa.delete(k).where(k.c.machine_id == machine_id))
     if deleted.rowcount != 1:
         return False
-    history.record(tx, machine_id, history.HOST_KEY, history.FORGOTTEN, f"by {actor}")
+    history.record(tx, machine_id, Topic.HOST_KEY, Event.FORGOTTEN, f"by {actor}")
     return True

@@ -21,11 +21,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bmdb import backlog, counters, schema
-from bmdb.database import Tx
-from bmdb.processes import Process
+from bmdb import _counters as counters
+from bmdb import _schema as schema
+from bmdb import backlog
+from bmdb._database import Tx
+from bmdb._types import AnySelect
 from bmdb.queries import TAG_TABLES
-from bmdb.types import AnySelect
+from bmdb.vocabulary import Process
 
 #: Filter value meaning "any process" for ``MachineFilter.work`` / ``.backoff``.
 ANY = "any"

@@ -46,11 +46,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from bmdb import schema, tags
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb import tags
+from bmdb._database import Tx
+from bmdb._types import AnyCompound, AnySelect
 from bmdb.sessions import Session
-from bmdb.tags import PROVIDER_VIEW, ProviderStatus
-from bmdb.types import AnyCompound, AnySelect
+from bmdb.tags import PROVIDER_VIEW
+from bmdb.vocabulary import ProviderStatus
 
 __all__ = ["CHUNK_ROWS", "Applied", "Comparison", "ListedView", "Listing", "open_listing"]
 

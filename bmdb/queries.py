@@ -1,4 +1,5 @@
-"""Read-only queries: a machine's tags and history, agent credentials, who holds a work.
+"""Read-only queries: a machine's tags and history, agent credentials, who holds a work,
+and what a page shows of each of its machines at a glance (heartbeat, hostname, power).
 
 Fleet-wide counts live in ``fleet``; what operators list and inspect lives in
 ``inspection``.
@@ -14,18 +15,21 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bmdb import schema
-from bmdb.database import Tx
-from bmdb.processes import Process
-from bmdb.types import AnySelect
+from bmdb import _schema as schema
+from bmdb import power_states
+from bmdb._database import Tx
+from bmdb._types import AnySelect
+from bmdb.power_states import PowerObservation
+from bmdb.vocabulary import TAG_NAMES, Process
 
 __all__ = [
-    "TAG_NAMES",
     "TAG_TABLES",
     "AgentCredentials",
+    "Glance",
     "ProvidedState",
     "active_work",
     "agent_credentials",
+    "glances",
     "history",
     "lock_agent_credentials",
     "machine_exists",
@@ -38,17 +42,10 @@ __all__ = [
     "work_holder",
 ]
 
-TAG_TABLES: dict[str, sa.Table] = {
-    "Provided": schema.provided,
-    "AgentStarted": schema.agent_started,
-    "AgentHeartbeat": schema.agent_heartbeat,
-    "HardwareReport": schema.hardware_report,
-    "OSInstallationRequest": schema.os_installation_request,
-    "OSInstallationReport": schema.os_installation_report,
-}
-#: The tag names, in the order of a machine's life (Provided first): what callers
-#: outside the BMDB name tags by, without the tables behind them.
-TAG_NAMES: tuple[str, ...] = tuple(TAG_TABLES)
+#: Tag name (``vocabulary.TAG_NAMES``, in its order) -> the table behind it.
+TAG_TABLES: dict[str, sa.Table] = dict(zip(TAG_NAMES, (
+    schema.provided, schema.agent_started, schema.agent_heartbeat, schema.hardware_report,
+    schema.os_installation_request, schema.os_installation_report), strict=True))
 
 
 def machine_exists(tx: Tx, machine_id: uuid.UUID) -> bool:
@@ -289,3 +286,72 @@ def work_holder(tx: Tx, work_id: uuid.UUID) -> uuid.UUID | None:
     """The session holding work ``work_id``, or None once it ended (finished, failed,
     cancelled or swept). A handoff is done when this is no longer the claimer's."""
     return tx.execute(_WORK_HOLDER, {"work": work_id}).scalar_one_or_none()
+
+
+# -- at a glance: flat in the fleet's size, like the pages themselves (``glances`` reads
+# only the machines it is given: primary-key probes, one statement) ---------------------
+
+#: The longest hostname read from a stored report (the rest is not fetched at all).
+MAX_HOSTNAME = 255
+#: JSON escapes PostgreSQL's json operators refuse to decode (surrogates, NUL).
+UNSAFE_ESCAPES = r"\\u(d[89a-f]|0000)"
+
+
+@dataclass(frozen=True)
+class Glance:
+    """What a page shows of one machine beside its tags: the one glance record (the CLI's
+    and the web view's, through ``shepherd.operations.glances``). Keyed by machine id
+    where it is read, so it does not carry the id; ``Glance()`` when nothing is known."""
+
+    #: When the current agent was started (AgentStarted), or None.
+    agent_started_at: dt.datetime | None = None
+    #: The last accepted heartbeat (AgentHeartbeat), or None.
+    last_heartbeat_at: dt.datetime | None = None
+    #: The ``hostname`` string of the stored hardware report, at most ``MAX_HOSTNAME``
+    #: characters, as stored (callers escape it); None when the report has none.
+    hostname: str | None = None
+    power: PowerObservation | None = None
+
+
+def glances(tx: Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]:
+    """Heartbeat, hostname and power of each of ``machine_ids`` the BMDB has."""
+    ids = list(machine_ids)
+    if not ids:
+        return {}
+    m, a, h = schema.machines, schema.agent_started, schema.agent_heartbeat
+    r, p = schema.hardware_report, schema.power_states
+    query = (sa.select(m.c.id, a.c.started_at, h.c.last_heartbeat_at,
+                       _hostname(tx, r.c.report).label("hostname"),
+                       p.c.state, p.c.observed_at, p.c.action, p.c.acted_at, p.c.via)
+             .select_from(m.outerjoin(a, a.c.machine_id == m.c.id)
+                          .outerjoin(h, h.c.machine_id == m.c.id)
+                          .outerjoin(r, r.c.machine_id == m.c.id)
+                          .outerjoin(p, p.c.machine_id == m.c.id))
+             .where(m.c.id.in_(ids)))
+    return {row.id: Glance(row.started_at, row.last_heartbeat_at, row.hostname,
+                           None if row.via is None else power_states.observation(row))
+            for row in tx.execute(query)}
+
+
+def _hostname(tx: Tx, report: sa.ColumnElement[Any]) -> sa.ColumnElement[str | None]:
+    """The report's top-level ``hostname`` when it is a string, else NULL; never an
+    error, whatever the row holds (on SQLite a report may be text that is not JSON, or
+    a JSON array: ``shepherd.operations.stored`` says why), and cut in SQL, so a page
+    never fetches a whole report."""
+    if tx.dialect == "postgresql":
+        # The json operators give NULL for what is not an object, but raise on escapes
+        # the json type stored without complaint (a lone surrogate, \u0000): such a
+        # report is not looked into (CASE evaluates its branches lazily). Its machine
+        # page still shows the report, decoded by ``shepherd.operations.stored``.
+        risky = report.cast(sa.Text).op("~*")(sa.literal(UNSAFE_ESCAPES))
+        is_text = sa.func.json_typeof(report.op("->")(sa.literal("hostname"))) == "string"
+        text = report.op("->>")(sa.literal("hostname"))
+        return sa.case((risky, sa.null()),
+                       else_=sa.case((is_text, sa.func.substr(text, 1, MAX_HOSTNAME)),
+                                     else_=sa.null()))
+    # SQLite: json_type raises on text that is not JSON, so it is asked only inside a
+    # CASE on json_valid (a CASE evaluates its branches lazily; an AND need not).
+    is_string = sa.func.json_type(report, "$.hostname") == "text"
+    cut = sa.func.substr(sa.func.json_extract(report, "$.hostname"), 1, MAX_HOSTNAME)
+    return sa.case((sa.func.json_valid(report) == 1,
+                    sa.case((is_string, cut), else_=sa.null())), else_=sa.null())

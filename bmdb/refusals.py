@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from bmdb import schema, tags
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb import tags
+from bmdb._database import Tx
 
 
 @dataclass(frozen=True)

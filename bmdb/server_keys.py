@@ -16,8 +16,8 @@ import functools
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from bmdb import schema
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb._database import Tx
 
 
 def ensure(tx: Tx, name: str, candidate: bytes) -> bytes:

@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from bmdb import backlog, schema, work
-from bmdb.database import CommitOutcomeUnknown, Tx, run_transaction
-from bmdb.errors import SessionExpired
-from bmdb.types import db_now
+from bmdb import _schema as schema
+from bmdb import backlog, work
+from bmdb._database import Tx, run_transaction
+from bmdb._types import db_now
+from bmdb.errors import CommitOutcomeUnknown, SessionExpired
 
 if TYPE_CHECKING:
     from bmdb.handle import BMDB
-    from bmdb.processes import Process
+    from bmdb.vocabulary import Process
     from bmdb.work import Retriever, Work
 
 log = logging.getLogger(__name__)

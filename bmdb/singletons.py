@@ -11,6 +11,7 @@ so two claimants racing for a dead holder's name cannot both win.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from bmdb import schema
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb._database import Tx
 
 if TYPE_CHECKING:
     from bmdb.sessions import Session
@@ -53,9 +54,15 @@ def release(tx: Tx, name: str) -> None:
 
 
 @contextlib.contextmanager
-def hold(session: Session, name: str) -> Iterator[bool]:
-    """``with hold(session, "reconcile") as held:`` — ``held`` is False if another holds it."""
+def hold(session: Session, name: str, *, wait: float = 0.0,
+         poll: float = 0.2) -> Iterator[bool]:
+    """``with hold(session, "reconcile") as held:`` — ``held`` is False if another holds it
+    (still, after asking again every ``poll`` seconds for up to ``wait`` seconds)."""
+    deadline = time.monotonic() + wait
     held = session.transact(lambda tx: try_acquire(tx, name))
+    while not held and time.monotonic() < deadline:
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        held = session.transact(lambda tx: try_acquire(tx, name))
     try:
         yield held
     finally:

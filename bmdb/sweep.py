@@ -17,9 +17,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bmdb import counters, schema
-from bmdb.database import Tx, run_transaction
-from bmdb.work import Event
+from bmdb import _counters as counters
+from bmdb import _schema as schema
+from bmdb._database import Tx, run_transaction
+from bmdb.vocabulary import Event
 
 
 @dataclass(frozen=True)

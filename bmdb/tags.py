@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import enum
 import functools
 import secrets
 import uuid
@@ -19,23 +18,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from bmdb import schema
-from bmdb.database import Tx
+from bmdb import _schema as schema
+from bmdb._database import Tx
+from bmdb.vocabulary import ProviderStatus
 
 #: Bounds of an agent's nonce (base64 text; 44 characters for the 32 bytes
 #: ``shepherd.agent.protocol.new_nonce`` makes), within ``agent_started.nonce``.
 MIN_NONCE, MAX_NONCE = 16, 64
-
-
-class ProviderStatus(enum.StrEnum):
-    """A machine's state at its provider, as far as the shepherd cares."""
-
-    UNKNOWN = "Unknown"
-    PROVISIONING = "Provisioning"
-    RUNNING = "Running"
-    STOPPED = "Stopped"
-    FAILED = "Failed"
-    MISSING = "Missing"
 
 
 def upsert(

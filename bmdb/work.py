@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from bmdb import backlog, schema
+from bmdb import _schema as schema
+from bmdb import backlog
+from bmdb._database import Tx
+from bmdb._types import AnyCompound, AnySelect
 from bmdb.backlog import Backlog
-from bmdb.backoff import Backoff, default_backoff, next_interval
-from bmdb.database import Tx
+from bmdb.backoff import Backoff, next_interval
 from bmdb.errors import MachineBusy, MachineInBackoff, NotInBacklog, SessionExpired, WorkGone
-from bmdb.processes import Process, exclusion_group
-from bmdb.types import AnyCompound, AnySelect
+from bmdb.vocabulary import Event, Process, exclusion_group
 
 if TYPE_CHECKING:
     from bmdb.sessions import Session
@@ -44,14 +45,6 @@ if TYPE_CHECKING:
 #: Selects candidate machine ids (a SELECT of one column). Composed into the
 #: claim's locking statement and its re-check, so it runs inside both.
 Retriever = Callable[[Tx], AnySelect | AnyCompound]
-
-
-class Event:
-    STARTED = "Started"
-    FINISHED = "Finished"
-    FAILED = "Failed"
-    CANCELED = "Canceled"
-    ABANDONED = "Abandoned"
 
 
 @dataclass(frozen=True)
@@ -90,10 +83,11 @@ class Work:
              then: Callable[[Tx], None] | None = None) -> int:
         """Release the machine as failed; it sits out a backoff. Returns the interval (s).
 
+        Without ``backoff``, the process's configured one (``BMDB.backoff_for``).
         ``then`` runs in the same transaction after the failure is in history (Recovery
         quarantines a machine there once its failures add up).
         """
-        chosen = backoff or default_backoff(self.process)
+        chosen = backoff or self.session.db.backoff_for(self.process)
 
         def body(tx: Tx) -> int:
             self._release(tx)

@@ -6,280 +6,209 @@ what is needed down; command-line flags override by building a new one with
 ``dataclasses.replace`` (which the type checker checks field by field). This module
 is the only reader of the environment (with ``shepherd.state_env``, the file a
 running ``shepherd up`` leaves beneath it for a second terminal; apart from the agent
-and the simulator, which are programs of their own), and nothing reads it at import. Secrets (the
-provider API token) come only from the environment or files, never from flags, and
-never appear in ``repr``.
+and the simulator, which are programs of their own), and nothing reads it at import.
+Secrets (the provider API token) come only from the environment or files, never from
+flags, and never appear in ``repr`` or in an error.
 
-Why a hand-written parser rather than pydantic-settings: secrets read from files,
-shell-split argument lists, ``initial,maximum,exponent`` backoff triples, percent
-shares and ``host:port`` listeners would all be custom validators there anyway, and
-it would add a compiled dependency (pydantic-core) to every worker for what is one
-table of ``_float``/``_int``/``_bool`` calls whose errors already name the variable.
+Each setting is said once, below: its field's name gives the variable
+(``batch_size`` is ``SHEPHERD_BATCH_SIZE``), and ``setting()`` gives its default,
+help, bounds and kind (``shepherd.config_kinds``). ``from_env``, the README's table
+(``settings_table``, checked by ``tests/project/test_config.py``) and the check of the
+CLI's help texts read that declaration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-import math
 import os
-import shlex
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import bmdb
 from shepherd import state_env
-from shepherd.redaction import redact_url, url_problem
+from shepherd.config_kinds import (
+    Refused,
+    Spec,
+    listen,
+    number,
+    optional_listen,
+    setting,
+    share,
+    shown_default,
+    spec_of,
+    url,
+)
+from shepherd.config_kinds import parse_listen as parse_listen
+
+MAX_RETENTION_DAYS = 36500
+MINUTE = 60.0
 
 
 class SettingsError(ValueError):
     """A SHEPHERD_* variable has a value that cannot be used; the message names it."""
 
 
-def _get(env: Mapping[str, str], name: str, default: str) -> str:
-    return env.get(f"SHEPHERD_{name}", default)
-
-
-def _url(env: Mapping[str, str], name: str, default: str) -> str:
-    """A URL that kombu/Celery parse with ``urllib`` (broker, result backend): refused,
-    shown redacted, when they would misread its user info (and print part of it)."""
-    value = _get(env, name, default)
-    problem = url_problem(value)
-    if problem is not None:
-        raise SettingsError(f"SHEPHERD_{name}={redact_url(value)!r}: {problem}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
-    raw = _get(env, name, str(default))
-    try:
-        value = float(raw)
-    except ValueError as error:
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a number") from error
-    if not math.isfinite(value):
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} must be a finite number")
-    if value < minimum:
-        rule = "must not be negative" if minimum == 0 else f"must be at least {minimum:g}"
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} {rule}")
-    return value
-
-
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0,
-         maximum: int | None = None) -> int:
-    raw = _get(env, name, str(default))
-    try:
-        value = int(raw)
-    except ValueError as error:
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a whole number") from error
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = f" and at most {maximum}" if maximum is not None else ""
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} must be at least {minimum}{upper}")
-    return value
-
-
-def _port(env: Mapping[str, str], name: str, default: int) -> int:
-    """A TCP port, 0 meaning "off" (or "any free one", where a listener takes it)."""
-    return _int(env, name, default, minimum=0, maximum=65535)
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``host:port`` (``[::1]:8470``; an empty host is every address) -> (host, port).
-
-    Raises ``ValueError`` with what was wrong; ``Settings`` checks ``SHEPHERD_*_LISTEN``
-    with it and ``shepherd serve`` parses its flags with it, so both agree.
-    """
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected host:port, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def _listen(env: Mapping[str, str], name: str, default: str) -> str:
-    """A ``host:port`` listener; empty only where the default is (meaning "none")."""
-    raw = _get(env, name, default).strip()
-    if raw or default:
-        try:
-            parse_listen(raw)
-        except ValueError as error:
-            raise SettingsError(f"SHEPHERD_{name}={raw!r}: {error}") from error
-    return raw
-
-
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = _get(env, name, "true" if default else "false").strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off", ""):
-        return False
-    raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a boolean (true/false)")
-
-
-def _share(env: Mapping[str, str], name: str, default: float) -> float:
-    """A fraction in [0, 1]; ``10%`` is accepted too."""
-    raw = _get(env, name, str(default)).strip()
-    try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError as error:
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} is not a fraction") from error
-    if not 0 <= value <= 1:
-        raise SettingsError(f"SHEPHERD_{name}={raw!r} must be between 0 and 1 (or 0%..100%)")
-    return value
-
-
-def _args(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
-    raw = env.get(f"SHEPHERD_{name}")
-    if raw is None:
-        return default
-    try:
-        return tuple(shlex.split(raw))
-    except ValueError as error:
-        raise SettingsError(f"SHEPHERD_{name}={raw!r}: {error}") from error
-
-
-def _backoff(env: Mapping[str, str], name: str, default: bmdb.Backoff) -> bmdb.Backoff:
-    """``SHEPHERD_<NAME>_BACKOFF=initial,maximum,exponent`` (seconds, seconds, factor)."""
-    raw = env.get(f"SHEPHERD_{name}_BACKOFF")
-    if raw is None:
-        return default
-    try:
-        initial, maximum, exponent = (float(part) for part in raw.split(","))
-    except ValueError as error:
-        raise SettingsError(
-            f"SHEPHERD_{name}_BACKOFF={raw!r}: expected initial,maximum,exponent"
-        ) from error
-    return bmdb.Backoff(initial=initial, maximum=maximum, exponent=exponent)
-
-
-MAX_RETENTION_DAYS = 36500
-
-
-def _retention(env: Mapping[str, str], name: str, default: float) -> float:
+def retention(raw: str, spec: Spec) -> float:
     """Days of history to keep: 0 (for ever), or enough to leave the guard its hour (and
     at most a century, so that a cutoff is always a date)."""
-    days = _float(env, name, default)
+    days = number(raw, spec)
     if days > MAX_RETENTION_DAYS:
-        raise SettingsError(f"SHEPHERD_{name}={_get(env, name, '')!r} must be at most "
-                            f"{MAX_RETENTION_DAYS} days (0 keeps history for ever)")
+        raise Refused(f" must be at most {MAX_RETENTION_DAYS} days (0 keeps history for ever)")
     if days:
         try:
-            bmdb.history.check_age(dt.timedelta(days=days))
+            bmdb.check_prune_age(dt.timedelta(days=days))
         except ValueError as error:
-            raise SettingsError(f"SHEPHERD_{name}={_get(env, name, '')!r} (days): "
-                                f"{error}; 0 keeps history for ever") from error
+            raise Refused(f" (days): {error}; 0 keeps history for ever") from None
     return days
 
 
 @dataclass(frozen=True)
 class Settings:
     # Where things are.
-    bmdb_url: str = "sqlite:///var/bmdb.sqlite"
-    # Connections each process keeps to the BMDB (SQLAlchemy pool size).
-    bmdb_pool_size: int = 5
-    broker_url: str = "sqla+sqlite:///var/broker.sqlite"
-    result_backend: str = "db+sqlite:///var/results.sqlite"
-    state_dir: Path = Path("var")
-    # The provider: "simulator" (default), "equinix" or "static".
-    provider: str = "simulator"
-    provider_url: str = ""
-    provider_project: str = ""
-    provider_token: str = field(default="", repr=False)
-    static_inventory: str = ""
-    # Provider API budget per worker process: seconds between calls, calls in flight.
-    provider_min_interval: float = 0.2
-    provider_max_in_flight: int = 3
-    # SSH port of the provider's machines (the simulator serves every device on one port).
-    provider_ssh_port: int = 22
-    device_prefix: str = "shepherd-"
-    ssh_key_label: str = "shepherd"
-    ssh_key_path: Path = Path("var/ssh/shepherd_ed25519")
-    # Replace a different key registered under ssh_key_label (a deliberate rotation).
-    ssh_key_replace: bool = False
-    callback_url: str = "http://127.0.0.1:8080"
-    # PEM file of the CA agents verify the callback server against (empty: plain HTTP).
-    callback_ca_file: str = ""
-    # Intervals (seconds) of what beat schedules.
-    reconcile_interval: float = 60.0
-    update_interval: float = 60.0
-    source_interval: float = 5.0
-    sweep_interval: float = 5.0
-    # History retention: days of history kept (0: for ever; at least an hour, which the
-    # guard's reboot budget reads), and seconds between beat's prunes (0: none).
-    history_retention: float = 30.0
-    history_prune_interval: float = 600.0
+    bmdb_url: str = setting("sqlite:///var/bmdb.sqlite", "the BMDB (SQLAlchemy URL)")
+    bmdb_pool_size: int = setting(5, "connections each process keeps to the BMDB", minimum=1)
+    broker_url: str = setting("sqla+sqlite:///var/broker.sqlite", "Celery's broker",
+                              kind=url)
+    result_backend: str = setting("db+sqlite:///var/results.sqlite",
+                                  "Celery's result backend", kind=url)
+    state_dir: Path = setting(Path("var"), "where `shepherd up` keeps its state, and "
+                              "where every process finds the shepherd.env it left")
+    # The provider.
+    provider: str = setting("simulator", "where machines come from: simulator, equinix "
+                            "or static")
+    provider_url: str = setting("", "the provider's API (simulator, equinix)")
+    provider_project: str = setting("", "the provider's project (simulator, equinix)")
+    provider_token: str = setting("", "the provider's API token", secret=True)
+    static_inventory: str = setting("", "the inventory file (provider static)")
+    provider_min_interval: float = setting(
+        0.2, "seconds between a worker process's provider API calls")
+    provider_max_in_flight: int = setting(
+        3, "provider API calls a worker process has in flight at once", minimum=1)
+    provider_ssh_port: int = setting(
+        22, "SSH port of the provider's machines (the simulator serves all on one)",
+        minimum=1, maximum=65535)
+    device_prefix: str = setting("shepherd-", "name prefix of the devices Shepherd creates")
+    ssh_key_label: str = setting("shepherd", "the label of the fleet's SSH key at the "
+                                 "provider")
+    ssh_key_path: Path = setting(Path("var/ssh/shepherd_ed25519"),
+                                 "the fleet's SSH private key (the same on every worker)")
+    ssh_key_replace: bool = setting(False, "replace a different key registered under "
+                                    "the label (a deliberate rotation)")
+    # Where agents call back.
+    callback_url: str = setting("http://127.0.0.1:8080", "the callback server's URL, as "
+                                "machines reach it", old_names=("SHEPHERD_BMAAS_ENDPOINT",))
+    callback_ca_file: str = setting("", "PEM file of the CA agents verify the callback "
+                                    "server against (empty: plain HTTP)",
+                                    old_names=("SHEPHERD_BMAAS_CA_FILE",))
+    # What beat schedules (seconds between runs).
+    reconcile_interval: float = setting(60.0, "seconds between reconciles")
+    update_interval: float = setting(60.0, "seconds between provider updates")
+    source_interval: float = setting(5.0, "seconds between sourcings")
+    sweep_interval: float = setting(5.0, "seconds between sweeps of dead sessions")
+    history_retention: float = setting(30.0, "days of history kept (0: for ever; at "
+                                       "least an hour, which the guard reads)",
+                                       kind=retention)
+    history_prune_interval: float = setting(600.0, "seconds between history prunes "
+                                            "(0: none)")
     # Sourcing and handoff.
-    batch_size: int = 20
-    in_flight_cap: int = 100
-    dispatch_ttl: float = 120.0
-    # Broker: unacknowledged messages come back after this long (Redis transport);
-    # must stay well above the longest task (see ``machine_task_time_limit``).
-    visibility_timeout: float = 3600.0
-    # Provisioning (reconcile) bounds and updater batches.
-    max_machines: int = 100
-    chunk_size: int = 10
-    creation_rate: float = 1.0
-    capacity_cooldown: float = 3600.0
-    assimilate: bool = False
-    update_batch_size: int = 100
+    batch_size: int = setting(20, "machines a sourcing dispatches per run", minimum=1)
+    in_flight_cap: int = setting(100, "claims handed to workers and not yet adopted, at "
+                                 "most")
+    dispatch_ttl: float = setting(120.0, "seconds a worker has to adopt a claim",
+                                  minimum=1.0)
+    visibility_timeout: float = setting(3600.0, "seconds after which the broker hands an "
+                                        "unacknowledged task out again (Redis); above "
+                                        "the longest task")
+    # Reconcile and update.
+    max_machines: int = setting(100, "machines reconcile grows the fleet to, at most")
+    chunk_size: int = setting(10, "creation attempts per reconcile, at most")
+    creation_rate: float = setting(1.0, "creations per second (0: as fast as the provider "
+                                   "answers)")
+    capacity_cooldown: float = setting(3600.0, "seconds a capacity that failed is left "
+                                       "alone")
+    assimilate: bool = setting(False, "register the provider's machines that Shepherd "
+                               "did not create")
+    update_batch_size: int = setting(100, "machines an update changes per transaction",
+                                     minimum=1)
     # Sessions and thresholds.
-    session_interval: float = 5.0
-    first_heartbeat_timeout: float = 30 * 60.0
-    heartbeat_timeout: float = 10 * 60.0
-    # SSH.
-    ssh_connect_timeout: float = 10.0
-    ssh_exec_timeout: float = 60.0
-    # The agent: extra command-line arguments (e.g. a short --interval for demos).
-    agent_args: tuple[str, ...] = ()
-    # Seconds between an agent's heartbeats, sent in its TakeoverInit (0: a tenth of
-    # heartbeat_timeout, see ``agent_interval``; an --interval in agent_args wins).
-    agent_heartbeat_interval: float = 0.0
-    # Recovery: the verified reboot ladder (seconds), quarantine, BMC calls.
-    rung_timeout: float = 300.0
-    rung_poll_interval: float = 2.0
-    boot_wait: float = 300.0
-    quarantine_after: int = 3
-    bmc_timeout: float = 10.0
-    bmc_attempts: int = 3
-    # How long a BMC call waits for another worker's call to the same BMC to end.
-    bmc_lock_wait: float = 60.0
-    # The blast-radius guard; min_silent machines may be silent whatever the share.
-    recovery_max_share: float = 0.10
-    recovery_min_silent: int = 1
-    reboots_per_hour: int = 50
-    healthz_timeout: float = 5.0
-    # Backoffs.
-    agent_start_backoff: bmdb.Backoff = bmdb.backoff.AGENT_START_BACKOFF
-    recovery_backoff: bmdb.Backoff = bmdb.backoff.RECOVERY_BACKOFF
+    session_interval: float = setting(5.0, "seconds between a process's BMDB session "
+                                      "renewals", minimum=1.0)
+    first_heartbeat_timeout: float = setting(30 * MINUTE, "seconds a started agent has "
+                                             "for its first heartbeat")
+    heartbeat_timeout: float = setting(10 * MINUTE, "seconds of silence after which a "
+                                       "machine is stale (and recovered)")
+    # SSH and the agent.
+    ssh_connect_timeout: float = setting(10.0, "seconds an SSH connection may take")
+    ssh_exec_timeout: float = setting(60.0, "seconds an SSH command may take")
+    agent_args: tuple[str, ...] = setting((), "extra arguments of the agent (shell "
+                                          "words, e.g. --interval 2 for demos)")
+    agent_heartbeat_interval: float = setting(0.0, "seconds between an agent's "
+                                              "heartbeats (0: a tenth of the heartbeat "
+                                              "timeout)")
+    # Recovery: the verified reboot ladder, quarantine, BMC calls, the guard.
+    rung_timeout: float = setting(300.0, "seconds each rung of the reboot ladder waits "
+                                  "to see its effect", minimum=0.1)
+    rung_poll_interval: float = setting(2.0, "seconds between a rung's checks",
+                                        minimum=0.05)
+    boot_wait: float = setting(300.0, "seconds a power-cycled machine has to come back")
+    quarantine_after: int = setting(3, "exhausted ladders before a machine is "
+                                    "quarantined", minimum=1)
+    bmc_timeout: float = setting(10.0, "seconds a BMC call may take", minimum=0.1)
+    bmc_attempts: int = setting(3, "tries of a BMC call", minimum=1)
+    bmc_lock_wait: float = setting(60.0, "seconds a BMC call waits for another worker's "
+                                   "call to the same BMC")
+    recovery_max_share: float = setting(0.10, "share of the fleet that may be silent "
+                                        "before Recovery pauses (0.1 or 10%)", kind=share)
+    recovery_min_silent: int = setting(1, "machines that may be silent whatever the share")
+    reboots_per_hour: int = setting(50, "Recovery starts per hour, at most")
+    healthz_timeout: float = setting(5.0, "seconds the guard waits for the callback "
+                                     "server's /healthz")
+    agent_start_backoff: bmdb.Backoff = setting(
+        bmdb.AGENT_START_BACKOFF, "AgentStart's backoff: initial,maximum,exponent "
+        "(seconds, seconds, factor)")
+    recovery_backoff: bmdb.Backoff = setting(
+        bmdb.RECOVERY_BACKOFF, "Recovery's backoff: initial,maximum,exponent")
     # The callback server (``shepherd serve``; its flags override these).
-    serve_listen: str = "127.0.0.1:8470"
-    # The web view's own listener ("" = on the agents' listener while that is loopback).
-    serve_operator_listen: str = ""
-    serve_tls_cert: str = ""
-    serve_tls_key: str = ""
-    serve_max_body: int = 256 * 1024
-    serve_clock_window: float = 60.0
-    serve_operator_views: bool = True
-    serve_threads: int = 16
-    # The callback server's limits against clients on an open network (``shepherd.server.
-    # limits``): request head (header lines, bytes: 431 beyond), read deadlines for the
-    # head and the body (seconds), open connections, listen backlog, TLS handshake, idle
-    # keep-alive; and how long /metrics reuses one computation (seconds).
-    serve_max_headers: int = 100
-    serve_max_header_bytes: int = 16 * 1024
-    serve_header_timeout: float = 10.0
-    serve_body_timeout: float = 10.0
-    serve_max_connections: int = 1000
-    serve_backlog: int = 2048
-    serve_tls_handshake_timeout: float = 10.0
-    serve_idle_timeout: float = 5.0
-    metrics_cache: float = 10.0
-    # How long ``shepherd reconcile`` waits for the worker's result.
-    reconcile_wait: float = 300.0
-    # The worker host's metrics endpoint (0 = none); needs prometheus_multiproc_dir.
-    worker_metrics_port: int = 0
-    worker_metrics_addr: str = "127.0.0.1"
-    # PROMETHEUS_MULTIPROC_DIR (prometheus_client's own name, read by it too): where
-    # worker children share their counters; "" = each process counts alone.
-    prometheus_multiproc_dir: str = ""
+    serve_listen: str = setting("127.0.0.1:8470", "the agents' listener (host:port)",
+                                kind=listen)
+    serve_operator_listen: str = setting("", "the web view's own listener (empty: on the "
+                                         "agents' listener while that is loopback)",
+                                         kind=optional_listen)
+    serve_tls_cert: str = setting("", "the callback server's TLS certificate (PEM)")
+    serve_tls_key: str = setting("", "its private key (PEM)")
+    serve_max_body: int = setting(256 * 1024, "bytes of a request body, at most", minimum=1)
+    serve_clock_window: float = setting(60.0, "seconds a heartbeat's timestamp may differ from "
+                                        "the server's clock")
+    serve_operator_views: bool = setting(True, "serve the web view (/machines, /sessions)")
+    serve_threads: int = setting(16, "threads recording heartbeats in the BMDB", minimum=1)
+    # Limits against clients on an open network (``shepherd.server.limits``).
+    serve_max_headers: int = setting(100, "header lines of a request, at most (431 "
+                                     "beyond)", minimum=1)
+    serve_max_header_bytes: int = setting(16 * 1024, "bytes of a request head, at most",
+                                          minimum=256)
+    serve_header_timeout: float = setting(10.0, "seconds a client has to send a request's "
+                                          "head", minimum=0.1)
+    serve_body_timeout: float = setting(10.0, "seconds a client has to send a body",
+                                        minimum=0.1)
+    serve_max_connections: int = setting(1000, "open connections, at most", minimum=1)
+    serve_backlog: int = setting(2048, "the listen backlog", minimum=1)
+    serve_tls_handshake_timeout: float = setting(10.0, "seconds a TLS handshake may take",
+                                                 minimum=0.1)
+    serve_idle_timeout: float = setting(5.0, "seconds an idle keep-alive connection is "
+                                        "kept", minimum=0.1)
+    metrics_cache: float = setting(10.0, "seconds /metrics reuses one computation")
+    # The CLI and the workers' metrics.
+    reconcile_wait: float = setting(300.0, "seconds `shepherd reconcile` waits for the "
+                                    "worker's result")
+    worker_metrics_port: int = setting(0, "port of a worker host's metrics (0: none; "
+                                       "needs PROMETHEUS_MULTIPROC_DIR)", maximum=65535)
+    worker_metrics_addr: str = setting("127.0.0.1", "address of a worker host's metrics")
+    prometheus_multiproc_dir: str = setting(
+        "", "where worker children share their counters (prometheus_client's own "
+        "variable; empty: each process counts alone)", variable="PROMETHEUS_MULTIPROC_DIR")
 
     @property
     def machine_task_time_limit(self) -> float:
@@ -336,100 +265,77 @@ class Settings:
                 env = state_env.environment(os.environ)
             except state_env.StateFileError as error:
                 raise SettingsError(str(error)) from None
-        d = cls()
-        return cls(
-            bmdb_url=_get(env, "BMDB_URL", d.bmdb_url),
-            bmdb_pool_size=_int(env, "BMDB_POOL_SIZE", d.bmdb_pool_size, minimum=1),
-            broker_url=_url(env, "BROKER_URL", d.broker_url),
-            result_backend=_url(env, "RESULT_BACKEND", d.result_backend),
-            state_dir=Path(_get(env, "STATE_DIR", str(d.state_dir))),
-            provider=_get(env, "PROVIDER", d.provider),
-            provider_url=_get(env, "PROVIDER_URL", d.provider_url),
-            provider_project=_get(env, "PROVIDER_PROJECT", d.provider_project),
-            provider_token=_read_secret(env, "PROVIDER_TOKEN"),
-            static_inventory=_get(env, "STATIC_INVENTORY", d.static_inventory),
-            provider_ssh_port=_int(env, "PROVIDER_SSH_PORT", d.provider_ssh_port, 1, 65535),
-            provider_min_interval=_float(env, "PROVIDER_MIN_INTERVAL",
-                                         d.provider_min_interval),
-            provider_max_in_flight=_int(env, "PROVIDER_MAX_IN_FLIGHT",
-                                        d.provider_max_in_flight, minimum=1),
-            device_prefix=_get(env, "DEVICE_PREFIX", d.device_prefix),
-            ssh_key_label=_get(env, "SSH_KEY_LABEL", d.ssh_key_label),
-            ssh_key_path=Path(_get(env, "SSH_KEY_PATH", str(d.ssh_key_path))),
-            ssh_key_replace=_bool(env, "SSH_KEY_REPLACE", d.ssh_key_replace),
-            callback_url=_get(env, "CALLBACK_URL", d.callback_url),
-            callback_ca_file=_get(env, "CALLBACK_CA_FILE", d.callback_ca_file),
-            reconcile_interval=_float(env, "RECONCILE_INTERVAL", d.reconcile_interval),
-            update_interval=_float(env, "UPDATE_INTERVAL", d.update_interval),
-            source_interval=_float(env, "SOURCE_INTERVAL", d.source_interval),
-            sweep_interval=_float(env, "SWEEP_INTERVAL", d.sweep_interval),
-            history_retention=_retention(env, "HISTORY_RETENTION", d.history_retention),
-            history_prune_interval=_float(env, "HISTORY_PRUNE_INTERVAL",
-                                          d.history_prune_interval),
-            batch_size=_int(env, "BATCH_SIZE", d.batch_size, minimum=1),
-            in_flight_cap=_int(env, "IN_FLIGHT_CAP", d.in_flight_cap),
-            dispatch_ttl=_float(env, "DISPATCH_TTL", d.dispatch_ttl, minimum=1.0),
-            visibility_timeout=_float(env, "VISIBILITY_TIMEOUT", d.visibility_timeout),
-            max_machines=_int(env, "MAX_MACHINES", d.max_machines),
-            chunk_size=_int(env, "CHUNK_SIZE", d.chunk_size),
-            creation_rate=_float(env, "CREATION_RATE", d.creation_rate),
-            capacity_cooldown=_float(env, "CAPACITY_COOLDOWN", d.capacity_cooldown),
-            assimilate=_bool(env, "ASSIMILATE", d.assimilate),
-            update_batch_size=_int(env, "UPDATE_BATCH_SIZE", d.update_batch_size, minimum=1),
-            session_interval=_float(env, "SESSION_INTERVAL", d.session_interval, minimum=1.0),
-            first_heartbeat_timeout=_float(
-                env, "FIRST_HEARTBEAT_TIMEOUT", d.first_heartbeat_timeout
-            ),
-            heartbeat_timeout=_float(env, "HEARTBEAT_TIMEOUT", d.heartbeat_timeout),
-            ssh_connect_timeout=_float(env, "SSH_CONNECT_TIMEOUT", d.ssh_connect_timeout),
-            ssh_exec_timeout=_float(env, "SSH_EXEC_TIMEOUT", d.ssh_exec_timeout),
-            agent_args=_args(env, "AGENT_ARGS", d.agent_args),
-            agent_heartbeat_interval=_float(env, "AGENT_HEARTBEAT_INTERVAL",
-                                            d.agent_heartbeat_interval),
-            rung_timeout=_float(env, "RUNG_TIMEOUT", d.rung_timeout, minimum=0.1),
-            rung_poll_interval=_float(env, "RUNG_POLL_INTERVAL", d.rung_poll_interval,
-                                      minimum=0.05),
-            boot_wait=_float(env, "BOOT_WAIT", d.boot_wait),
-            quarantine_after=_int(env, "QUARANTINE_AFTER", d.quarantine_after, minimum=1),
-            bmc_timeout=_float(env, "BMC_TIMEOUT", d.bmc_timeout, minimum=0.1),
-            bmc_attempts=_int(env, "BMC_ATTEMPTS", d.bmc_attempts, minimum=1),
-            bmc_lock_wait=_float(env, "BMC_LOCK_WAIT", d.bmc_lock_wait),
-            recovery_max_share=_share(env, "RECOVERY_MAX_SHARE", d.recovery_max_share),
-            recovery_min_silent=_int(env, "RECOVERY_MIN_SILENT", d.recovery_min_silent),
-            reboots_per_hour=_int(env, "REBOOTS_PER_HOUR", d.reboots_per_hour),
-            healthz_timeout=_float(env, "HEALTHZ_TIMEOUT", d.healthz_timeout),
-            agent_start_backoff=_backoff(env, "AGENT_START", d.agent_start_backoff),
-            recovery_backoff=_backoff(env, "RECOVERY", d.recovery_backoff),
-            serve_listen=_listen(env, "SERVE_LISTEN", d.serve_listen),
-            serve_operator_listen=_listen(env, "SERVE_OPERATOR_LISTEN",
-                                          d.serve_operator_listen),
-            serve_tls_cert=_get(env, "SERVE_TLS_CERT", d.serve_tls_cert),
-            serve_tls_key=_get(env, "SERVE_TLS_KEY", d.serve_tls_key),
-            serve_max_body=_int(env, "SERVE_MAX_BODY", d.serve_max_body, minimum=1),
-            serve_clock_window=_float(env, "SERVE_CLOCK_WINDOW", d.serve_clock_window),
-            serve_operator_views=_bool(env, "SERVE_OPERATOR_VIEWS", d.serve_operator_views),
-            serve_threads=_int(env, "SERVE_THREADS", d.serve_threads, minimum=1),
-            serve_max_headers=_int(env, "SERVE_MAX_HEADERS", d.serve_max_headers, minimum=1),
-            serve_max_header_bytes=_int(env, "SERVE_MAX_HEADER_BYTES",
-                                        d.serve_max_header_bytes, minimum=256),
-            serve_header_timeout=_float(env, "SERVE_HEADER_TIMEOUT", d.serve_header_timeout,
-                                        minimum=0.1),
-            serve_body_timeout=_float(env, "SERVE_BODY_TIMEOUT", d.serve_body_timeout,
-                                      minimum=0.1),
-            serve_max_connections=_int(env, "SERVE_MAX_CONNECTIONS", d.serve_max_connections,
-                                       minimum=1),
-            serve_backlog=_int(env, "SERVE_BACKLOG", d.serve_backlog, minimum=1),
-            serve_tls_handshake_timeout=_float(env, "SERVE_TLS_HANDSHAKE_TIMEOUT",
-                                               d.serve_tls_handshake_timeout, minimum=0.1),
-            serve_idle_timeout=_float(env, "SERVE_IDLE_TIMEOUT", d.serve_idle_timeout,
-                                      minimum=0.1),
-            metrics_cache=_float(env, "METRICS_CACHE", d.metrics_cache),
-            reconcile_wait=_float(env, "RECONCILE_WAIT", d.reconcile_wait),
-            worker_metrics_port=_port(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
-            worker_metrics_addr=_get(env, "WORKER_METRICS_ADDR", d.worker_metrics_addr),
-            prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR",
-                                             d.prometheus_multiproc_dir),
-        )
+        values: dict[str, Any] = {}
+        for declared in dataclasses.fields(cls):
+            value = _read(env, declared)
+            if value is not _UNSET:
+                values[declared.name] = value
+        return cls(**values)
+
+
+_UNSET = object()
+
+
+def _read(env: Mapping[str, str], declared: dataclasses.Field[object]) -> object:
+    """The value of one setting's variable (its first name set), or ``_UNSET``."""
+    spec = spec_of(declared)
+    for name in spec.names(declared.name):
+        if spec.secret and env.get(f"{name}_FILE"):
+            return _read_secret_file(f"{name}_FILE", env[f"{name}_FILE"])
+        if name in env:
+            raw = env[name]
+            try:
+                return spec.kind(raw, spec)
+            except Refused as refused:
+                shown = "(hidden)" if spec.secret else repr(
+                    raw if refused.shown is None else refused.shown)
+                raise SettingsError(f"{name}={shown}{refused.problem}") from None
+    return _UNSET
+
+
+def _read_secret_file(variable: str, path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as error:
+        raise SettingsError(f"{variable}={path!r}: {error.strerror}") from None
+
+
+def declared() -> Iterator[tuple[str, Spec, object]]:
+    """``(field name, declaration, default)`` of every setting, in declaration order."""
+    for one in dataclasses.fields(Settings):
+        yield one.name, spec_of(one), one.default
+
+
+def variables() -> dict[str, str]:
+    """Every variable ``Settings`` reads (former names too) -> its field's name."""
+    found = {}
+    for name, spec, _ in declared():
+        names = spec.names(name)
+        for variable in (*names, *([f"{names[0]}_FILE"] if spec.secret else [])):
+            found[variable] = name
+    return found
+
+
+def settings_table() -> str:
+    """The README's table of settings (Markdown), from the declaration."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, spec, default in declared():
+        variable, *old = spec.names(name)
+        also = [f"`{variable}_FILE` (a file holding it)"] if spec.secret else []
+        also += [f"`{former}` (former name)" for former in old]
+        meaning = spec.help + (f"; also {', '.join(also)}" if also else "")
+        shown = shown_default(default)
+        rows.append(f"| `{variable}` | {f'`{shown}`' if shown else ''} "
+                    f"| {meaning}{_bounds(spec)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _bounds(spec: Spec) -> str:
+    if spec.minimum is None and spec.maximum is None:
+        return ""
+    lower = f"at least {spec.minimum:g}" if spec.minimum is not None else ""
+    upper = f"at most {spec.maximum:g}" if spec.maximum is not None else ""
+    return f" ({', '.join(part for part in (lower, upper) if part)})"
 
 
 def use_state_dir(directory: Path) -> None:
@@ -459,17 +365,6 @@ def environ() -> dict[str, str]:
     """A copy of this process's environment, for ``shepherd up`` to hand its children
     (the one other way the environment is read: passed on whole, not interpreted)."""
     return dict(os.environ)
-
-
-def _read_secret(env: Mapping[str, str], name: str) -> str:
-    """``SHEPHERD_<NAME>`` or the contents of the file named by ``SHEPHERD_<NAME>_FILE``."""
-    path = env.get(f"SHEPHERD_{name}_FILE")
-    if path:
-        try:
-            return Path(path).read_text().strip()
-        except OSError as error:
-            raise SettingsError(f"SHEPHERD_{name}_FILE={path!r}: {error.strerror}") from error
-    return env.get(f"SHEPHERD_{name}", "")
 
 
 def named_secret(name: str) -> str | None:

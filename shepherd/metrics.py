@@ -3,14 +3,14 @@
 Two kinds of source, and why each lives where it does:
 
 * **From the BMDB, at scrape time** (``BMDBCollector``): fleet counts
-  (``bmdb.fleet.fleet_counts``, held machines per kind included), standing reconcile
+  (``bmdb.fleet_counts``, held machines per kind included), standing reconcile
   refusals (``bmdb.refusals``: the refusal happens in a worker, the alert belongs
-  here) and per-machine task outcomes by process, counted from the history table
-  (``bmdb.fleet.task_outcomes``), and BMDB sessions, live and dead but not swept yet
-  (``bmdb.problems``: counted through the index on their deadline).
-  History is written by every worker on every host in the same transaction as the
-  outcome, so these numbers are fleet-wide and survive worker restarts, which
-  in-process counters in Celery children are not. Any process with a BMDB handle can
+  here) and per-machine task outcomes by process (``bmdb.task_outcomes``), and BMDB
+  sessions, live and dead but not swept yet (``bmdb.fleet``: counted through the index
+  on their deadline). The fleet counts and the outcome totals are counters the BMDB's
+  triggers keep in the transaction of every write (docs/ARCHITECTURE.md section 4,
+  "Counters"), whoever makes it, so these numbers are fleet-wide and survive worker
+  restarts, which in-process counters in Celery children are not. Any process with a BMDB handle can
   serve them; the callback server does at ``/metrics`` on its operators' listener
   (never where only agents should reach it: see ``shepherd.server.asgi``).
 * **In the process that calls the provider** (``PROVIDER_CALLS``,
@@ -24,9 +24,10 @@ Two kinds of source, and why each lives where it does:
   directory is passed in (``Settings.prometheus_multiproc_dir``): nothing here reads
   the environment, and the guard limits of ``server_registry`` are the caller's.
 
-Scrape cost: the BMDB collector counts whole tables (history included) once per
-computation, and the server computes at most once per ``SHEPHERD_METRICS_CACHE``
-seconds however many scrape (``CachedExposition``); a failing BMDB yields
+Scrape cost: the BMDB collector reads those counters (no table is counted whole, at
+any fleet or history size) in one short transaction per computation, and the server
+computes at most once per ``SHEPHERD_METRICS_CACHE`` seconds however many scrape
+(``CachedExposition``); a failing BMDB yields
 ``shepherd_bmdb_up 0`` instead of an error page. The guard
 gauges (``shepherd_recovery_*``, ``shepherd_callback_server_healthy``) add one short
 read and, when configured, one bounded ``/healthz`` GET; they are absent when the
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: History events that end a work item, exposed as ``outcome`` labels.
-OUTCOMES = bmdb.fleet.ENDINGS
+OUTCOMES = bmdb.ENDINGS
 
 PROVIDER_CALLS = Counter(
     "shepherd_provider_api_calls", "Provider API calls made by this process (each HTTP "
@@ -151,8 +152,8 @@ class BMDBCollector(Collector):
         started = time.perf_counter()
         try:
             counts, outcomes, refusals, sessions = self.db.read(
-                lambda tx: (bmdb.fleet.fleet_counts(tx, self.thresholds),
-                            bmdb.fleet.task_outcomes(tx), bmdb.refusals.current(tx),
+                lambda tx: (bmdb.fleet_counts(tx, self.thresholds),
+                            bmdb.task_outcomes(tx), bmdb.current_refusals(tx),
                             SessionFigures.read(tx)))
         except Exception as error:  # a scrape must answer even when the BMDB does not
             log.warning("metrics: BMDB read failed: %s", error)
@@ -186,7 +187,7 @@ def _per_process(name: str, text: str, values: dict[str, int]) -> GaugeMetricFam
     return family
 
 
-def _fleet(c: bmdb.fleet.FleetCounts) -> Iterator[Metric]:
+def _fleet(c: bmdb.FleetCounts) -> Iterator[Metric]:
     yield _gauge("shepherd_fleet_machines", "Machines in the BMDB.", c.machines)
     yield _gauge("shepherd_fleet_provided", "Machines with a Provided tag.", c.provided)
     yield _gauge("shepherd_fleet_agent_started", "Machines with AgentStarted.", c.agent_started)
@@ -208,7 +209,7 @@ def _fleet(c: bmdb.fleet.FleetCounts) -> Iterator[Metric]:
     yield held
 
 
-def _refusing(refusals: Iterable[bmdb.refusals.Refusal], providers: Iterable[str]
+def _refusing(refusals: Iterable[bmdb.Refusal], providers: Iterable[str]
               ) -> GaugeMetricFamily:
     """1 per provider whose last reconcile refused to act (the fleets disagree), 0 for
     the ``providers`` named that do not. The cause (with the setting that resolves it)
@@ -241,20 +242,20 @@ def _outcomes(outcomes: dict[tuple[str, str], int]) -> Iterator[Metric]:
 
 @dataclass(frozen=True)
 class SessionFigures:
-    """BMDB sessions as the sweep sees them (``bmdb.problems``, read through the index
+    """BMDB sessions as the sweep sees them (``bmdb.fleet``, read through the index
     on their deadline): the live ones, and the dead ones still in the table with the
     work they hold (machines no claim can take until the sweep releases them)."""
 
     alive: int
-    dead: bmdb.problems.DeadSessions
+    dead: bmdb.DeadSessions
     #: Seconds since the oldest dead session's deadline passed; 0 with none dead.
     oldest_dead_seconds: float
 
     @classmethod
     def read(cls, tx: bmdb.Tx) -> SessionFigures:
-        dead = bmdb.problems.dead_sessions(tx)
+        dead = bmdb.dead_sessions(tx)
         oldest = dead.oldest_deadline or tx.now
-        return cls(alive=bmdb.problems.alive_sessions(tx), dead=dead,
+        return cls(alive=bmdb.alive_sessions(tx), dead=dead,
                    oldest_dead_seconds=max(0.0, (tx.now - oldest).total_seconds()))
 
 
@@ -388,8 +389,9 @@ class CachedExposition:
     """``exposition`` of one registry, computed at most once per ``max_age`` seconds and
     by one thread at a time, whatever the number of scrapers (single flight).
 
-    Why: each computation counts whole BMDB tables. Before, 20 concurrent scrapes
-    took 2.6 s each and starved the server. Now a scraper arriving while a
+    Why: each computation is a BMDB transaction and, with guard limits, a health
+    check over HTTP; scrapers are many and concurrent, and each computing its own
+    would hold a BMDB connection and a thread apiece. A scraper arriving while a
     computation runs waits for that one and gets its result; one arriving later gets
     the cached text until it is ``max_age`` old (0: each scrape computes, still one
     at a time). ``registry`` is a factory, called once at the first scrape, so that

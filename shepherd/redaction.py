@@ -19,8 +19,6 @@ import json
 import re
 from urllib.parse import quote, quote_plus, unquote
 
-import sqlalchemy as sa
-
 HIDDEN = "***"
 #: Runs of at least this many characters of a secret are hidden too (an API that
 #: echoes a token cut short); shorter secrets are only hidden whole.
@@ -80,9 +78,11 @@ def database_url_problem(text: str) -> str | None:
     _, sep, rest = text.partition("://")
     if not sep or rest.startswith("/") or "@" not in rest:
         return None
+    import bmdb  # lazily: redaction is for every command, most never open the BMDB
+
     try:
-        url = sa.make_url(text)
-    except (sa.exc.ArgumentError, ValueError):
+        url = bmdb.parse_url(text)
+    except bmdb.BadURL:
         return None
     user, colon, password = rest.rpartition("@")[0].partition(":")
     if (url.username, url.password) == (unquote(user), unquote(password) if colon else None):

@@ -2,18 +2,17 @@
 
 Each entry point (a Celery worker or beat, ``shepherd serve``, the CLI) builds one
 ``Runtime(settings, component)`` and passes what its code needs down as arguments:
-the BMDB with the configured thresholds and pool size, the provider, one live BMDB
-session, the guard's limits and the settings objects of each workflow. No Celery
-here, so a shell or a test can use it too::
+the BMDB with the configured thresholds, backoffs and pool size, the provider, one
+live BMDB session, the guard's limits and the settings objects of each workflow. No
+Celery here, so a shell or a test can use it too::
 
     rt = Runtime(Settings.from_env(), "shell")
-    initialize(work, rt.provider, initializer_settings(rt.settings))
+    run_machine_work(rt, bmdb.Process.AGENT_START, machine_id)
     rt.close()
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -30,7 +29,7 @@ from shepherd.redaction import database_url_problem, redact_url
 from shepherd.workflows.guard import GuardLimits
 
 # What only workers and servers use loads where it is used: the CLI builds a Runtime
-# for every command, and SSH, the metrics and the key library cost it 0.3 s (issue 14).
+# for every command, and would otherwise load SSH, the metrics and the key library.
 if TYPE_CHECKING:
     from shepherd.power import PowerControl
     from shepherd.workflows.initializer import InitializerSettings
@@ -47,12 +46,14 @@ T = TypeVar("T")
 class Runtime:
     """One process's BMDB, provider and live BMDB session, built lazily from ``settings``.
 
-    Why one object: the worker and the callback server each used to hold their own
-    session holder and read their own settings, and disagreed (the server ignored
-    the heartbeat thresholds). Everything here is built on first use, so a process
-    that never touches the provider never calls it, and is thread-safe (the callback
-    server's and Celery's thread pools share one). ``db`` and ``provider`` may be given (tests,
-    embedded use); a given BMDB is not closed by ``close()``.
+    Why one object: every part of a process (a worker's tasks, the callback server,
+    the web view, the metrics) must judge with the same thresholds, backoffs and
+    guard limits, and hold one BMDB session between them; two holders would read
+    settings twice and could disagree. Everything here is built on first use, so a
+    process that never touches the provider never calls it, and is thread-safe (the
+    callback server's and Celery's thread pools share one). ``db`` and ``provider``
+    may be given (tests, embedded use); a given BMDB is not closed by ``close()``.
+    It is what a machine's work takes (``machine_work.MachineParts``).
     """
 
     def __init__(self, settings: Settings, component: str, *, db: bmdb.BMDB | None = None,
@@ -114,18 +115,24 @@ class Runtime:
         """``power_for`` with this process's settings, provider and session."""
         return power_for(self.settings, self.provider, self.session, machine)
 
+    def initializer_settings(self) -> InitializerSettings:
+        return initializer_settings(self.settings)
+
+    def recoverer_settings(self) -> RecovererSettings:
+        return recoverer_settings(self.settings)
+
     def forget_inherited(self, component: str | None = None) -> None:
         """After a fork: drop the parent's objects without touching what they share with it.
 
         A session's keep-alive thread does not survive a fork and a forked SQLAlchemy
-        pool would share sockets with the parent; ``dispose(close=False)`` leaves the
-        parent's pooled connections open for the parent while this child forgets them.
+        pool would share sockets with the parent: the child forgets the pooled
+        connections without closing them, so the parent keeps its own.
         Everything is built again on first use, under ``component`` when given (a
         worker child's ``worker:<pid>``).
         """
         with self._lock:
             if self._db is not None:
-                self._db.engine.dispose(close=False)
+                self._db.forget_inherited_connections()
             self._db = None
             self._owns_db = True
             self._session = None
@@ -150,13 +157,20 @@ def worker_component() -> str:
 
 
 def connect_bmdb(settings: Settings) -> bmdb.BMDB:
-    """The BMDB with the configured silence thresholds and pool size (the schema is
-    migrated elsewhere: ``shepherd migrate``, so that many workers starting at once do
-    not race on it). A URL SQLAlchemy would misread is refused before connecting
-    (``check_bmdb_url``)."""
+    """The BMDB with the configured silence thresholds, backoffs and pool size (the
+    schema is migrated elsewhere: ``shepherd migrate``, so that many workers starting at
+    once do not race on it). A URL SQLAlchemy would misread is refused before
+    connecting (``check_bmdb_url``)."""
     check_bmdb_url(settings.bmdb_url)
     return bmdb.connect(settings.bmdb_url, thresholds=settings.thresholds,
-                        pool_size=settings.bmdb_pool_size)
+                        backoffs=backoffs(settings), pool_size=settings.bmdb_pool_size)
+
+
+def backoffs(settings: Settings) -> dict[bmdb.Process, bmdb.Backoff]:
+    """The configured backoffs (``SHEPHERD_<PROCESS>_BACKOFF``), which the BMDB gives a
+    failure that names none: so the workflows never carry them."""
+    return {bmdb.Process.AGENT_START: settings.agent_start_backoff,
+            bmdb.Process.RECOVERY: settings.recovery_backoff}
 
 
 def check_bmdb_url(url: str) -> None:
@@ -245,7 +259,7 @@ def build_provider(settings: Settings) -> Provider:
         provider.ensure_ssh_key(ssh_keys.public_key_openssh(key),
                                 replace=settings.ssh_key_replace)
         return provider
-    from shepherd.providers.static import StaticProvider
+    from shepherd.inventory.provider import StaticProvider
 
     ssh_keys.load_or_create(settings.ssh_key_path)  # operators install it by hand
     return StaticProvider(settings.static_inventory)
@@ -343,33 +357,3 @@ def retention_settings(settings: Settings) -> RetentionSettings:
     from shepherd.workflows.retention import RetentionSettings
 
     return RetentionSettings(keep=settings.history_keep)
-
-
-def default_backoff(settings: Settings, process: bmdb.Process) -> bmdb.Backoff:
-    """The configured backoff of ``process`` (``SHEPHERD_<PROCESS>_BACKOFF``)."""
-    if process is bmdb.Process.AGENT_START:
-        return settings.agent_start_backoff
-    if process is bmdb.Process.RECOVERY:
-        return settings.recovery_backoff
-    return bmdb.default_backoff(process)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfiguredWork(bmdb.Work):
-    """A ``Work`` whose failures default to the configured backoff, not the built-in one.
-
-    Why a subclass: the workflows call ``work.fail(cause)`` when they have no specific
-    backoff in mind; this keeps them unaware of settings while honouring
-    ``SHEPHERD_AGENT_START_BACKOFF`` / ``SHEPHERD_RECOVERY_BACKOFF``.
-    """
-
-    default: bmdb.Backoff | None = None
-
-    def fail(self, cause: str, backoff: bmdb.Backoff | None = None,
-             then: Callable[[bmdb.Tx], None] | None = None) -> int:
-        return super().fail(cause, backoff or self.default, then)
-
-
-def configured(work: bmdb.Work, settings: Settings) -> ConfiguredWork:
-    return ConfiguredWork(work.id, work.machine_id, work.process, work.session,
-                          default=default_backoff(settings, work.process))

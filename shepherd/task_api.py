@@ -84,6 +84,10 @@ class TaskDef(Generic[P, R]):
 
 # -- the stubs: only their signatures are used -------------------------------------
 
+#: Seconds a reconcile called by hand waits for a running one to end: one run is
+#: bounded by its chunk and creation rate.
+BY_HAND_RECONCILE_WAIT = 60.0
+
 
 def _machine_task(machine_id: str, work_id: str | None = None) -> Outcome:
     """A per-machine task: adopt the claim ``work_id`` (sourcing) or claim the machine
@@ -92,6 +96,12 @@ def _machine_task(machine_id: str, work_id: str | None = None) -> Outcome:
 
 
 def _control_task() -> Outcome:
+    raise NotImplementedError
+
+
+def _reconcile(wait_for_running: float = BY_HAND_RECONCILE_WAIT) -> Outcome:
+    """Beat's runs skip while another reconcile runs (``wait_for_running=0``); one called
+    by hand first waits up to ``wait_for_running`` seconds for it to end."""
     raise NotImplementedError
 
 
@@ -104,7 +114,7 @@ def _source(process: str) -> Outcome:
 
 AGENT_START = TaskDef("shepherd.agent_start", _machine_task)
 RECOVERY = TaskDef("shepherd.recovery", _machine_task)
-RECONCILE = TaskDef("shepherd.reconcile", _control_task)
+RECONCILE = TaskDef("shepherd.reconcile", _reconcile)
 UPDATE = TaskDef("shepherd.update", _control_task)
 SOURCE = TaskDef("shepherd.source", _source)
 SWEEP = TaskDef("shepherd.sweep", _control_task)

@@ -1,8 +1,10 @@
 """Celery glue over the shepherd workflows: ``celery -A tasks worker``.
 
-Tasks stay thin: each adopts or claims BMDB work and calls a workflow in ``shepherd``,
-with what ``app.runtime`` (``tasks/celery_app.py``) built from the settings. Each is
-declared, name and parameters, in ``shepherd/task_api.py``; send them through it.
+Tasks stay thin: each is a few lines around one workflow function of ``shepherd``
+(``shepherd.workflows``: the rules live there), called with what ``app.runtime``
+(``tasks/celery_app.py``) built from the settings; the task only turns its outcome
+into Celery's (a result, or a ``tasks.errors`` exception). Each is declared, name and
+parameters, in ``shepherd/task_api.py``; send them through it.
 
 =====================  ===============================  ===================
 task                   arguments                        queue

@@ -24,22 +24,18 @@ log = logging.getLogger(__name__)
 
 
 @task_api.RECONCILE.implement(app, throws=(ShepherdTaskError,))
-def reconcile() -> dict[str, Any]:
-    """Bring provider machines into the BMDB and create more; once at a time fleet-wide."""
+def reconcile(wait_for_running: float = task_api.BY_HAND_RECONCILE_WAIT) -> dict[str, Any]:
+    """Bring provider machines into the BMDB and create more (the rules, the fleet-wide
+    hold among them: ``shepherd.workflows.provisioner``)."""
     from shepherd.workflows.provisioner import FleetMismatch
     from shepherd.workflows.provisioner import reconcile as run_reconcile
 
     rt = app.runtime
-    session = rt.session
-    with bmdb.singletons.hold(session, "reconcile") as held:
-        if not held:
-            log.info("reconcile already running elsewhere; skipped")
-            return {"skipped": "reconcile already running"}
-        try:
-            result = run_reconcile(session, rt.provider,
-                                   runtime.provisioner_settings(rt.settings))
-        except FleetMismatch as error:
-            raise ReconcileRefused(str(error)) from None
+    try:
+        result = run_reconcile(rt.session, rt.provider, runtime.provisioner_settings(rt.settings),
+                               wait_for_running=wait_for_running)
+    except FleetMismatch as error:
+        raise ReconcileRefused(str(error)) from None
     return result.to_json()
 
 

@@ -1,9 +1,13 @@
-"""Fixtures every suite shares: real PostgreSQL and Redis servers, and a fresh BMDB per test."""
+"""Fixtures every suite shares: real PostgreSQL and Redis servers, and a fresh BMDB per test.
+
+Under pytest-xdist each worker starts its own servers (session fixtures are per
+worker); on servers named by ``SHEPHERD_TEST_PG_URL`` / ``SHEPHERD_TEST_REDIS_URL``,
+which the workers share, each uses its own template database and Redis databases.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Iterator
 
@@ -11,9 +15,20 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from tests.support.servers import MissingServer, PostgresServer, RedisServer
+from tests.support import workers
+from tests.support.servers import MissingServer, PostgresServer, RedisServer, redis_db_url
 
-TEMPLATE = "shepherd_template"
+#: The fixtures of tests/support, registered once for every test: a test module imports
+#: only the helpers it calls.
+pytest_plugins = [
+    "tests.support.agent_fixtures",
+    "tests.support.bmc_fixtures",
+    "tests.support.celery_fixtures",
+    "tests.support.fault_fixtures",
+    "tests.support.simulator_fixtures",
+]
+
+TEMPLATE = f"shepherd_template_{workers.NAME}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -59,17 +74,29 @@ def pg_template(pg_admin_url: str) -> str:
     return TEMPLATE
 
 
+@pytest.fixture(scope="session")
+def pg_copy(pg_admin_url: str, pg_template: str) -> str:
+    """``CREATE DATABASE``'s clause that copies the template: by files where the server
+    can (PostgreSQL 15 and later; about three times faster than its default, which
+    writes the whole copy to the WAL: a third of a second less for each test)."""
+    admin = sa.create_engine(pg_admin_url)
+    with admin.connect() as conn:
+        version = int(conn.exec_driver_sql("SHOW server_version_num").scalar_one())
+    admin.dispose()
+    return f"TEMPLATE {pg_template}" + (" STRATEGY FILE_COPY" if version >= 150000 else "")
+
+
 def _with_database(url: str, name: str) -> str:
     return sa.make_url(url).set(database=name).render_as_string(hide_password=False)
 
 
 @pytest.fixture
-def pg_url(pg_admin_url: str, pg_template: str) -> Iterator[str]:
+def pg_url(pg_admin_url: str, pg_copy: str) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for one test."""
     name = f"t_{uuid.uuid4().hex[:16]}"
     admin = sa.create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name} TEMPLATE {pg_template}")
+        conn.exec_driver_sql(f"CREATE DATABASE {name} {pg_copy}")
     yield _with_database(pg_admin_url, name)
     with admin.connect() as conn:
         conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
@@ -118,15 +145,6 @@ def redis_server() -> Iterator[RedisServer | None]:
 @pytest.fixture(scope="session")
 def redis_url(redis_server: RedisServer | None) -> str:
     if url := os.environ.get("SHEPHERD_TEST_REDIS_URL"):
-        return url
+        return redis_db_url(url, workers.redis_database())
     assert redis_server is not None  # started by redis_server when the variable is unset
     return redis_server.url
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault scenarios' recovery times and invariant summaries, as a short table."""
-    faults = sys.modules.get("tests.support.fault_fixtures")  # only if a fault test was collected
-    if faults is None or not faults.RECOVERIES:
-        return
-    terminalreporter.write_sep("=", "fault scenarios: recovery after the fault ended")
-    faults.fault_summary(terminalreporter.write_line)

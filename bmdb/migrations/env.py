@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from bmdb.database import create_engine
-from bmdb.schema import metadata
+from bmdb._database import create_engine
+from bmdb._schema import metadata
 
 config = context.config
 

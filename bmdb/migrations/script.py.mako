@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import bmdb.types
+import bmdb._types
 ${imports if imports else ""}
 
 revision = ${repr(up_revision)}

@@ -3,8 +3,8 @@
 ``agent.py`` is the agent; ``agent_bundle()`` is the single file actually uploaded
 (``bundle.py``: a shell prologue and a zip of the agent with a pure-Python Ed25519,
 so a machine needs python3 alone). ``AGENT_PATH`` is where ``agent.py`` lies, for
-tests that load it as a module; ``protocol`` holds the takeover messages as the
-shepherd side validates them.
+tests that run it alone; ``protocol`` is the wire format, every message between the
+shepherd and its agent, imported by both sides (the agent's copy is in its bundle).
 """
 
 from pathlib import Path

@@ -4,7 +4,8 @@ Uploaded inside the agent bundle (``shepherd/agent/bundle.py``) as
 ``shepherd_agent``, and run by the bundle's ``__main__``; it needs python3 3.9 or
 newer and its standard library, nothing else: Ed25519 comes from the machine's
 ``cryptography`` when it has one, else from the ``ecdsa`` bundled beside this
-module (``ed25519``). It must not import the shepherd package.
+module (``ed25519``). Of the shepherd it imports the wire format alone
+(``protocol``, bundled beside it), never the shepherd package.
 
 Takeover (protocol v2): read one TakeoverInit JSON on stdin, make a FRESH ed25519
 key (every takeover: kept in memory only, never written or sent), detach into the
@@ -25,9 +26,10 @@ Signed answers carry OS installation requests. A report the server refuses with 
 signed 4xx other than 401 or 429 (a body over its size limit, say) is dropped with
 a warning, so that plain heartbeats still go through.
 
-Kept to Python 3.9's syntax and standard library: it runs on whatever python3 the
-machine has. Every machine-side assumption it makes is checked where it is made
-and reported as a TakeoverResponse error (or a warning), never as a traceback.
+Kept to Python 3.9's syntax and standard library, as ``protocol`` is: it runs on
+whatever python3 the machine has. Every machine-side assumption it makes is checked
+where it is made and reported as a TakeoverResponse error (or a warning), never as a
+traceback.
 
 Configuration (flag, else environment variable, else default):
   --state-dir  SHEPHERD_AGENT_STATE_DIR   pid file and log; default
@@ -45,7 +47,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import hashlib
 import json
 import logging
 import logging.handlers
@@ -58,20 +59,18 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-HEARTBEAT_PATH = "/agent/v1/heartbeat"
+if TYPE_CHECKING or __package__:  # shepherd.agent.agent, in the shepherd package
+    from . import protocol
+else:  # the bundle's shepherd_agent, or agent.py run alone: protocol.py lies beside it
+    import protocol
+
 PID_FILE = "agent.pid"
 LOG_FILE = "agent.log"
 #: Where agents before protocol v2 kept their key: removed at takeover.
 OLD_KEY_FILE = "agent_key.pem"
-HEADER_MACHINE = "X-Shepherd-Machine"
-HEADER_TIMESTAMP = "X-Shepherd-Timestamp"
-HEADER_SIGNATURE = "X-Shepherd-Signature"
-HEADER_ANSWER_SIGNATURE = "X-Shepherd-Answer-Signature"
-ANSWER_HEADER_CLIP = 64
 REQUEST_TIMEOUT = 10.0
 MAX_ANSWER = 1 << 20
 
@@ -124,53 +123,12 @@ def set_interval(args: argparse.Namespace, init_interval: float) -> None:
     args.max_backoff = max(args.interval, args.max_backoff)
 
 
-class Init(NamedTuple):
-    """A checked TakeoverInit."""
-
-    sent: dict[str, Any]  # the object as sent
-    machine_id: str
-    endpoint: str  # without a trailing slash
-    ca: str | None  # PEM
-    nonce: str
-    answer_key: bytes  # raw ed25519 public key
-    interval: float  # seconds between heartbeats
-
-
-def read_init(raw: str) -> Init:
-    """Parse and check the TakeoverInit."""
+def read_init(raw: str) -> protocol.TakeoverInit:
+    """The TakeoverInit read on stdin, checked by the wire format's own rules."""
     try:
-        init = json.loads(raw)
-    except ValueError as error:
-        raise TakeoverFailed(f"TakeoverInit is not valid JSON: {error}") from error
-    if not isinstance(init, dict):
-        raise TakeoverFailed("TakeoverInit must be a JSON object")
-    try:
-        machine_id = str(uuid.UUID(str(init.get("machine_id"))))
-    except ValueError as error:
-        raise TakeoverFailed("TakeoverInit.machine_id is not a UUID") from error
-    endpoint = init.get("callback_url")
-    parts = urllib.parse.urlsplit(endpoint if isinstance(endpoint, str) else "")
-    if not isinstance(endpoint, str) or parts.scheme not in ("http", "https") or (
-            not parts.hostname):
-        raise TakeoverFailed("TakeoverInit.callback_url must be an http(s) URL")
-    ca = init.get("ca_certificate")
-    if ca is not None and not isinstance(ca, str):
-        raise TakeoverFailed("TakeoverInit.ca_certificate must be a PEM string or null")
-    nonce = init.get("nonce")
-    if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64 or not nonce.isascii() or (
-            not nonce.isprintable()):
-        raise TakeoverFailed("TakeoverInit.nonce must be a string of 16..64 printable characters")
-    try:
-        answer_key = base64.b64decode(str(init.get("answer_key")), validate=True)
-    except ValueError as error:
-        raise TakeoverFailed("TakeoverInit.answer_key is not base64") from error
-    if len(answer_key) != 32:
-        raise TakeoverFailed("TakeoverInit.answer_key must be 32 bytes (ed25519)")
-    interval = init.get("heartbeat_interval")
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
-            0 < interval < float("inf")):
-        raise TakeoverFailed("TakeoverInit.heartbeat_interval must be a positive number")
-    return Init(init, machine_id, endpoint.rstrip("/"), ca, nonce, answer_key, float(interval))
+        return protocol.TakeoverInit.decode(raw)
+    except protocol.ProtocolError as error:
+        raise TakeoverFailed(f"bad TakeoverInit: {error}") from error
 
 
 def ssl_context(endpoint: str, ca: str | None) -> ssl.SSLContext | None:
@@ -271,28 +229,6 @@ def remove_old_key(state_dir: str, warnings: list[str]) -> None:
         warnings.append(f"cannot remove the old key {path}: {error}")
         return
     warnings.append(f"removed the old agent key {path}: every takeover makes a fresh one")
-
-
-# -- what is signed (the shepherd's copy: shepherd/agent/protocol.py) ---------------
-
-
-def proof_payload(machine_id: str, nonce: str, key_b64: str) -> bytes:
-    return f"shepherd-takeover-v2\n{machine_id}\n{nonce}\n{key_b64}".encode()
-
-
-def signing_payload(machine_id: str, public_key: bytes, nonce: str, method: str, path: str,
-                    timestamp: str, body: bytes) -> bytes:
-    return "\n".join([
-        "shepherd-heartbeat-v2", machine_id, hashlib.sha256(public_key).hexdigest(), nonce,
-        method.upper(), path, timestamp, hashlib.sha256(body).hexdigest(),
-    ]).encode()
-
-
-def answer_payload(machine: str, timestamp: str, status: int, body: bytes) -> bytes:
-    return "\n".join([
-        "shepherd-answer-v2", machine[:ANSWER_HEADER_CLIP], timestamp[:ANSWER_HEADER_CLIP],
-        str(int(status)), hashlib.sha256(body).hexdigest(),
-    ]).encode("utf-8", "replace")
 
 
 # -- detaching -----------------------------------------------------------------
@@ -516,20 +452,19 @@ class Heartbeater:
 
     def __init__(self, taken: Taken, args: argparse.Namespace) -> None:
         self.key = taken.key
-        self.nonce = taken.nonce
+        self.nonce = taken.init.nonce
         self.verify_answer = taken.verify_answer
-        machine_id, endpoint, context = taken.machine_id, taken.endpoint, taken.context
-        self.machine_id = machine_id
-        self.url = endpoint + HEARTBEAT_PATH
+        self.machine_id = taken.init.machine_id
+        self.url = taken.endpoint + protocol.HEARTBEAT_PATH
         self.path = urllib.parse.urlsplit(self.url).path
-        self.context = context
+        context = taken.context
         self.args = args
         self.stop = threading.Event()
         hardware = hardware_report(args.sys_root)
         self.hardware: dict[str, Any] | None = hardware  # None once delivered
         self.hardware_warnings: list[str] = hardware["warnings"]
-        self.installation_report: dict[str, Any] | None = None
-        self.reported_generation: object = None
+        self.installation_report: protocol.InstallationReport | None = None
+        self.reported_generation: int | None = None
         handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
         if context is not None:
             handlers.append(urllib.request.HTTPSHandler(context=context))
@@ -561,22 +496,17 @@ class Heartbeater:
 
     def beat(self) -> None:
         try:
-            answer = self.post(json.dumps(self.body()).encode())
+            request = self.post(self.body().encode())
         except Refused as error:
             if refuses_the_body(error.code):
                 self.drop_reports(error)
             raise
         self.delivered()
-        self.handle(answer)
+        self.handle(request)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> protocol.Heartbeat:
         """The heartbeat, with whichever optional reports are still to be delivered."""
-        body: dict[str, Any] = {"machine_id": self.machine_id}
-        if self.hardware is not None:
-            body["hardware_report"] = self.hardware
-        if self.installation_report is not None:
-            body["installation_report"] = self.installation_report
-        return body
+        return protocol.Heartbeat(self.machine_id, self.hardware, self.installation_report)
 
     def delivered(self) -> None:
         """The server has the reports just sent: stop sending them."""
@@ -584,7 +514,7 @@ class Heartbeater:
             log.info("hardware report delivered")
             self.hardware = None
         if self.installation_report is not None:
-            self.reported_generation = self.installation_report["generation"]
+            self.reported_generation = self.installation_report.generation
             log.info("installation report %d delivered", self.reported_generation)
             self.installation_report = None
 
@@ -601,41 +531,35 @@ class Heartbeater:
             log.warning("dropping the hardware report from the heartbeats: %s", error)
             self.hardware = None
         if self.installation_report is not None:
-            self.reported_generation = self.installation_report["generation"]
+            self.reported_generation = self.installation_report.generation
             log.warning("dropping installation report %s from the heartbeats: %s",
                         self.reported_generation, error)
             self.installation_report = None
 
-    def handle(self, answer: Any) -> None:
-        request = answer.get("os_installation_request") if isinstance(answer, dict) else None
-        if not isinstance(request, dict) or request.get("generation") == self.reported_generation:
+    def handle(self, request: protocol.InstallationRequest | None) -> None:
+        if request is None or request.generation == self.reported_generation:
             return
-        generation = request.get("generation")
-        log.info("OS installation request %s: %s", generation, request.get("request"))
-        self.installation_report = {"generation": generation,
-                                    "result": install_os(request.get("request"))}
+        log.info("OS installation request %s: %s", request.generation, request.request)
+        self.installation_report = protocol.InstallationReport(request.generation,
+                                                               install_os(request.request))
 
-    def post(self, body: bytes) -> Any:
-        """Send one signed heartbeat; the answer's JSON once its signature verifies.
+    def post(self, body: bytes) -> protocol.InstallationRequest | None:
+        """Send one signed heartbeat; the answer's installation request, if any, once
+        the answer's signature verifies.
 
         Raises ``Refused`` for a signed HTTP error and ``BadAnswer`` for any answer
         (success or error) whose signature is missing or wrong: the caller acts on
         neither kind's content but the status of a signed one.
         """
-        timestamp = f"{time.time():.6f}"
-        payload = signing_payload(self.machine_id, self.key.public, self.nonce, "POST",
-                                  self.path, timestamp, body)
-        headers = {
-            "Content-Type": "application/json",
-            HEADER_MACHINE: self.machine_id,
-            HEADER_TIMESTAMP: timestamp,
-            HEADER_SIGNATURE: base64.b64encode(self.key.sign(payload)).decode(),
-        }
+        timestamp = protocol.heartbeat_timestamp(time.time())
+        payload = protocol.signing_payload(self.machine_id, self.key.public, self.nonce,
+                                           "POST", self.path, timestamp, body)
+        headers = protocol.heartbeat_headers(self.machine_id, timestamp, self.key.sign(payload))
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with self.opener.open(request, timeout=REQUEST_TIMEOUT) as response:
                 status, answer = response.status, response.read(MAX_ANSWER + 1)
-                signature = response.headers.get(HEADER_ANSWER_SIGNATURE)
+                signature = response.headers.get(protocol.HEADER_ANSWER_SIGNATURE)
         except urllib.error.HTTPError as error:
             try:
                 answer = error.read(MAX_ANSWER + 1)
@@ -644,10 +568,10 @@ class Heartbeater:
             finally:
                 error.close()
             self.check_answer(timestamp, error.code, answer,
-                              error.headers.get(HEADER_ANSWER_SIGNATURE))
+                              error.headers.get(protocol.HEADER_ANSWER_SIGNATURE))
             raise Refused(error.code, str(error.reason)) from error
         self.check_answer(timestamp, status, answer, signature)
-        return json.loads(answer or b"{}")
+        return protocol.parse_heartbeat_answer(answer)
 
     def check_answer(self, timestamp: str, status: int, answer: bytes,
                      signature: str | None) -> None:
@@ -656,11 +580,12 @@ class Heartbeater:
         if len(answer) > MAX_ANSWER:
             raise BadAnswer(f"answer {status} refused: larger than {MAX_ANSWER} bytes")
         if not signature:
-            raise BadAnswer(f"answer {status} refused: not signed (no {HEADER_ANSWER_SIGNATURE});"
-                            " nothing in it is acted on")
+            raise BadAnswer(f"answer {status} refused: not signed (no "
+                            f"{protocol.HEADER_ANSWER_SIGNATURE}); nothing in it is acted on")
         try:
             self.verify_answer(base64.b64decode(signature, validate=True),
-                               answer_payload(self.machine_id, timestamp, status, answer))
+                               protocol.answer_payload(str(self.machine_id), timestamp, status,
+                                                       answer))
         except Exception as error:  # InvalidSignature, binascii.Error: both mean "not ours"
             raise BadAnswer(
                 f"answer {status} refused: its signature does not verify with the server's "
@@ -686,27 +611,26 @@ def install_os(request: Any) -> dict[str, Any]:
 class Taken(NamedTuple):
     """What a takeover gives the daemon."""
 
-    init: dict[str, Any]
-    machine_id: str
-    endpoint: str
+    init: protocol.TakeoverInit
+    endpoint: str  # the callback URL without a trailing slash
     context: ssl.SSLContext | None
     key: Signer
-    nonce: str
     verify_answer: Callable[[bytes, bytes], object]
     warnings: list[str]
 
 
 def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
     """Everything that can fail before the answer; returns what the daemon needs."""
-    init, machine_id, endpoint, ca, nonce, answer_key, interval = read_init(raw_init)
-    set_interval(args, interval)
-    context = ssl_context(endpoint, ca)
+    init = read_init(raw_init)
+    set_interval(args, init.heartbeat_interval)
+    endpoint = init.callback_url.rstrip("/")
+    context = ssl_context(endpoint, init.ca_certificate)
     signing, passed_over = ed25519()
     key = signing.new_key()
     try:
-        verify_answer = signing.verifier(answer_key)
+        verify_answer = signing.verifier(init.answer_key_bytes)
     except Exception as error:  # ValueError, or ecdsa's MalformedPointError
-        raise TakeoverFailed(f"TakeoverInit.answer_key is not an ed25519 key: {error!r}"
+        raise TakeoverFailed(f"bad TakeoverInit: answer_key is not an ed25519 key: {error!r}"
                              ) from error
     warnings: list[str] = []
     try:
@@ -719,7 +643,7 @@ def takeover(args: argparse.Namespace, raw_init: str) -> Taken:
     for reason in passed_over:
         log.info("%s", reason)
     log.info("signing with Ed25519 from %s", signing.name)
-    return Taken(init, machine_id, endpoint, context, key, nonce, verify_answer, warnings)
+    return Taken(init, endpoint, context, key, verify_answer, warnings)
 
 
 def read_stdin(fd: int = 0, limit: int = 1 << 20) -> str:
@@ -739,16 +663,20 @@ def read_stdin(fd: int = 0, limit: int = 1 << 20) -> str:
     return data.decode("utf-8", "replace")
 
 
-def answer(document: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(document) + "\n")
-    sys.stdout.flush()
+def answer(response: protocol.TakeoverResponse) -> None:
+    sys.stdout.buffer.write(response.encode())
+    sys.stdout.buffer.flush()
+
+
+def failed(message: str) -> protocol.TakeoverResponse:
+    return protocol.TakeoverResponse(error=message)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except (ValueError, SystemExit) as error:  # argparse exits on bad flags
-        answer({"error": {"message": f"bad agent arguments or environment: {error}"}})
+        answer(failed(f"bad agent arguments or environment: {error}"))
         return 1
     try:
         taken = takeover(args, read_stdin())
@@ -760,16 +688,16 @@ def main(argv: list[str] | None = None) -> int:
             answer(success(taken, heartbeater.hardware_warnings))
             return 0
     except TakeoverFailed as error:
-        answer({"error": {"message": str(error)}})
+        answer(failed(str(error)))
         return 1
     except Exception as error:  # whatever went wrong, the initializer gets an answer
-        answer({"error": {"message": f"agent failed: {error!r}"}})
+        answer(failed(f"agent failed: {error!r}"))
         return 1
     if args.foreground:
         answer(success(taken, heartbeater.hardware_warnings))
     signal.signal(signal.SIGTERM, lambda *_: heartbeater.stop.set())
     log.info("agent %d started for machine %s on python %s, heartbeats to %s every %.2fs",
-             os.getpid(), taken.machine_id, sys.version.split()[0], heartbeater.url,
+             os.getpid(), taken.init.machine_id, sys.version.split()[0], heartbeater.url,
              args.interval)
     try:
         heartbeater.run(pid_path)
@@ -779,14 +707,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def success(taken: Taken, more_warnings: list[str]) -> dict[str, Any]:
+def success(taken: Taken, more_warnings: list[str]) -> protocol.TakeoverResponse:
     """The answer: the init echoed, the fresh public key, and the proof that we hold its
     private half and got this takeover's nonce."""
-    key_b64 = base64.b64encode(taken.key.public).decode()
-    proof = taken.key.sign(proof_payload(taken.machine_id, taken.nonce, key_b64))
-    return {"success": {"init_message": taken.init, "key": key_b64,
-                        "proof": base64.b64encode(proof).decode(),
-                        "warnings": taken.warnings + more_warnings}}
+    init, public = taken.init, taken.key.public
+    proof = taken.key.sign(protocol.takeover_proof_payload(
+        init.machine_id, init.nonce, base64.b64encode(public).decode()))
+    return protocol.TakeoverResponse(init_message=init, key=public, proof=proof,
+                                     warnings=tuple(taken.warnings + more_warnings))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The agent bundle's ``__main__.py``: a gate any python3 can parse.
 
-The agent itself (``shepherd_agent`` in the bundle, ``agent.py`` here) uses syntax
-and modules of Python 3.9. On an older python3 it would die with a SyntaxError on
-stderr; this gate answers the TakeoverResponse error the initializer records
-instead. So: no annotations beyond Python 3.0's, no f-strings, no imports at the top
-but ``sys``.
+The agent itself (``shepherd_agent`` in the bundle, ``agent.py`` here) and its wire
+format (``protocol``) use syntax and modules of Python 3.9. On an older python3 the
+agent would die with a SyntaxError on stderr; this gate answers the TakeoverResponse
+error the initializer records instead. So: no annotations beyond Python 3.0's, no
+f-strings, no imports at the top but ``sys``.
 """
 
 import sys

@@ -21,21 +21,8 @@ STATE_HELP = ("the state directory of a `shepherd up` (default: $SHEPHERD_STATE_
 BY_HELP = "who does this, for history (default: your login name)"
 MACHINE_HELP = "a BMDB machine id (a UUID: `shepherd machines` lists them)"
 
-USAGE = """\
-Operator commands (tables for people, --json for scripts):
-
-    shepherd machines [--tag T]... [--without T]... [--provider P] [--work PROC|any]
-                      [--backoff PROC|any] [--limit N] [--after CURSOR]
-    shepherd show MACHINE [--history N]
-    shepherd explain MACHINE
-    shepherd clear-backoff MACHINE PROCESS
-    shepherd start PROCESS MACHINE [--wait S]      PROCESS: agent-start | recovery
-    shepherd reconcile
-    shepherd sessions [--alive]
-    shepherd fleet | migrate [REV] | sweep | serve ... | simulator ... | up [--racks]
-    shepherd history prune --older-than AGE [--batch-size N]   AGE: 90d, 12h, 45m (>= 1h)
-    shepherd inventory check FILE [--probe] [--timeout S]   (no BMDB; exit 1: a probe failed)
-
+USAGE_HEAD = "Operator commands (tables for people, --json for scripts):"
+USAGE_NOTES = """\
 Each takes --json (one JSON document on stdout; not up), --bmdb-url URL and --state DIR,
 before or after its name. Run where `shepherd up` runs (or with --state DIR, or
 SHEPHERD_STATE_DIR=DIR for `celery -A tasks ...` too), a command uses the BMDB, broker
@@ -51,6 +38,8 @@ history with who made them (--by NAME, default: your login name).
 start and reconcile hand the work to the Celery workers through the broker
 (SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.
 """
+#: Options every command takes, said once in the notes rather than in each synopsis.
+SHARED_OPTIONS = frozenset({"help", "bmdb_url", "state_dir", "json"})
 
 #: Subcommands with an argument parser of their own: everything after the name is theirs.
 DELEGATED = {
@@ -106,9 +95,36 @@ class Parser(argparse.ArgumentParser):
                                      f"(see {self.prog} --help)\n")
 
 
+class _TopParser(Parser):
+    """``shepherd --help`` opens with one synopsis per command, formatted from the
+    parser itself when help is shown, so no command or flag is missing from it."""
+
+    def format_help(self) -> str:
+        self.description = "\n\n".join([USAGE_HEAD, "\n".join(synopses(self)), USAGE_NOTES])
+        return super().format_help()
+
+
+def synopses(top: argparse.ArgumentParser) -> list[str]:
+    """``shepherd machines [--tag TAG] ...``: each command's own arguments, as argparse
+    writes a usage line (the options every command takes are left to the notes)."""
+    lines = []
+    for action in top._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for name, command in action.choices.items():
+            if name in DELEGATED:
+                lines.append(f"    {command.prog} ...")
+            elif command.get_default("run") is not None:
+                own = [a for a in command._actions if a.dest not in SHARED_OPTIONS]
+                formatter = command._get_formatter()
+                formatter.add_usage(None, own, [], prefix="    ")
+                lines.append(formatter.format_help().rstrip())
+            lines += synopses(command)
+    return lines
+
+
 def parser() -> argparse.ArgumentParser:
-    top = Parser(prog="shepherd", description=USAGE,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = _TopParser(prog="shepherd", formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--bmdb-url", help=BMDB_URL_HELP)
     top.add_argument("--state", dest="state_dir", type=Path, metavar="DIR", help=STATE_HELP)
     top.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-
 import bmdb
 from shepherd import config, operations, state_env
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer
@@ -106,7 +104,7 @@ class Context:
 
 def default_bmdb_exists() -> bool:
     """Whether the embedded default BMDB (SQLite under ./var) is there to be used."""
-    return Path(sa.make_url(Settings().bmdb_url).database or "").exists()
+    return Path(bmdb.parse_url(Settings().bmdb_url).database or "").exists()
 
 
 def outside_any_state() -> str:
@@ -134,17 +132,14 @@ def check_bmdb_url(text: str, source: str) -> None:
     if problem is not None:
         raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: {problem}")
     try:
-        url = sa.make_url(text)
-    except (sa.exc.ArgumentError, ValueError):
+        bmdb.load_driver(bmdb.parse_url(text))
+    except bmdb.UnknownDialect as error:
+        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: {error} "
+                                   f"({URL_SHAPE})") from None
+    except bmdb.DriverMissing as error:
+        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: {error}"
+                                   ) from None
+    except bmdb.BadURL:
         raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}, is not "
                                    f"a database URL ({URL_SHAPE})") from None
-    try:
-        url.get_dialect().import_dbapi()
-    except sa.exc.NoSuchModuleError:
-        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: no database "
-                                   f"dialect {url.drivername!r} ({URL_SHAPE})") from None
-    except ImportError as error:
-        raise operations.BadArgument(f"the BMDB URL from {source}, {shown!r}: its driver "
-                                   f"{error.name or url.drivername!r} is not installed"
-                                   ) from None
 

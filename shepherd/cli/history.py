@@ -1,7 +1,7 @@
 """``shepherd history prune --older-than AGE``: delete old history now, in short batches.
 
 Loaded only when this command is given (its argument type too): nothing here is paid
-for by other commands. The rules are the BMDB's (``bmdb.history.prune``): the last
+for by other commands. The rules are the BMDB's (``bmdb.BMDB.prune_history``): the last
 hour, which the blast-radius guard's reboot budget reads, is never deleted.
 """
 
@@ -22,7 +22,6 @@ _UNITS = {"d": "days", "h": "hours", "m": "minutes"}
 def older_than(text: str) -> dt.timedelta:
     """``90d``, ``12h``, ``45m``: an age of history. Anything under an hour is a usage
     error (exit 2), refused before the BMDB is opened, so nothing is deleted."""
-    from bmdb.history import check_age
     from shepherd.config import MAX_RETENTION_DAYS
 
     match = _DURATION.fullmatch(text.strip())
@@ -35,8 +34,10 @@ def older_than(text: str) -> dt.timedelta:
         age = most + most
     if age > most:
         raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_RETENTION_DAYS} days")
+    import bmdb  # lazily: the CLI starts faster without SQLAlchemy
+
     try:
-        check_age(age)
+        bmdb.check_prune_age(age)
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
     return age

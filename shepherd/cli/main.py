@@ -46,8 +46,7 @@ def main(argv: Sequence[str] | None = None,
 
 def run(args: argparse.Namespace,
         workers: Callable[[Settings], WorkerLayer] | None = None) -> int:
-    import sqlalchemy as sa
-
+    import bmdb
     from shepherd.cli.context import Context, Failed
     from shepherd.cli.workers import CeleryWorkers
     from shepherd.config import SettingsError
@@ -66,8 +65,8 @@ def run(args: argparse.Namespace,
         return _fail(args, error, EXIT_FAILED)
     except ProviderError as error:  # the provider (an inventory file) read by a command
         return _fail(args, f"provider: {error}", EXIT_FAILED)
-    except sa.exc.SQLAlchemyError as error:
-        reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+    except bmdb.Unavailable as error:
+        reason = str(error)
         where = redact_url(ctx.settings.bmdb_url) if ctx else "(unknown)"
         return _fail(args, f"cannot use the BMDB at {where}: {reason} "
                            "(is it migrated? `shepherd migrate`)", EXIT_FAILED)

@@ -12,7 +12,7 @@ def fleet(ctx: Context) -> int:
     """Counts (with held machines per kind) and any standing reconcile refusal, from one
     read; ``--json`` adds ``refusals`` beside the counts."""
     db = ctx.db
-    counts, refusals = db.read(lambda tx: (bmdb.fleet.fleet_counts(tx, db.thresholds),
+    counts, refusals = db.read(lambda tx: (bmdb.fleet_counts(tx, db.thresholds),
                                            operations.refusals(tx)))
     ctx.emit({**operations.jsonable(counts), "refusals": refusals},
              lambda: render.fleet(counts, refusals))

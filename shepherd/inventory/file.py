@@ -22,7 +22,10 @@ by key over ``defaults.bmc``, except that an entry naming its own password sourc
 unset (the built-in default applies, not ``[defaults]``). BMC fields are described
 in ``shepherd.inventory.bmc``.
 
-Every error names the file, the entry (index and id when known) and the field.
+Each merged entry is a ``Machine`` (its ``bmc`` its driver's model); what the models
+cannot say alone is checked here: unknown fields and ``[defaults]``' shape before
+them, unique ids, SSH endpoints and BMCs across entries after. Every error names the
+file, the entry (index and id when known) and the field.
 """
 
 from __future__ import annotations
@@ -31,22 +34,71 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, ValidationError
 
 import bmdb
+from shepherd.bmc import BmcSpec
 from shepherd.inventory import bmc as bmc_table
-from shepherd.inventory.fields import InventoryError, Where, check_names, host, port, string
+from shepherd.inventory.fields import (
+    Host,
+    InventoryError,
+    Port,
+    Table,
+    Text,
+    Where,
+    check_names,
+    first_problem,
+    refuse,
+)
 from shepherd.inventory.host_keys import HostKeyError, parse_host_key
-from shepherd.power.spec import BmcSpec
 from shepherd.providers.base import ProviderMachine
 
-FIELDS = {"id", "address", "ssh_port", "location", "ssh_user", "host_key", "bmc"}
-#: Fields ``[defaults]`` may hold: all but what identifies one machine.
-DEFAULTABLE = FIELDS - {"id", "address"}
 TOP_LEVEL = ("defaults", "machines")
 SSH_PORT = 22
 SSH_USER = "root"
 _SSH_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _user_name(value: str) -> str:
+    if not _SSH_USER.fullmatch(value):
+        raise refuse(f"{value!r} is not a user name (letters, digits, _ . -, at most 32)")
+    return value
+
+
+def _key_line(value: str) -> str:
+    """The pin without its comment: compared by key, never by text."""
+    try:
+        return parse_host_key(value).line
+    except HostKeyError as error:
+        raise refuse(str(error)) from None
+
+
+class Machine(Table):
+    """One ``[[machines]]`` entry, with ``[defaults]`` merged under it."""
+
+    id: Text
+    address: Host
+    ssh_port: Port = SSH_PORT
+    location: Text | None = None
+    ssh_user: Annotated[Text, AfterValidator(_user_name)] = SSH_USER
+    host_key: Annotated[str, AfterValidator(_key_line)] | None = None
+    bmc: bmc_table.Bmc | None = None
+
+    def provider_machine(self) -> ProviderMachine:
+        """As every provider lists its machines: all RUNNING, never failed."""
+        bmc: BmcSpec | None = self.bmc.spec() if self.bmc is not None else None
+        return ProviderMachine(provider_id=self.id, address=self.address,
+                               ssh_port=self.ssh_port, location=self.location,
+                               reservation_id=None, status=bmdb.ProviderStatus.RUNNING,
+                               failed=False, ssh_user=self.ssh_user, host_key=self.host_key,
+                               bmc=bmc)
+
+
+FIELDS = set(Machine.model_fields)
+#: Fields ``[defaults]`` may hold: all but what identifies one machine.
+DEFAULTABLE = FIELDS - {"id", "address"}
 
 
 def load_inventory(path: Path | str) -> list[ProviderMachine]:
@@ -156,51 +208,14 @@ def _entry(path: Path, index: int, entry: Any, defaults: dict[str, Any]) -> Prov
     if isinstance(raw_id, str) and raw_id.strip():
         where = Where(path, f"{where.place} (id {raw_id!r})")
     check_names(where, entry, FIELDS)
-    for required in ("id", "address"):
-        if required not in entry:
-            raise where.error(None, f"missing field '{required}'")
     fields, inherited = _merge(defaults, entry)
     where = where.with_inherited(inherited)
-    machine_id = string(where, "id", raw_id)
-    address = host(where, "address", entry["address"])
-    ssh_port = port(where, "ssh_port", fields.get("ssh_port", SSH_PORT))
-    location = fields.get("location")
-    if location is not None:
-        location = string(where, "location", location)
-    return ProviderMachine(provider_id=machine_id, address=address, ssh_port=ssh_port,
-                           location=location, reservation_id=None,
-                           status=bmdb.ProviderStatus.RUNNING, failed=False,
-                           ssh_user=_ssh_user(where, fields.get("ssh_user", SSH_USER)),
-                           host_key=_host_key(where, fields.get("host_key")),
-                           bmc=_bmc(where, fields.get("bmc")))
-
-
-def _ssh_user(where: Where, value: Any) -> str:
-    text = string(where, "ssh_user", value)
-    if not _SSH_USER.fullmatch(text):
-        raise where.error("ssh_user", f"{text!r} is not a user name (letters, digits, "
-                                      "_ . -, at most 32)")
-    return text
-
-
-def _host_key(where: Where, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise where.error("host_key", f"must be a string, got {type(value).__name__}")
+    if "bmc" in fields:
+        fields["bmc"] = bmc_table.driver_table(where, fields["bmc"])
     try:
-        return parse_host_key(value).line
-    except HostKeyError as error:
-        raise where.error("host_key", str(error)) from None
-
-
-def _bmc(where: Where, value: Any) -> BmcSpec | None:
-    if value is None or value is False:
-        return None
-    if not isinstance(value, dict):
-        raise where.error("bmc", f"must be a table (or false: no BMC), got "
-                                 f"{type(value).__name__}")
-    return bmc_table.parse_bmc(where, {k: v for k, v in value.items() if v is not None})
+        return Machine.model_validate(fields).provider_machine()
+    except ValidationError as error:
+        raise first_problem(where, error, tags=tuple(bmc_table.MODELS)) from None
 
 
 def _check_bmc_shared(where: Where, spec: BmcSpec, index: int,

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shepherd.bmc import BmcSpec
 from shepherd.inventory.file import ssh_endpoint
 from shepherd.inventory.host_keys import HostKey, ProbeError, fetch_host_key, parse_host_key
 from shepherd.power import PowerError, connect
-from shepherd.power.spec import BmcSpec
 from shepherd.providers.base import ProviderMachine
 
 #: Probes run at once, at most (each is mostly waiting on the network).

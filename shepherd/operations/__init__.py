@@ -20,7 +20,7 @@ shepherd.operations import power``.
 
 from __future__ import annotations
 
-from bmdb.inspection import MachineFilter, MachineList
+from bmdb import MachineFilter, MachineList
 from shepherd.operations.arguments import (
     BACKLOG_PROCESSES,
     SHORT_TAGS,
@@ -52,7 +52,6 @@ from shepherd.operations.host_keys import (
     inventory_pin,
 )
 from shepherd.operations.reads import (
-    Glance,
     Problems,
     glances,
     list_machines,
@@ -86,7 +85,6 @@ __all__ = [
     "TAG_LEGEND",
     "BadArgument",
     "Explanation",
-    "Glance",
     "HoldChange",
     "HostKeyForgotten",
     "InventoryPin",

@@ -10,10 +10,10 @@ import uuid
 from collections.abc import Iterable
 
 import bmdb
-from bmdb.inspection import ANY, MAX_PAGE, MachineFilter
+from bmdb import ANY, MAX_PAGE, MachineFilter
 
 #: Tag names in display order (Provided first: the order of a machine's life).
-TAGS: tuple[str, ...] = bmdb.queries.TAG_NAMES
+TAGS: tuple[str, ...] = bmdb.TAG_NAMES
 #: Short tag names for narrow tables, and their legend.
 SHORT_TAGS: dict[str, str] = {
     "Provided": "Prov", "AgentStarted": "Agent", "AgentHeartbeat": "HB",

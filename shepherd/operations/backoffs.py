@@ -5,8 +5,7 @@ from __future__ import annotations
 import uuid
 
 import bmdb
-from bmdb import inspection
-from bmdb.inspection import BackoffInfo
+from bmdb import BackoffInfo
 from shepherd.operations.reads import require_machine
 
 
@@ -18,8 +17,8 @@ def clear_backoff(session: bmdb.Session, machine_id: uuid.UUID, process: bmdb.Pr
 
     def body(tx: bmdb.Tx) -> BackoffInfo | None:
         require_machine(tx, machine_id)
-        found = inspection.machine_backoffs(tx, machine_id, process)
-        bmdb.work.clear_backoff(tx, machine_id, process)
+        found = bmdb.machine_backoffs(tx, machine_id, process)
+        bmdb.clear_backoff(tx, machine_id, process)
         return found[0] if found else None
 
     return session.transact(body)

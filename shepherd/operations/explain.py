@@ -14,7 +14,6 @@ import uuid
 from typing import Any
 
 import bmdb
-from bmdb import inspection
 from shepherd.operations.arguments import BACKLOG_PROCESSES
 from shepherd.operations.reads import require_machine
 from shepherd.operations.views import (
@@ -47,8 +46,8 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
     when ``callback`` is None; ``explain_machine`` checks it)."""
     require_machine(tx, machine_id)
     # As stored: no document is decoded, so none that is undecodable can fail this.
-    tags = inspection.machine_tags_as_stored(tx, machine_id)
-    holds = bmdb.holds.holds_of(tx, machine_id)
+    tags = bmdb.machine_tags_as_stored(tx, machine_id)
+    holds = bmdb.holds_of(tx, machine_id)
     decision = guard.decide(tx, thresholds, limits or GuardLimits(), callback)
     out = [explain_process(tx, process, machine_id, thresholds, tags,
                            decision if process is bmdb.Process.RECOVERY else None, holds)
@@ -60,14 +59,14 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
 def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
                     thresholds: bmdb.Thresholds, tags: dict[str, dict[str, Any]],
                     decision: GuardDecision | None = None,
-                    holds: list[bmdb.holds.Hold] | None = None) -> ProcessExplanation:
+                    holds: list[bmdb.Hold] | None = None) -> ProcessExplanation:
     """One process of ``explain``; ``decision`` is the guard's, for a guarded process.
     A hold (maintenance, quarantine) is the reason before any other: the backlog
     queries leave held machines out whatever their tags say."""
-    held = inspection.machine_work(tx, machine_id, bmdb.exclusion_group(process))
-    backoffs = inspection.machine_backoffs(tx, machine_id, process)
+    held = bmdb.machine_work(tx, machine_id, bmdb.exclusion_group(process))
+    backoffs = bmdb.machine_backoffs(tx, machine_id, process)
     if holds is None:
-        holds = bmdb.holds.holds_of(tx, machine_id)
+        holds = bmdb.holds_of(tx, machine_id)
     if holds:
         reason = held_reason(holds)
     elif process is bmdb.Process.AGENT_START:
@@ -76,7 +75,7 @@ def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
         reason = _recovery_reason(tags, tx.now, thresholds)
     return ProcessExplanation(
         process=process.value,
-        in_backlog=inspection.in_backlog(tx, process, machine_id, thresholds),
+        in_backlog=bmdb.in_backlog(tx, process, machine_id, thresholds),
         backlog=reason, work=held[0] if held else None,
         backoff=backoffs[0] if backoffs else None,
         paused=decision.paused if decision else None,
@@ -101,7 +100,7 @@ def why_not(db: bmdb.BMDB, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb
 
     def read(tx: bmdb.Tx) -> ProcessExplanation:
         require_machine(tx, machine_id)
-        tags = inspection.machine_tags_as_stored(tx, machine_id)
+        tags = bmdb.machine_tags_as_stored(tx, machine_id)
         return explain_process(tx, process, machine_id, db.thresholds, tags)
 
     mine = db.read(read)
@@ -120,7 +119,7 @@ def why_not(db: bmdb.BMDB, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb
 # -- the wording -----------------------------------------------------------------------
 
 
-def held_reason(holds: list[bmdb.holds.Hold]) -> str:
+def held_reason(holds: list[bmdb.Hold]) -> str:
     """Why a held machine is in no backlog, and the command that lets it back."""
     return "; ".join(f"{hold_text(h)}: held machines are in no backlog "
                      f"(`{lift_command(h)}` lets it back)" for h in holds)

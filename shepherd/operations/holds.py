@@ -12,9 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import bmdb
-from bmdb import inspection
-from bmdb.holds import MAINTENANCE, QUARANTINE, Hold, Kind
-from bmdb.inspection import BackoffInfo, WorkInfo
+from bmdb import MAINTENANCE, QUARANTINE, BackoffInfo, Hold, HoldKind, WorkInfo
 from shepherd.operations.arguments import BadArgument
 from shepherd.operations.reads import require_machine
 
@@ -27,7 +25,7 @@ class HoldChange:
     active Recovery backoff a lifted machine still sits out."""
 
     machine: uuid.UUID
-    kind: Kind
+    kind: HoldKind
     action: str
     changed: bool
     hold: Hold | None
@@ -45,11 +43,11 @@ def put_maintenance(session: bmdb.Session, machine_id: uuid.UUID, reason: str,
 
     def body(tx: bmdb.Tx) -> HoldChange:
         require_machine(tx, machine_id)
-        changed = bmdb.holds.put(tx, machine_id, MAINTENANCE, reason, actor)
-        (hold,) = bmdb.holds.holds_of(tx, machine_id, MAINTENANCE)
+        changed = bmdb.put_hold(tx, machine_id, MAINTENANCE, reason, actor)
+        (hold,) = bmdb.holds_of(tx, machine_id, MAINTENANCE)
         return HoldChange(machine_id, MAINTENANCE, "on", changed, hold,
-                          bmdb.holds.holds_of(tx, machine_id),
-                          inspection.machine_work(tx, machine_id))
+                          bmdb.holds_of(tx, machine_id),
+                          bmdb.machine_work(tx, machine_id))
 
     return session.transact(body)
 
@@ -66,19 +64,19 @@ def clear_quarantine(session: bmdb.Session, machine_id: uuid.UUID, actor: str,
     return _lift(session, machine_id, QUARANTINE, "clear", actor, reason)
 
 
-def _lift(session: bmdb.Session, machine_id: uuid.UUID, kind: Kind, action: str,
+def _lift(session: bmdb.Session, machine_id: uuid.UUID, kind: HoldKind, action: str,
           actor: str, reason: str) -> HoldChange:
     actor = require_text(actor, "--by", "name who does this")
 
     def body(tx: bmdb.Tx) -> HoldChange:
         require_machine(tx, machine_id)
-        before = bmdb.holds.holds_of(tx, machine_id, kind)
-        changed = bmdb.holds.lift(tx, machine_id, kind, actor, reason)
-        backoffs = inspection.machine_backoffs(tx, machine_id, bmdb.Process.RECOVERY)
+        before = bmdb.holds_of(tx, machine_id, kind)
+        changed = bmdb.lift_hold(tx, machine_id, kind, actor, reason)
+        backoffs = bmdb.machine_backoffs(tx, machine_id, bmdb.Process.RECOVERY)
         active = next((b for b in backoffs if b.active), None)
         return HoldChange(machine_id, kind, action, changed, before[0] if before else None,
-                          bmdb.holds.holds_of(tx, machine_id),
-                          inspection.machine_work(tx, machine_id), active)
+                          bmdb.holds_of(tx, machine_id),
+                          bmdb.machine_work(tx, machine_id), active)
 
     return session.transact(body)
 

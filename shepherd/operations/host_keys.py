@@ -61,8 +61,8 @@ def forget_host_key(session: bmdb.Session, machine_id: uuid.UUID, actor: str
 
     def body(tx: bmdb.Tx) -> HostKeyForgotten:
         require_machine(tx, machine_id)
-        key = bmdb.host_keys.pinned(tx, machine_id)
-        if key is None or not bmdb.host_keys.forget(tx, machine_id, actor):
+        key = bmdb.pinned_host_key(tx, machine_id)
+        if key is None or not bmdb.forget_host_key(tx, machine_id, actor):
             return HostKeyForgotten(machine_id, None, None)
         return HostKeyForgotten(machine_id, key, key_line_fingerprint(key))
 

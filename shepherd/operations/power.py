@@ -80,7 +80,7 @@ class PowerResult:
     seconds: float
     work: uuid.UUID
     #: Holds of the machine (``maintenance``, ``quarantine``) at the claim.
-    holds: list[bmdb.holds.Kind]
+    holds: list[bmdb.HoldKind]
 
 
 def locate(session: bmdb.Session, provider_of: Callable[[], Provider], power_for: PowerFor,
@@ -138,7 +138,7 @@ def change(session: bmdb.Session, target: PowerTarget, command: str,
     work = session.claim_machine(bmdb.Process.POWER, target.machine_id)
     started = clock()
     try:
-        holds = session.transact(lambda tx: [h.kind for h in bmdb.holds.holds_of(
+        holds = session.transact(lambda tx: [h.kind for h in bmdb.holds_of(
             tx, target.machine_id)])
         power, detail = _run(work, target, steps, settings, clock, sleep)
     except BaseException as error:  # Ctrl-C too: never leave the claim to the sweep

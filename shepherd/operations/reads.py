@@ -5,32 +5,18 @@ consistent moment."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import bmdb
-from bmdb import inspection
-from bmdb.inspection import MachineFilter, MachineList, SessionInfo
-from bmdb.power_states import PowerObservation
-from bmdb.problems import DeadSessions
-from bmdb.refusals import Refusal
+from bmdb import DeadSessions, Glance, MachineFilter, MachineList, Refusal, SessionInfo
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.operations import stored
 from shepherd.operations.arguments import UnknownMachine
 from shepherd.operations.views import MachineDetail
-
-
-@dataclass(frozen=True)
-class Glance:
-    """A machine's heartbeat, hostname and recorded power (``bmdb.overview.Glance``),
-    the hostname made printable."""
-
-    agent_started_at: dt.datetime | None
-    last_heartbeat_at: dt.datetime | None
-    hostname: str | None
-    power: PowerObservation | None
 
 
 @dataclass(frozen=True)
@@ -43,7 +29,7 @@ class Problems:
 
 def require_machine(tx: bmdb.Tx, machine_id: uuid.UUID) -> dt.datetime:
     """The machine's creation time; ``UnknownMachine`` if the BMDB has no such machine."""
-    created = inspection.machine_created_at(tx, machine_id)
+    created = bmdb.machine_created_at(tx, machine_id)
     if created is None:
         raise UnknownMachine(machine_id)
     return created
@@ -54,7 +40,7 @@ def provided_at(session: bmdb.Session, machine_id: uuid.UUID) -> tuple[str, str]
 
     def read(tx: bmdb.Tx) -> tuple[str, str] | None:
         require_machine(tx, machine_id)
-        tag = bmdb.queries.machine_tag(tx, "Provided", machine_id)
+        tag = bmdb.machine_tag(tx, "Provided", machine_id)
         return None if tag is None else (tag["provider"], tag["provider_id"])
 
     return session.transact(read)
@@ -63,7 +49,7 @@ def provided_at(session: bmdb.Session, machine_id: uuid.UUID) -> tuple[str, str]
 def list_machines(tx: bmdb.Tx, f: MachineFilter | None = None) -> MachineList:
     """Machines matching ``f`` (all: None; oldest first, at most ``f.limit``), with their
     tags, work and active backoffs, plus per-tag counts over the whole fleet."""
-    return inspection.list_machines(tx, f or MachineFilter())
+    return bmdb.list_machines(tx, f or MachineFilter())
 
 
 def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
@@ -76,43 +62,43 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
     holds, this read and the renderings of its result do not fail.
     """
     created = require_machine(tx, machine_id)
-    host_key = bmdb.host_keys.pinned(tx, machine_id)
+    host_key = bmdb.pinned_host_key(tx, machine_id)
     tags = {name: {key: stored.displayable(value) for key, value in columns.items()}
-            for name, columns in inspection.machine_tags_as_stored(tx, machine_id).items()}
+            for name, columns in bmdb.machine_tags_as_stored(tx, machine_id).items()}
     return MachineDetail(
         now=tx.now, id=machine_id, created_at=created, tags=tags,
-        work=inspection.machine_work(tx, machine_id),
-        backoffs=inspection.machine_backoffs(tx, machine_id),
-        history=bmdb.queries.history(tx, machine_id, limit=history_limit),
-        holds=bmdb.holds.holds_of(tx, machine_id),
+        work=bmdb.machine_work(tx, machine_id),
+        backoffs=bmdb.machine_backoffs(tx, machine_id),
+        history=bmdb.machine_history(tx, machine_id, limit=history_limit),
+        holds=bmdb.holds_of(tx, machine_id),
         host_key=host_key,
         host_key_fingerprint=key_line_fingerprint(host_key) if host_key else None,
     )
 
 
 def glances(tx: bmdb.Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]:
-    """Heartbeat, hostname and recorded power of each machine of a page: one statement
-    over those machines only (no BMC, no provider is asked)."""
-    return {machine_id: Glance(g.agent_started_at, g.last_heartbeat_at,
-                               None if g.hostname is None else stored.printable(g.hostname),
-                               g.power)
-            for machine_id, g in bmdb.overview.glances(tx, machine_ids).items()}
+    """Heartbeat, hostname and recorded power of each machine of a page (``bmdb.Glance``,
+    the hostname made printable): one statement over those machines only (no BMC, no
+    provider is asked)."""
+    return {machine_id: g if g.hostname is None
+            else dataclasses.replace(g, hostname=stored.printable(g.hostname))
+            for machine_id, g in bmdb.glances(tx, machine_ids).items()}
 
 
 def problems(tx: bmdb.Tx) -> Problems:
     """Reconcile refusals and dead sessions the sweep has not released: a few rows
     each, through indexes, whatever the fleet size."""
-    return Problems(refusals=bmdb.refusals.current(tx),
-                    dead_sessions=bmdb.problems.dead_sessions(tx))
+    return Problems(refusals=bmdb.current_refusals(tx),
+                    dead_sessions=bmdb.dead_sessions(tx))
 
 
 def refusals(tx: bmdb.Tx) -> list[Refusal]:
     """Every provider whose last reconcile refused to act, with the advice it gave."""
-    return bmdb.refusals.current(tx)
+    return bmdb.current_refusals(tx)
 
 
 def list_sessions(tx: bmdb.Tx, include_dead: bool = True
                   ) -> tuple[dt.datetime, list[SessionInfo]]:
     """The BMDB's time and every session (dead ones stay until the sweep deletes
     them), newest first, with how much work each holds."""
-    return tx.now, inspection.list_sessions(tx, include_dead)
+    return tx.now, bmdb.list_sessions(tx, include_dead)

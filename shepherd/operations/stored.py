@@ -26,7 +26,7 @@ import math
 import re
 from typing import Any
 
-from bmdb.inspection import StoredJSON
+from bmdb import StoredJSON
 from shepherd.agent.protocol import (
     INT64_MAX,
     INT64_MIN,

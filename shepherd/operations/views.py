@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bmdb
-from bmdb.holds import MAINTENANCE, Hold
-from bmdb.inspection import BackoffInfo, WorkInfo
-from bmdb.power_states import PowerObservation
-from bmdb.refusals import Refusal
+from bmdb import MAINTENANCE, BackoffInfo, Hold, PowerObservation, Refusal, WorkInfo
 from shepherd import text_tables
 from shepherd.operations.stored import printable
 from shepherd.providers.base import API_PROVIDERS

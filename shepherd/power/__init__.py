@@ -5,9 +5,10 @@
 a BMC sees one call at a time across the fleet. ``ProviderPower`` puts an API
 reboot behind the same interface. Either takes a ``PowerRecorder`` (``recorder_for``) that
 writes what it reads and asks to the BMDB (``bmdb.power_states``) for the web view. See
-``base`` for the interface and its errors.
+``base`` for the interface and its errors, ``shepherd.bmc`` for the spec.
 """
 
+from shepherd.bmc import DRIVERS, BmcSpec
 from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
@@ -23,7 +24,6 @@ from shepherd.power.ipmi import IpmiPower
 from shepherd.power.provider import ProviderPower
 from shepherd.power.recorded import PowerRecorder, recorder_for
 from shepherd.power.redfish import RedfishPower
-from shepherd.power.spec import DRIVERS, BmcSpec
 
 
 def connect(spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3) -> PowerControl:
@@ -38,11 +38,9 @@ def connect(spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3) -> Power
 
 
 __all__ = [
-    "DRIVERS",
     "ActionUnsupported",
     "BmcAuthFailed",
     "BmcBusy",
-    "BmcSpec",
     "BmcUnreachable",
     "ExclusivePower",
     "IpmiPower",

@@ -17,6 +17,13 @@ from __future__ import annotations
 import enum
 from typing import Protocol, runtime_checkable
 
+from shepherd.bmc import BmcAuthFailed, PowerError
+
+__all__ = [
+    "ActionUnsupported", "BmcAuthFailed", "BmcBusy", "BmcUnreachable", "PowerAction",
+    "PowerControl", "PowerError", "PowerState",
+]
+
 
 class PowerState(enum.StrEnum):
     ON = "On"
@@ -36,16 +43,8 @@ class PowerAction(enum.StrEnum):
     POWER_ON = "power_on"
 
 
-class PowerError(Exception):
-    """Base of every power failure; the message names the BMC, never its password."""
-
-
 class BmcUnreachable(PowerError):
     """No answer from the BMC (connection, timeout, 5xx) after the bounded retries."""
-
-
-class BmcAuthFailed(PowerError):
-    """The BMC refused our credentials (or the password could not be read)."""
 
 
 class ActionUnsupported(PowerError):

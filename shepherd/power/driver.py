@@ -14,8 +14,8 @@ from typing import ClassVar, TypeVar
 
 import tenacity
 
+from shepherd.bmc import BmcSpec, Driver
 from shepherd.power.base import BmcUnreachable
-from shepherd.power.spec import BmcSpec, Driver
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

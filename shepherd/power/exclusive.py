@@ -102,7 +102,7 @@ class ExclusivePower:
             raise self._busy()
         try:
             while not self.session.transact(
-                    lambda tx: bmdb.singletons.try_acquire(tx, self.singleton)):
+                    lambda tx: bmdb.try_acquire_singleton(tx, self.singleton)):
                 if time.monotonic() >= deadline:
                     raise self._busy()
                 time.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
@@ -115,7 +115,7 @@ class ExclusivePower:
 
     def _release(self) -> None:
         try:
-            self.session.transact(lambda tx: bmdb.singletons.release(tx, self.singleton))
+            self.session.transact(lambda tx: bmdb.release_singleton(tx, self.singleton))
         except Exception as error:  # the call's own outcome matters more
             # Still ours until our session ends; others wait for that, then take it.
             log.warning("%s: could not release the BMC lock %s: %s", self.description,

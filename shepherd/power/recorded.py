@@ -45,12 +45,12 @@ class PowerRecorder:
     def observed(self, state: PowerState, via: str) -> None:
         """Record a reading; ``Unknown`` says nothing and is not recorded."""
         if state is not PowerState.UNKNOWN:
-            self._record(via, lambda tx, machine: bmdb.power_states.record_observed(
+            self._record(via, lambda tx, machine: bmdb.record_power_observed(
                 tx, machine, state.value, via))
 
     def acted(self, action: PowerAction, via: str) -> None:
         """Record an action the power control acknowledged."""
-        self._record(via, lambda tx, machine: bmdb.power_states.record_action(
+        self._record(via, lambda tx, machine: bmdb.record_power_action(
             tx, machine, action.value, via))
 
     def _record(self, via: str, write: Callable[[bmdb.Tx, uuid.UUID], object]) -> None:
@@ -71,5 +71,5 @@ def recorder_for(session: bmdb.Session, provider: Provider, provider_id: str
                  ) -> PowerRecorder:
     """A recorder for the machine whose Provided tag is ``provider``'s ``provider_id``
     (the provider's name is read at the first record, not now)."""
-    return PowerRecorder(session, lambda tx: bmdb.queries.provided_machine_id(
+    return PowerRecorder(session, lambda tx: bmdb.provided_machine_id(
         tx, provider.name, provider_id))

@@ -14,12 +14,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import bmdb
-
-if TYPE_CHECKING:  # a type only: importing shepherd.power here would be a cycle
-    from shepherd.power.spec import BmcSpec
+from shepherd.bmc import BmcSpec
 
 PLACEHOLDERS = frozenset({"", "changeme", "example", "fixme", "todo", "placeholder", "xxx"})
 
@@ -176,9 +174,9 @@ def register_provided(tx: bmdb.Tx, provider: str, machine: ProviderMachine) -> A
     registered twice (a re-run after an unknown commit outcome), the second run must
     update the first machine instead of failing on the constraint.
     """
-    existing = bmdb.queries.provided_machine_id(tx, provider, machine.provider_id)
-    machine_id = existing or bmdb.tags.create_machine(tx)
-    bmdb.tags.upsert_provided(
+    existing = bmdb.provided_machine_id(tx, provider, machine.provider_id)
+    machine_id = existing or bmdb.create_machine(tx)
+    bmdb.upsert_provided(
         tx,
         machine_id,
         provider=provider,

@@ -1,90 +1,20 @@
-"""Signed heartbeat answers: the servers' Ed25519 answer key, kept in the BMDB.
+"""The server's side of signed heartbeat answers (the key: ``shepherd.answer_key``).
 
-Why: a heartbeat answer can carry an OS installation request, and on plain HTTP
-(or behind a proxy that ends TLS) anyone in the path could inject one. The server
-signs every answer on the heartbeat path (200s and errors alike) with this key;
-the agent learns the public half at takeover (``TakeoverInit.answer_key``, over
-SSH) and acts on nothing it cannot verify.
-
-What is signed (``shepherd.agent.protocol.answer_payload``) binds the answer to the
-request it answers: the machine and timestamp headers as the request sent them
-(clipped to 64 characters each; empty when absent), the status and the body's
-hash. An agent signs each request with a new, strictly increasing timestamp, so an
-answer recorded for one request does not verify for another.
-
-One key per BMDB (``bmdb.server_keys``): every server process and worker of a fleet
-agree with no shared volume. The first process to need it creates it.
+``AnswerSigner`` fetches the fleet's answer key on first use and signs every answer
+on the heartbeat path with it, errors included.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 import bmdb
-from shepherd.agent.protocol import HEADER_ANSWER_SIGNATURE, answer_payload
+from shepherd.agent.protocol import HEADER_ANSWER_SIGNATURE
+from shepherd.answer_key import AnswerKey
 
 log = logging.getLogger(__name__)
-#: The key's name in ``bmdb.server_keys``.
-KEY_NAME = "answer-signing"
-
-
-@dataclass(frozen=True)
-class AnswerKey:
-    """The server's answer-signing key; ``public_b64`` goes to agents at takeover."""
-
-    private: Ed25519PrivateKey = field(repr=False)
-    public_b64: str
-
-    @classmethod
-    def from_private_bytes(cls, raw: bytes) -> AnswerKey:
-        private = Ed25519PrivateKey.from_private_bytes(raw)
-        public = private.public_key().public_bytes(serialization.Encoding.Raw,
-                                                   serialization.PublicFormat.Raw)
-        return cls(private, base64.b64encode(public).decode())
-
-    @classmethod
-    def from_tx(cls, tx: bmdb.Tx) -> AnswerKey:
-        """The fleet's key, created in ``tx`` if the BMDB has none yet (get-or-create:
-        racing creators all end up with the first one's)."""
-        candidate = Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-            serialization.NoEncryption())
-        return cls.from_private_bytes(bmdb.server_keys.ensure(tx, KEY_NAME, candidate))
-
-    @classmethod
-    def from_bmdb(cls, db: bmdb.BMDB) -> AnswerKey:
-        """The fleet's key, in a transaction of its own (see ``from_tx``)."""
-        return db.read(cls.from_tx)
-
-    def sign(self, machine: str, timestamp: str, status: int, body: bytes) -> str:
-        """The base64 signature of one answer (``HEADER_ANSWER_SIGNATURE``'s value)."""
-        return base64.b64encode(
-            self.private.sign(answer_payload(machine, timestamp, status, body))).decode()
-
-
-def verify_answer(public_key: bytes, signature_b64: str, machine: str, timestamp: str,
-                  status: int, body: bytes) -> bool:
-    """True if ``signature_b64`` is the answer key's signature of this answer.
-
-    The shepherd side's check (tests, tools); the agent carries its own copy,
-    since it is uploaded alone.
-    """
-    try:
-        signature = base64.b64decode(signature_b64, validate=True)
-        Ed25519PublicKey.from_public_bytes(public_key).verify(
-            signature, answer_payload(machine, timestamp, status, body))
-    except (binascii.Error, InvalidSignature, ValueError):
-        return False
-    return True
 
 
 class AnswerSigner:
@@ -126,4 +56,4 @@ class AnswerSigner:
         return {HEADER_ANSWER_SIGNATURE: key.sign(machine or "", timestamp or "", status, body)}
 
 
-__all__ = ["KEY_NAME", "AnswerKey", "AnswerSigner", "verify_answer"]
+__all__ = ["AnswerSigner"]

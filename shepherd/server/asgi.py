@@ -2,7 +2,7 @@
 
 Agents' listener (every machine reaches it, so anything on that network can):
   POST /agent/v1/heartbeat   signed heartbeat (``heartbeat.accept``); every answer on
-                             this path is signed (``answers.AnswerKey``)
+                             this path is signed (``answers.AnswerSigner``)
   GET  /healthz              200 {"status": "ok"} when the BMDB answers, else 503
   while bound to loopback only (one host: ``shepherd up``, tests), also what the
   operators' listener serves.
@@ -12,12 +12,12 @@ Operators' listener (``--operator-listen``):
                              seconds whatever the number of scrapers (``metrics.
                              CachedExposition``)
   GET  /healthz              as above
-  GET  /, /machines...       the web view (Flask, through a2wsgi), unless turned off
+  GET  /, /machines...       the web view (``web.py``), unless turned off
 
 Threads: the event loop only parses, reads bodies and writes answers. BMDB work runs
 in thread pools, one per kind of work, so that one kind cannot starve another:
 heartbeats (``serve_threads`` threads), health checks (2), metrics (1, with a BMDB
-connection of its own), the web view (a2wsgi's pool). A slow scrape therefore never
+connection of its own), the web view's pages (4). A slow scrape therefore never
 delays ``/healthz``, and heartbeats queueing behind a slow BMDB never make the
 health check wait behind them (it then answers what the BMDB says).
 """
@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -51,9 +50,9 @@ from shepherd.agent.protocol import (
 from shepherd.runtime import Runtime
 from shepherd.server import auth
 from shepherd.server.answers import AnswerSigner
-from shepherd.server.app import ServerConfig
 from shepherd.server.heartbeat import BadRequest, accept
 from shepherd.server.limits import LogThrottle, clip, log_internal_error
+from shepherd.server.options import ServeOptions
 from shepherd.workflows.guard import GuardLimits
 
 log = logging.getLogger("shepherd.server")
@@ -61,8 +60,7 @@ T = TypeVar("T")
 UNAUTHORIZED = {"error": "unauthorized"}
 
 #: BMDB failures that mean "try again later" (503), not "the request is wrong".
-UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, bmdb.SessionExpired,
-               bmdb.CommitOutcomeUnknown)
+UNAVAILABLE = (bmdb.Unavailable, bmdb.SessionExpired)
 
 
 class BodyTooLarge(Exception):
@@ -165,9 +163,9 @@ class AgentAPI:
     (measured: see bench/heartbeat_ingest.py). It catches everything itself.
     """
 
-    def __init__(self, config: ServerConfig, runtime: Runtime, pool: Pool,
+    def __init__(self, options: ServeOptions, runtime: Runtime, pool: Pool,
                  refusals: LogThrottle) -> None:
-        self.config = config
+        self.options = options
         self.runtime = runtime
         self.pool = pool
         self.refusals = refusals
@@ -193,7 +191,7 @@ class AgentAPI:
                                      {"allow": "POST"})
         try:
             body = await read_body(receive, headers.get("content-length"),
-                                   self.config.max_body)
+                                   self.options.max_body)
         except BodyTooLarge:
             # Connection: close, so the rest of the body is not read (the protocol
             # drops what still arrives for a moment, so the client reads this).
@@ -210,7 +208,7 @@ class AgentAPI:
         """Authenticate and record (blocking: in the heartbeat pool); the signed answer."""
         try:
             signed = auth.parse_headers(headers)
-            auth.check_clock(signed, dt.datetime.now(dt.UTC), self.config.clock_window)
+            auth.check_clock(signed, dt.datetime.now(dt.UTC), self.options.clock_window)
             answer = self.runtime.transact(lambda tx: accept(tx, signed, method, path, body))
             status, payload = 200, answer
         except auth.Unauthorized as error:
@@ -300,14 +298,15 @@ class Metrics:
             self._db.close()
 
 
-async def _http_error(request: Request, error: Exception) -> Response:
+async def json_http_error(request: Request, error: Exception) -> Response:
+    """Starlette's own refusals (no route, wrong method) as JSON, like every other."""
     assert isinstance(error, HTTPException)
     return json_response(error.status_code, {"error": str(error.detail).lower()},
                          error.headers)
 
 
 def _app(routes: list[BaseRoute]) -> Starlette:
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return Starlette(routes=routes, exception_handlers={HTTPException: json_http_error})
 
 
 def operator_routes(health: Health, metrics_endpoint: Metrics, views: ASGIApp | None

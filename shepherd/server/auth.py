@@ -2,7 +2,7 @@
 
 A signature covers the machine, the agent's key, its takeover's nonce, the method,
 the path, the timestamp and the body (``shepherd.agent.protocol.signing_payload``);
-``bmdb.queries.lock_agent_credentials`` states why that means no replay, ever.
+``bmdb.lock_agent_credentials`` states why that means no replay, ever.
 
 Every way a request can fail authentication raises the same ``Unauthorized``, and
 the server answers all of them with one constant 401: a caller must not learn

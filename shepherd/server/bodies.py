@@ -49,7 +49,6 @@ import functools
 import json
 import re
 import uuid
-from dataclasses import dataclass
 from types import GenericAlias
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Union
 
@@ -79,6 +78,8 @@ from shepherd.agent.protocol import (
     MAX_KEYS,
     MAX_NAME,
     MAX_TEXT,
+    Heartbeat,
+    ProtocolError,
 )
 
 #: ``os_installation_report.generation`` is a 32-bit INTEGER on PostgreSQL.
@@ -89,15 +90,6 @@ MAX_MESSAGE = 400
 
 class BadBody(ValueError):
     """A heartbeat body refused; the message names the field, then says why."""
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """A parsed, validated heartbeat: the reports exactly as the agent sent them."""
-
-    machine_id: uuid.UUID
-    hardware_report: dict[str, Any] | None
-    installation_report: tuple[int, dict[str, Any]] | None
 
 
 # -- the parser: no number the backends would store differently -----------------------
@@ -172,6 +164,9 @@ def load(body: bytes) -> Any:
 
 
 # -- the schema ----------------------------------------------------------------------
+# Its models' fields are the wire format's (``shepherd.agent.protocol.Heartbeat`` and
+# its records), typed strictly and bounded here; ``tests/server/test_bodies.py`` holds
+# the two to the same names.
 
 
 _NAME_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -341,24 +336,21 @@ class Body(_Known):
 def parse_heartbeat(body: bytes) -> Heartbeat:
     """The validated heartbeat in ``body``; ``BadBody`` naming the field otherwise.
 
-    The reports are returned as the agent sent them (the document, not the models):
-    strict validation coerces nothing, so the document is what was validated, unknown
-    fields (bounded like the rest) included.
+    The reports are returned as the agent sent them (the document, read by the wire
+    format, not the models): strict validation coerces nothing, so the document is
+    what was validated, unknown fields (bounded like the rest) included.
     """
     document = load(body)
     if not isinstance(document, dict):
         raise BadBody("body: must be a JSON object")
     try:
-        validated = Body.model_validate(document)
+        Body.model_validate(document)
     except ValidationError as error:
         raise BadBody(_message(error)) from None
-    installation = document.get("installation_report")
-    return Heartbeat(
-        machine_id=validated.machine_id,
-        hardware_report=document.get("hardware_report"),
-        installation_report=(None if installation is None else
-                             (installation["generation"], installation["result"])),
-    )
+    try:
+        return Heartbeat.from_json(document)
+    except ProtocolError as error:  # the schema is the stricter: a bug if this is reached
+        raise BadBody(f"body: {error}") from None
 
 
 def _message(error: ValidationError) -> str:

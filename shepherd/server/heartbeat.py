@@ -2,7 +2,7 @@
 
 Reading the agent's credentials and writing the new ``last_signed_at`` happen in
 the same transaction, and on PostgreSQL that transaction first locks the
-machine's ``agent_started`` row (``bmdb.queries.lock_agent_credentials``, whose
+machine's ``agent_started`` row (``bmdb.lock_agent_credentials``, whose
 docstring holds the invariants). Two requests for one machine, say a replay racing
 the original, therefore run one after the other: the second reads the first's
 committed ``last_signed_at`` (READ COMMITTED takes a new snapshot per statement,
@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import bmdb
+from shepherd.agent.protocol import Heartbeat, InstallationRequest, heartbeat_answer
 from shepherd.server.auth import SignedHeaders, Unauthorized, check_fresh, verify
-from shepherd.server.bodies import BadBody, Heartbeat, parse_heartbeat
+from shepherd.server.bodies import BadBody, parse_heartbeat
 
 
 class BadRequest(Exception):
@@ -38,7 +39,7 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     Raises ``Unauthorized`` or ``BadRequest`` before writing anything, so a refused
     request leaves the BMDB as it was (the transaction rolls back in any case).
 
-    No replay, ever (with ``bmdb.queries.lock_agent_credentials``, whose one read
+    No replay, ever (with ``bmdb.lock_agent_credentials``, whose one read
     gives the key, the nonce and ``last_signed_at``): the signature must verify
     against the machine's current AgentStarted (key, nonce); every takeover writes
     a fresh nonce the shepherd chose, so nothing signed before a takeover verifies
@@ -46,7 +47,7 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     timestamp must be strictly newer than the last accepted one (``check_fresh``),
     and the row lock makes that hold for racing copies too.
     """
-    credentials = bmdb.queries.lock_agent_credentials(tx, signed.machine_id)
+    credentials = bmdb.lock_agent_credentials(tx, signed.machine_id)
     verify(credentials.public_key if credentials else None,
            credentials.nonce if credentials else None, signed, method, path, body)
     assert credentials is not None
@@ -56,15 +57,16 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
         raise Unauthorized("machine_id in the body differs from the signed header")
     record(tx, heartbeat, signed, credentials)
     reporting = heartbeat.installation_report[0] if heartbeat.installation_report else None
-    return {"os_installation_request": credentials.pending_installation(reporting)}
+    pending = credentials.pending_installation(reporting)
+    return heartbeat_answer(None if pending is None else InstallationRequest.from_json(pending))
 
 
 def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders,
-           credentials: bmdb.queries.AgentCredentials) -> None:
-    bmdb.tags.record_heartbeat(tx, heartbeat.machine_id, signed.signed_at,
+           credentials: bmdb.AgentCredentials) -> None:
+    bmdb.record_heartbeat(tx, heartbeat.machine_id, signed.signed_at,
                                marked=credentials.heartbeat_seen)
     if heartbeat.hardware_report is not None:
-        bmdb.tags.set_hardware_report(tx, heartbeat.machine_id, heartbeat.hardware_report)
+        bmdb.set_hardware_report(tx, heartbeat.machine_id, heartbeat.hardware_report)
     if heartbeat.installation_report is not None:
         generation, result = heartbeat.installation_report
-        bmdb.tags.set_os_installation_report(tx, heartbeat.machine_id, generation, result)
+        bmdb.set_os_installation_report(tx, heartbeat.machine_id, generation, result)

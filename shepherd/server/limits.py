@@ -10,13 +10,13 @@ one place:
 * ``header_timeout``: from the moment a connection is ready for a request (accepted,
   TLS done, or the previous answer sent) to its complete head, else 408 and close;
 * ``body_timeout``: from the complete head to the complete body, else 408 and close;
-* the body's size (``ServerConfig.max_body``, the heartbeat's own limit): larger
+* the body's size (``ServeOptions.max_body``, the heartbeat's own limit): larger
   bodies get 413, declared (Content-Length) or chunked, answered as soon as the limit
   is passed, before the rest is read (``asgi.read_body``);
 * ``max_connections``: open connections per listener; a newcomer beyond it first
   evicts the connection that has waited longest for its head, else gets 503;
-* ``backlog``: the kernel's queue of connections not yet accepted (the old server's
-  5 reset honest clients under a burst);
+* ``backlog``: the kernel's queue of connections not yet accepted (a short one resets
+  honest clients under a burst);
 * ``tls_handshake_timeout``: a TCP connection that does not complete its TLS
   handshake is closed after it (asyncio does the handshake without a thread);
 * ``idle_timeout``: a keep-alive connection with no new request is closed after it.
@@ -42,16 +42,16 @@ CLIP = 64
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one listener enforces (see the module docstring); defaults are ``Settings``'."""
+    """What one listener enforces (see the module docstring), from ``Settings``."""
 
-    max_headers: int = Settings.serve_max_headers
-    max_header_bytes: int = Settings.serve_max_header_bytes
-    header_timeout: float = Settings.serve_header_timeout
-    body_timeout: float = Settings.serve_body_timeout
-    max_connections: int = Settings.serve_max_connections
-    backlog: int = Settings.serve_backlog
-    tls_handshake_timeout: float = Settings.serve_tls_handshake_timeout
-    idle_timeout: float = Settings.serve_idle_timeout
+    max_headers: int
+    max_header_bytes: int
+    header_timeout: float
+    body_timeout: float
+    max_connections: int
+    backlog: int
+    tls_handshake_timeout: float
+    idle_timeout: float
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServerLimits:

@@ -1,12 +1,13 @@
 """Running the agent callback server: ``shepherd serve`` and an in-process handle for tests.
 
 uvicorn's HTTP protocol (httptools), with the limits of ``limits.py``, serves the
-Starlette apps of ``asgi.py`` from one event loop thread (``asgi_server.py``); BMDB
-work runs in thread pools. TLS comes from a certificate and key file when given
-(agents verify it against the CA sent at takeover).
+Starlette apps of ``asgi.py`` and ``web.py`` from one event loop thread
+(``asgi_server.py``); BMDB work runs in thread pools. TLS comes from a certificate and
+key file when given (agents verify it against the CA sent at takeover).
 
-``main`` builds everything from one ``Settings.from_env()`` (flags override it):
-one ``Runtime``, so the BMDB's silence thresholds, the session interval and the
+``main`` reads ``Settings.from_env()`` once and applies the command line over it
+(``apply_flags``); ``serve`` builds from that one ``Settings`` one ``Runtime`` and
+one ``ServeOptions``, so the BMDB's silence thresholds, the session interval and the
 guard's limits are the same for the heartbeat endpoint, the web view and
 ``/metrics`` as for the workers.
 
@@ -30,23 +31,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import cast
 
-from a2wsgi import WSGIMiddleware
-from a2wsgi.wsgi_typing import WSGIApp
-from starlette.types import ASGIApp
+from starlette.routing import BaseRoute
 
 import bmdb
 from shepherd.config import Settings, SettingsError, parse_listen
 from shepherd.runtime import Runtime
 from shepherd.server import asgi
-from shepherd.server.app import COMPONENT, ServerConfig, create_web_app
 from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_context
 from shepherd.server.limits import LogThrottle
-from shepherd.workflows.guard import GuardLimits
+from shepherd.server.options import COMPONENT, ServeOptions
+from shepherd.server.web import WebView
 
 log = logging.getLogger(__name__)
-#: Threads of the web view's WSGI pool and of the health checks.
+#: Threads rendering the web view's pages and checking health.
 VIEW_THREADS = 4
 HEALTH_THREADS = 2
 
@@ -114,32 +112,16 @@ class RunningServer:
         self.stop()
 
 
-def start_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 0, *,
-                 tls_cert: str | None = None, tls_key: str | None = None,
-                 runtime: Runtime | None = None, db: bmdb.BMDB | None = None,
-                 limits: GuardLimits | None = None, threads: int = 16,
-                 operator_listen: tuple[str, int] | None = None) -> RunningServer:
+def start_server(runtime: Runtime, options: ServeOptions) -> RunningServer:
     """Bind (port 0: a free one) and serve from a background thread; returns once listening.
 
-    ``runtime`` is what ``main`` built from the settings; without one, a runtime of
-    ``config.runtime_settings()`` (embedded defaults) over ``db`` (its thresholds),
-    or over a BMDB at ``config.bmdb_url``. ``stop()`` closes the runtime, which
-    closes only a BMDB it opened itself. ``limits`` (the guard's) default to the
-    runtime's. ``threads``: the heartbeat pool. ``operator_listen`` gives the web view
-    and ``/metrics`` a listener of their own (see the module docstring for where they
-    go otherwise).
+    ``options`` should come from ``runtime.settings`` (``serve`` builds both from one
+    ``Settings``). ``stop()`` closes the runtime, which closes only a BMDB it opened
+    itself; so does a failure to start.
     """
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("TLS needs both a certificate and a key file")
-    if runtime is None:
-        runtime = Runtime(config.runtime_settings(), config.component, db=db)
-    elif db is not None:
-        raise ValueError("give start_server a runtime or a BMDB, not both")
     closers: list[Callable[[], None]] = []
     try:
-        return _start(config, host, port, tls_cert, tls_key, runtime,
-                      limits or runtime.guard_limits(interactive=True), threads,
-                      operator_listen, closers)
+        return _start(runtime, options, closers)
     except BaseException:
         for close in closers:
             close()
@@ -147,62 +129,65 @@ def start_server(config: ServerConfig, host: str = "127.0.0.1", port: int = 0, *
         raise
 
 
-def _start(config: ServerConfig, host: str, port: int, tls_cert: str | None,
-           tls_key: str | None, runtime: Runtime, limits: GuardLimits, threads: int,
-           operator_listen: tuple[str, int] | None,
-           closers: list[Callable[[], None]]) -> RunningServer:
-    tls = tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
-    views_here = views_on_agent_listener(config, host, operator_listen)
-    metrics_here = operator_listen is None and is_loopback(host)
+def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], None]]
+           ) -> RunningServer:
+    tls = tls_context(options.tls.cert, options.tls.key) if options.tls else None
+    views_here = views_on_agent_listener(options)
+    metrics_here = options.operator_listen is None and is_loopback(options.listen[0])
     refusals = LogThrottle(asgi.log)
-
-    heartbeats = asgi.Pool(threads, "heartbeat")
-    closers.append(heartbeats.close)
-    health_pool = asgi.Pool(HEALTH_THREADS, "healthz")
-    closers.append(health_pool.close)
-    api = asgi.AgentAPI(config, runtime, heartbeats, refusals)
-    health = asgi.Health(runtime, health_pool, refusals)
+    heartbeats = _pool(options.threads, "heartbeat", closers)
+    health = asgi.Health(runtime, _pool(HEALTH_THREADS, "healthz", closers), refusals)
+    api = asgi.AgentAPI(options, runtime, heartbeats, refusals)
     operators = None
-    if operator_listen is not None or metrics_here:
-        metrics = asgi.Metrics(runtime, limits, config.metrics_cache)
-        closers.append(metrics.close)
-        views: ASGIApp | None = None
-        if config.operator_views and (operator_listen is not None or views_here):
-            # a2wsgi, Flask and Starlette each type the same WSGI and ASGI protocols
-            # their own way; the casts join them.
-            flask_app = cast("WSGIApp", create_web_app(config, runtime, limits))
-            wsgi = WSGIMiddleware(flask_app, workers=VIEW_THREADS)
-            closers.append(lambda: wsgi.executor.shutdown(wait=False, cancel_futures=True))
-            views = cast("ASGIApp", wsgi)
-        operators = asgi.operator_routes(health, metrics, views)
+    if options.operator_listen is not None or metrics_here:
+        operators = _operator_routes(runtime, options, health, views_here, closers)
 
     agents = Listener("agents", asgi.agents_app(api, health, operators if metrics_here else None),
-                      bind(host, port, config.limits.backlog), config.limits, tls)
+                      bind(*options.listen, options.limits.backlog), options.limits, tls)
     closers.append(agents.sock.close)
     listeners = [agents]
     operator = None
-    if operator_listen is not None:
+    if options.operator_listen is not None:
         assert operators is not None
         operator = Listener("operators", asgi.operators_app(operators),
-                            bind(*operator_listen, config.limits.backlog), config.limits, tls)
+                            bind(*options.operator_listen, options.limits.backlog),
+                            options.limits, tls)
         closers.append(operator.sock.close)
         listeners.append(operator)
     server = EventLoopServer()
     server.start(listeners)
     return RunningServer(server, runtime, agents, tls is not None, operator,
                          views_here=views_here, metrics_here=metrics_here,
-                         views=config.operator_views, _closers=closers)
+                         views=options.operator_views, _closers=closers)
 
 
-def views_on_agent_listener(config: ServerConfig, host: str,
-                            operator_listen: tuple[str, int] | None) -> bool:
-    """Whether the agents' listener on ``host`` also serves the web view."""
-    if not config.operator_views or operator_listen is not None:
+def _pool(threads: int, name: str, closers: list[Callable[[], None]]) -> asgi.Pool:
+    pool = asgi.Pool(threads, name)
+    closers.append(pool.close)
+    return pool
+
+
+def _operator_routes(runtime: Runtime, options: ServeOptions, health: asgi.Health,
+                     views_here: bool, closers: list[Callable[[], None]]) -> list[BaseRoute]:
+    """/healthz, /metrics and, unless turned off, the web view."""
+    metrics = asgi.Metrics(runtime, options.guard, options.metrics_cache)
+    closers.append(metrics.close)
+    views = None
+    if options.operator_views and (options.operator_listen is not None or views_here):
+        pages = _pool(VIEW_THREADS, "web", closers)
+        views = WebView(runtime, options.guard, pages).app()
+    return asgi.operator_routes(health, metrics, views)
+
+
+def views_on_agent_listener(options: ServeOptions) -> bool:
+    """Whether the agents' listener also serves the web view."""
+    if not options.operator_views or options.operator_listen is not None:
         return False
-    if is_loopback(host):
+    if is_loopback(options.listen[0]):
         return True
     log.warning("not serving the web view and /metrics on %s, which machines can reach; "
-                "give them an operator listener of their own (--operator-listen)", host)
+                "give them an operator listener of their own (--operator-listen)",
+                options.listen[0])
     return False
 
 
@@ -266,34 +251,30 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     return parser
 
 
-def with_flags(settings: Settings, args: argparse.Namespace) -> Settings:
-    """``settings`` with the command line's values (defaults being the settings' own)."""
+def apply_flags(settings: Settings, args: argparse.Namespace) -> Settings:
+    """``settings`` with the command line's values (their defaults being the settings'
+    own): the one ``Settings`` the runtime and the ``ServeOptions`` are built from.
+
+    The BMDB pool keeps at least one connection per heartbeat and health thread
+    (``SHEPHERD_BMDB_POOL_SIZE`` is raised to that): each holds one while it works,
+    and a smaller pool closes and reopens connections at every burst
+    (bench/heartbeat_ingest.py shows it).
+    """
     return dataclasses.replace(
         settings,
         serve_listen=args.listen, serve_tls_cert=args.tls_cert or "",
         serve_tls_key=args.tls_key or "", bmdb_url=args.bmdb_url,
         serve_max_body=args.max_body, serve_clock_window=args.clock_window,
         serve_threads=args.threads, serve_operator_listen=args.operator_listen or "",
-        serve_operator_views=args.operator_views)
+        serve_operator_views=args.operator_views,
+        bmdb_pool_size=max(settings.bmdb_pool_size, args.threads + HEALTH_THREADS))
 
 
-def serve(settings: Settings) -> RunningServer:
-    """Start the server ``settings`` describe, over one runtime built from them.
-
-    The BMDB pool keeps at least one connection per heartbeat and health thread
-    (``SHEPHERD_BMDB_POOL_SIZE`` is raised to that): each holds one while it works,
-    and a smaller pool closes and reopens connections at every burst (measured with
-    bench/heartbeat_ingest.py: a quarter fewer heartbeats/s at the default 5).
-    """
-    pool = max(settings.bmdb_pool_size, settings.serve_threads + HEALTH_THREADS)
-    runtime = Runtime(dataclasses.replace(settings, bmdb_pool_size=pool), COMPONENT)
-    operator = settings.serve_operator_listen
-    operator_listen = parse_listen(operator) if operator else None
-    host, port = parse_listen(settings.serve_listen)
-    return start_server(ServerConfig.from_settings(settings), host, port,
-                        tls_cert=settings.serve_tls_cert or None,
-                        tls_key=settings.serve_tls_key or None, runtime=runtime,
-                        threads=settings.serve_threads, operator_listen=operator_listen)
+def serve(settings: Settings, *, db: bmdb.BMDB | None = None) -> RunningServer:
+    """Start the server ``settings`` describe, over a runtime built from the same
+    settings (over ``db`` when given: tests, embedded use; ``stop()`` leaves it open)."""
+    options = ServeOptions.from_settings(settings)  # refused before anything is opened
+    return start_server(Runtime(settings, COMPONENT, db=db), options)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as error:
         log.error("cannot start the callback server: %s", error)
         return 2
-    settings = with_flags(base, build_parser(base).parse_args(argv))
+    settings = apply_flags(base, build_parser(base).parse_args(argv))
     try:
         running = serve(settings)
     except (OSError, ValueError) as error:

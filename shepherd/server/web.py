@@ -1,18 +1,19 @@
 """The operator's web view, served by ``shepherd serve`` next to the agent callbacks.
 
-Server-rendered HTML (Flask + Jinja, no JavaScript), from the same ``shepherd.operations``
-reads as the CLI, so the page and ``shepherd show`` never disagree:
+Server-rendered HTML (Starlette routes, Jinja templates, no JavaScript), from the same
+``shepherd.operations`` reads as the CLI, so the page and ``shepherd show`` never
+disagree:
 
   GET /                      redirect to /machines
   GET /machines              machines with tag columns, holds and gone ones marked,
                              per-tag and per-hold counts, any reconcile refusal, filters
                              by query string: tag=T (has, repeatable), without=T,
                              provider=P, work=PROCESS|any, backoff=PROCESS|any, limit=N
-  GET /machines/<id>         holds, tags, host key, work and its session, backoffs
+  GET /machines/{id}         holds, tags, host key, work and its session, backoffs
                              (expired ones marked), why it is or is not in each backlog,
                              history newest first
   GET /sessions              BMDB sessions, alive or dead, and the work each holds
-  GET /web-static/<file>     the stylesheet (no inline style: the CSP allows 'self' only)
+  GET /web-static/{file}     the stylesheet (no inline style: the CSP allows 'self' only)
 
 Every page: a banner of what is wrong fleet-wide (reconcile refusals, Recovery paused by
 the guard, the callback server unhealthy, dead sessions the sweep has not released),
@@ -20,6 +21,10 @@ and ``?refresh=N`` (5 to 3600 seconds) to reload itself with ``<meta http-equiv=
 "refresh">``, kept across the filter, paging and machine links; no JavaScript. Every
 answer carries a Content-Security-Policy that allows only the stylesheet
 (``CSP``), so escaped-but-hostile report content can never run or load anything.
+
+Threads: a page's BMDB reads, its callback check (an HTTP request) and its rendering
+run in the view's own thread pool (``asgi.Pool``), never on the event loop the agents'
+heartbeats share, and never in the heartbeats' pool.
 
 The list shows, per machine, its hostname (from the stored hardware report), its
 agent's heartbeat age (late past the BMDB's thresholds) and its power as last
@@ -34,58 +39,55 @@ the same network boundary as the BMDB, or run it with ``--no-operator-views``.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from flask import (
-    Blueprint,
-    Flask,
-    current_app,
-    g,
-    redirect,
-    render_template,
-    request,
-    url_for,
-)
-from werkzeug.wrappers import Response
+import jinja2
+from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import bmdb
 from shepherd import operations, text_tables
+from shepherd.runtime import Runtime
+from shepherd.server.asgi import UNAVAILABLE, Pool, json_http_error, json_response
+from shepherd.server.limits import log_internal_error
 from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
 
-bp = Blueprint("web", __name__, template_folder="templates", static_folder="static",
-               static_url_path="/web-static")
+log = logging.getLogger(__name__)
+TEMPLATES = Path(__file__).with_name("templates")
+STATIC = Path(__file__).with_name("static")
+#: Where each page is, by the name the templates link to it with.
+PATHS = {"machines": "/machines", "sessions": "/sessions",
+         "stylesheet": "/web-static/shepherd.css"}
 HISTORY_ROWS = 200
 #: Every answer's policy: the stylesheet from here, nothing else (no script, no inline
 #: style, no frame, no form elsewhere, no <base>).
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
        "frame-ancestors 'none'; base-uri 'none'")
-SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-                    "Referrer-Policy": "same-origin"}
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+           "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
 #: Auto-refresh bounds (seconds) and the choices the pages offer.
 REFRESH_MIN, REFRESH_MAX = 5, 3600
 REFRESH_CHOICES = (10, 30, 60)
 #: How long one check of the callback server serves every page: a page load must not
 #: cost an HTTP round trip (up to the interactive timeout) each time.
 CALLBACK_CHECK_TTL = 5.0
-
-
-def register(app: Flask, limits: GuardLimits) -> None:
-    """Mount the pages on ``app`` (whose ``extensions["shepherd"]`` holds the BMDB).
-
-    ``limits`` must be the workers' guard limits, from the same settings (the caller
-    builds them: nothing here reads the environment), so a machine's page says
-    Recovery is paused exactly when a worker would pause it.
-    """
-    app.extensions["shepherd_guard_limits"] = limits
-    app.extensions["shepherd_callback_check"] = CallbackChecks(limits)
-    app.register_blueprint(bp)
 
 
 class CallbackChecks:
@@ -107,18 +109,6 @@ class CallbackChecks:
             return self._last
 
 
-def _callback() -> guard.CallbackCheck | None:
-    checks: CallbackChecks = current_app.extensions["shepherd_callback_check"]
-    return checks.get()
-
-
-@bp.after_app_request
-def _security_headers(response: Response) -> Response:
-    """On every answer of the view's app, error pages and the stylesheet included."""
-    response.headers.update(SECURITY_HEADERS)
-    return response
-
-
 def parse_refresh(raw: str | None) -> int | None:
     """Seconds between reloads from ``?refresh=``: None for absent, empty, 0 or off;
     ``BadArgument`` for anything else outside ``REFRESH_MIN``..``REFRESH_MAX``."""
@@ -131,29 +121,63 @@ def parse_refresh(raw: str | None) -> int | None:
     return int(raw)
 
 
-@bp.before_app_request
-def _refresh() -> tuple[str, int] | None:
-    try:
-        g.refresh = parse_refresh(request.args.get("refresh"))
-    except operations.BadArgument as error:
-        g.refresh = None
-        return _error(400, str(error))
-    return None
+def url_for(name: str, /, **query: object) -> str:
+    """The page ``name`` (``PATHS``) with ``query``: None and empty lists left out, each
+    item of a list or tuple an argument of its own."""
+    pairs = [(key, str(item)) for key, value in query.items() if value is not None
+             for item in (value if isinstance(value, list | tuple) else [value])]
+    return PATHS[name] + ("?" + urlencode(pairs) if pairs else "")
 
 
-def _refresh_url(seconds: int | None) -> str:
-    """This page with auto-refresh set to ``seconds`` (None: off), other arguments kept."""
-    query = {k: v for k, v in request.args.to_dict(flat=False).items() if k != "refresh"}
-    if seconds:
-        query["refresh"] = [str(seconds)]
-    return request.path + ("?" + urlencode(query, doseq=True) if query else "")
+@dataclass(frozen=True)
+class PageQuery:
+    """One request's path and query string, as a page reads them (in a pool thread,
+    where the request itself is not), with its auto-refresh once parsed."""
+
+    path: str
+    items: tuple[tuple[str, str], ...]
+    refresh: int | None = None
+
+    @classmethod
+    def of(cls, request: Request) -> PageQuery:
+        return cls(request.url.path, tuple(request.query_params.multi_items()))
+
+    def get(self, name: str) -> str | None:
+        return next((value for key, value in self.items if key == name), None)
+
+    def getlist(self, name: str) -> list[str]:
+        return [value for key, value in self.items if key == name]
+
+    def grouped(self) -> dict[str, list[str]]:
+        """Each argument's values, arguments in the order they first appear."""
+        grouped: dict[str, list[str]] = {}
+        for key, value in self.items:
+            grouped.setdefault(key, []).append(value)
+        return grouped
+
+    def url(self, query: dict[str, list[str]]) -> str:
+        return self.path + ("?" + urlencode(query, doseq=True) if query else "")
+
+    def refresh_url(self, seconds: int | None) -> str:
+        """This page with auto-refresh set to ``seconds`` (None: off), other arguments kept."""
+        query = {k: v for k, v in self.grouped().items() if k != "refresh"}
+        if seconds:
+            query["refresh"] = [str(seconds)]
+        return self.url(query)
+
+    def keep_refresh(self, url: str) -> str:
+        """``url`` with this page's auto-refresh, so following a link keeps it."""
+        if not self.refresh:
+            return url
+        return f"{url}{'&' if '?' in url else '?'}refresh={self.refresh}"
 
 
-def _keep_refresh(url: str) -> str:
-    """``url`` with this page's auto-refresh, so following a link keeps it."""
-    if not g.get("refresh"):
-        return url
-    return f"{url}{'&' if '?' in url else '?'}refresh={g.refresh}"
+class Refused(Exception):
+    """What a page answers instead of itself: an error page with this status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -180,65 +204,10 @@ class Banner:
         return reasons and reasons.replace(guard.PAUSED_PREFIX, "")
 
 
-def _banner() -> Banner:
-    """Cheap reads only: the refusals and dead sessions (a few rows through indexes),
-    the guard's figures (counters and the Recovery backlog's indexes) and the cached
-    callback check."""
-    db, limits, callback = _db(), current_app.extensions["shepherd_guard_limits"], _callback()
-    problems, decision = db.read(lambda tx: (operations.problems(tx), guard.decide(
-        tx, db.thresholds, limits, callback)))
-    return Banner(problems, decision, callback)
-
-
-@bp.app_context_processor
-def _every_page() -> dict[str, Any]:
-    return {"refresh": g.get("refresh"), "refresh_choices": REFRESH_CHOICES,
-            "refresh_url": _refresh_url, "keep_refresh": _keep_refresh,
-            "banner": _banner}
-
-
-def _db() -> bmdb.BMDB:
-    db: bmdb.BMDB = current_app.extensions["shepherd"].db
-    return db
-
-
-@bp.app_template_filter("when")
-def _when(value: dt.datetime | None) -> str:
-    return text_tables.when(value)
-
-
-@bp.app_template_filter("relative")
-def _relative(value: dt.datetime, now: dt.datetime) -> str:
-    return text_tables.relative(value, now)
-
-
-@bp.app_template_filter("process")
-def _process(names: list[str]) -> str:
-    """Process names without the common prefix, for narrow columns."""
-    return ", ".join(n.removeprefix("Shepherd") for n in names) or "—"
-
-
-@bp.app_template_filter("short")
-def _short(value: Any) -> str:
-    return str(value)[:8]
-
-
-# The shared wording (``shepherd.operations.views``), so the pages say what the CLI says.
-bp.add_app_template_filter(operations.hold_text, "hold")
-bp.add_app_template_filter(operations.lift_command, "lift_command")
-bp.add_app_template_filter(operations.refusal_text, "refusal")
-bp.add_app_template_filter(operations.status_text, "status")
-bp.add_app_template_filter(operations.printable, "printable")
-
-
-def _error(status: int, message: str) -> tuple[str, int]:
-    return render_template("error.html", status=status, message=message), status
-
-
 @dataclass(frozen=True)
 class AtAGlance:
     """What the list's row and the machine page show beside the BMDB's own record:
-    hostname, heartbeat age, power and provider, from one ``operations.Glance``."""
+    hostname, heartbeat age, power and provider, from one ``bmdb.Glance``."""
 
     hostname: str | None
     heartbeat: operations.Shown
@@ -246,13 +215,13 @@ class AtAGlance:
     provider: operations.Shown
 
     @classmethod
-    def of(cls, look: operations.Glance | None, provider: str | None,
-           provider_status: str | None, now: dt.datetime) -> AtAGlance:
-        if look is None:
-            look = operations.Glance(None, None, None, None)
+    def of(cls, look: bmdb.Glance | None, provider: str | None,
+           provider_status: str | None, now: dt.datetime,
+           thresholds: bmdb.Thresholds) -> AtAGlance:
+        look = look or bmdb.Glance()
         return cls(look.hostname,
                    operations.heartbeat_shown(look.agent_started_at, look.last_heartbeat_at,
-                                            now, _db().thresholds),
+                                            now, thresholds),
                    operations.power_shown(look.power, provider, provider_status, now),
                    operations.provider_shown(provider))
 
@@ -261,81 +230,190 @@ class AtAGlance:
 class MachineRow:
     """One line of the list: the BMDB's summary, and what is shown beside it."""
 
-    m: bmdb.inspection.MachineSummary
+    m: bmdb.MachineSummary
     shown: AtAGlance
 
 
-def _rows(found: operations.MachineList, looks: dict[uuid.UUID, operations.Glance]
-          ) -> list[MachineRow]:
-    return [MachineRow(m, AtAGlance.of(looks.get(m.id), m.provider, m.provider_status,
-                                       found.now))
-            for m in found.machines]
+def template_environment() -> jinja2.Environment:
+    """The pages' templates, autoescaped, with the CLI's wording as filters
+    (``shepherd.operations.views``), so the pages say what the CLI says."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
+                             autoescape=jinja2.select_autoescape(["html"]))
+    env.filters.update({
+        "when": text_tables.when, "relative": text_tables.relative,
+        "process": _process, "short": _short,
+        "hold": operations.hold_text, "lift_command": operations.lift_command,
+        "refusal": operations.refusal_text, "status": operations.status_text,
+        "printable": operations.printable})
+    env.globals.update({"url_for": url_for, "refresh_choices": REFRESH_CHOICES})
+    # Stored documents are plain JSON; anything else (a date) is shown, not refused.
+    env.policies["json.dumps_kwargs"] = {"sort_keys": True, "default": str}
+    return env
 
 
-@bp.get("/")
-def index() -> Response:
-    return redirect(url_for("web.machines"))
+def _process(names: list[str]) -> str:
+    """Process names without the common prefix, for narrow columns."""
+    return ", ".join(n.removeprefix("Shepherd") for n in names) or "—"
 
 
-@bp.get("/machines")
-def machines() -> tuple[str, int] | str:
-    args = request.args
-    try:
-        f = operations.machine_filter(
-            tags=args.getlist("tag"), without=args.getlist("without"),
-            provider=args.get("provider"), work=args.get("work"), backoff=args.get("backoff"),
-            limit=operations.parse_limit(args.get("limit")), after=args.get("after"))
-    except operations.BadArgument as error:
-        return _error(400, str(error))
+def _short(value: object) -> str:
+    return str(value)[:8]
 
-    def read(tx: bmdb.Tx) -> tuple[operations.MachineList, dict[uuid.UUID, operations.Glance]]:
-        found = operations.list_machines(tx, f)
-        return found, operations.glances(tx, [m.id for m in found.machines])
 
-    found, looks = _db().read(read)
-    next_page = None
-    if found.next_cursor:
-        # Encoded here, not as url_for's keywords: a query key such as ``_external``
-        # would be taken for one of url_for's own options.
-        query = {**request.args.to_dict(flat=False), "after": [found.next_cursor]}
-        next_page = url_for("web.machines") + "?" + urlencode(query, doseq=True)
-    return render_template("machines.html", found=found, f=f, tags=operations.TAGS,
-                           next_page=next_page, rows=_rows(found, looks),
-                           short_tags=operations.SHORT_TAGS, held=found.held_counts,
+class SecurityHeaders:
+    """``HEADERS`` on every answer of the view (error answers and the stylesheet too)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+Page = Callable[[PageQuery], str]
+
+
+class WebView:
+    """The pages over ``runtime``'s BMDB. ``limits`` must be the workers' guard limits
+    from the same settings, so a machine's page says Recovery is paused exactly when a
+    worker would pause it; ``pool`` runs each page's blocking work."""
+
+    def __init__(self, runtime: Runtime, limits: GuardLimits, pool: Pool) -> None:
+        self.runtime = runtime
+        self.limits = limits
+        self.pool = pool
+        self.callback = CallbackChecks(limits)
+        self.templates = template_environment()
+
+    def app(self) -> Starlette:
+        routes = [Route("/", self.index, methods=["GET"]),
+                  Route(PATHS["machines"], self.machines, methods=["GET"]),
+                  Route(PATHS["machines"] + "/{machine}", self.machine, methods=["GET"]),
+                  Route(PATHS["sessions"], self.sessions, methods=["GET"]),
+                  Mount("/web-static", app=StaticFiles(directory=STATIC))]
+        return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
+                         exception_handlers={HTTPException: json_http_error})
+
+    @property
+    def db(self) -> bmdb.BMDB:
+        return self.runtime.db
+
+    # -- the endpoints (on the event loop) -------------------------------------------
+
+    async def index(self, request: Request) -> Response:
+        return RedirectResponse(PATHS["machines"], status_code=302)
+
+    async def machines(self, request: Request) -> Response:
+        return await self.answer(request, self.machines_page)
+
+    async def machine(self, request: Request) -> Response:
+        machine = request.path_params["machine"]
+        return await self.answer(request, lambda query: self.machine_page(query, machine))
+
+    async def sessions(self, request: Request) -> Response:
+        return await self.answer(request, self.sessions_page)
+
+    async def answer(self, request: Request, page: Page) -> Response:
+        """``page`` rendered in the pool; JSON for a failure, which says nothing of
+        internals."""
+        query = PageQuery.of(request)
+        try:
+            status, html = await self.pool.run(lambda: self.render_page(query, page))
+        except UNAVAILABLE as error:
+            log.error("BMDB unavailable: %s", type(error).__name__)
+            return json_response(503, {"error": "BMDB unavailable"})
+        except Exception as error:
+            log_internal_error(log, "web view", error)
+            return json_response(500, {"error": "internal error"})
+        return HTMLResponse(html, status)
+
+    # -- the pages (in the pool) -----------------------------------------------------
+
+    def render_page(self, query: PageQuery, page: Page) -> tuple[int, str]:
+        """The status and HTML of ``page``, or of the error page that replaces it."""
+        try:
+            query = replace(query, refresh=parse_refresh(query.get("refresh")))
+            return 200, page(query)
+        except (Refused, operations.BadArgument) as error:
+            status = error.status if isinstance(error, Refused) else 400
+            return status, self.render(query, "error.html", status=status,
+                                       message=str(error))
+
+    def render(self, query: PageQuery, template: str, **values: Any) -> str:
+        return self.templates.get_template(template).render(
+            refresh=query.refresh, refresh_url=query.refresh_url,
+            keep_refresh=query.keep_refresh, banner=self.banner(), **values)
+
+    def banner(self) -> Banner:
+        """Cheap reads only: the refusals and dead sessions (a few rows through indexes),
+        the guard's figures (counters and the Recovery backlog's indexes) and the cached
+        callback check."""
+        db, callback = self.db, self.callback.get()
+        problems, decision = db.read(lambda tx: (operations.problems(tx), guard.decide(
+            tx, db.thresholds, self.limits, callback)))
+        return Banner(problems, decision, callback)
+
+    def machines_page(self, query: PageQuery) -> str:
+        try:
+            f = operations.machine_filter(
+                tags=query.getlist("tag"), without=query.getlist("without"),
+                provider=query.get("provider"), work=query.get("work"),
+                backoff=query.get("backoff"),
+                limit=operations.parse_limit(query.get("limit")), after=query.get("after"))
+        except operations.BadArgument as error:
+            raise Refused(400, str(error)) from None
+
+        def read(tx: bmdb.Tx) -> tuple[operations.MachineList,
+                                       dict[uuid.UUID, bmdb.Glance]]:
+            found = operations.list_machines(tx, f)
+            return found, operations.glances(tx, [m.id for m in found.machines])
+
+        found, looks = self.db.read(read)
+        next_page = None
+        if found.next_cursor:
+            next_page = query.url({**query.grouped(), "after": [found.next_cursor]})
+        rows = [MachineRow(m, AtAGlance.of(looks.get(m.id), m.provider, m.provider_status,
+                                           found.now, self.db.thresholds))
+                for m in found.machines]
+        return self.render(query, "machines.html", found=found, f=f, tags=operations.TAGS,
+                           next_page=next_page, rows=rows, short_tags=operations.SHORT_TAGS,
+                           held=found.held_counts,
                            processes=[p.value for p in bmdb.Process])
 
+    def machine_page(self, query: PageQuery, machine: str) -> str:
+        try:
+            machine_id = operations.parse_machine_id(machine)
+        except operations.BadArgument as error:
+            raise Refused(404, str(error)) from None
+        db = self.db
+        callback = self.callback.get()  # HTTP (or its cached answer): before the read
 
-@bp.get("/machines/<machine>")
-def machine(machine: str) -> tuple[str, int] | str:
-    try:
-        machine_id = operations.parse_machine_id(machine)
-    except operations.BadArgument as error:
-        return _error(404, str(error))
-    db = _db()
-    limits = current_app.extensions["shepherd_guard_limits"]
-    callback = _callback()  # HTTP (or its cached answer), so before the read transaction
+        def read(tx: bmdb.Tx) -> tuple[operations.MachineDetail, operations.Explanation,
+                                       bmdb.Glance | None]:
+            return (operations.show_machine(tx, machine_id, HISTORY_ROWS),
+                    operations.explain(tx, machine_id, db.thresholds, self.limits, callback),
+                    operations.glances(tx, [machine_id]).get(machine_id))
 
-    def read(tx: bmdb.Tx) -> tuple[operations.MachineDetail, operations.Explanation,
-                                   operations.Glance | None]:
-        return (operations.show_machine(tx, machine_id, HISTORY_ROWS),
-                operations.explain(tx, machine_id, db.thresholds, limits, callback),
-                operations.glances(tx, [machine_id]).get(machine_id))
+        try:
+            detail, why, look = db.read(read)
+        except operations.UnknownMachine as error:
+            raise Refused(404, str(error)) from None
+        provided = detail.tags.get("Provided") or {}
+        report = (detail.tags.get("HardwareReport") or {}).get("report")
+        return self.render(
+            query, "machine.html", d=detail, why=why, history_rows=HISTORY_ROWS,
+            shown=AtAGlance.of(look, provided.get("provider"), provided.get("provider_status"),
+                               detail.now, db.thresholds),
+            observed=look.power if look else None,
+            hardware=None if report is None else operations.hardware_sections(report))
 
-    try:
-        detail, why, look = db.read(read)
-    except operations.UnknownMachine as error:
-        return _error(404, str(error))
-    provided = detail.tags.get("Provided") or {}
-    report = (detail.tags.get("HardwareReport") or {}).get("report")
-    return render_template(
-        "machine.html", d=detail, why=why, history_rows=HISTORY_ROWS,
-        shown=AtAGlance.of(look, provided.get("provider"), provided.get("provider_status"),
-                           detail.now),
-        observed=look.power if look else None,
-        hardware=None if report is None else operations.hardware_sections(report))
-
-
-@bp.get("/sessions")
-def sessions() -> str:
-    now, found = _db().read(lambda tx: operations.list_sessions(tx))
-    return render_template("sessions.html", now=now, sessions=found)
+    def sessions_page(self, query: PageQuery) -> str:
+        now, found = self.db.read(lambda tx: operations.list_sessions(tx))
+        return self.render(query, "sessions.html", now=now, sessions=found)

@@ -179,13 +179,13 @@ def serve_addresses(env: dict[str, str], options: UpOptions, simulated: bool) ->
 
     On the simulator everything is on loopback. With a real provider the agents run
     on other machines: the operator says where the server listens
-    (``SHEPHERD_SERVE_LISTEN``) and how machines reach it (``SHEPHERD_BMAAS_ENDPOINT``);
+    (``SHEPHERD_SERVE_LISTEN``) and how machines reach it (``SHEPHERD_CALLBACK_URL``);
     a loopback endpoint there would make every agent silent, so it is refused. The web
     view then gets a loopback listener of its own.
     """
     local_port = port(options.serve_port)
-    if not simulated and "SHEPHERD_BMAAS_ENDPOINT" not in env:
-        raise UpError("with a real provider, set SHEPHERD_BMAAS_ENDPOINT to the URL "
+    if not simulated and not {"SHEPHERD_CALLBACK_URL", "SHEPHERD_BMAAS_ENDPOINT"} & env.keys():
+        raise UpError("with a real provider, set SHEPHERD_CALLBACK_URL to the URL "
                       "machines reach the callback server at, and SHEPHERD_SERVE_LISTEN "
                       "to the address it listens on (e.g. 0.0.0.0:8470)")
     listen = env.setdefault("SHEPHERD_SERVE_LISTEN", f"127.0.0.1:{local_port}")
@@ -193,5 +193,6 @@ def serve_addresses(env: dict[str, str], options: UpOptions, simulated: bool) ->
         if listen.rsplit(":", 1)[-1] == str(local_port):  # 0.0.0.0:8470 holds it too
             local_port = free_port()
         env.setdefault("SHEPHERD_SERVE_OPERATOR_LISTEN", f"127.0.0.1:{local_port}")
-    env.setdefault("SHEPHERD_BMAAS_ENDPOINT", f"http://{listen}")
+    if "SHEPHERD_BMAAS_ENDPOINT" not in env:  # its former name, still honoured by Settings
+        env.setdefault("SHEPHERD_CALLBACK_URL", f"http://{listen}")
     return f"http://{env.get('SHEPHERD_SERVE_OPERATOR_LISTEN', listen)}"

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-
-import sqlalchemy as sa
 
 import bmdb
 from shepherd.redaction import redact_url
@@ -38,15 +38,13 @@ AGENTS_STOPPED = "the agents stopped with the last shepherd up (its simulated ma
 #: What one run's queues leave behind; dropped at every start.
 BEAT_SCHEDULE = "beat-schedule"
 TRANSIENT = ("broker.sqlite*", "results.sqlite*", BEAT_SCHEDULE + "*", "beat.pid")
+#: The longest the broker's tables may take to make (a Python start and two files).
+BROKER_TABLES_TIMEOUT = 60.0
 
 
 def prepare(plan: Plan, fresh: bool, out: Callable[[str], None]) -> None:
     """The state directory ready for this run: resumed or fresh, migrated BMDB,
-    broker and result tables, the run's own log directory.
-
-    Why create the broker and result tables here: every process creates them on
-    first use, and several processes doing so at once on a new SQLite file race.
-    """
+    broker and result tables (``prepare_broker``)."""
     workdir = plan.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     if fresh:
@@ -65,7 +63,7 @@ def prepare(plan: Plan, fresh: bool, out: Callable[[str], None]) -> None:
             forget_simulated_agents(db, out)
     finally:
         db.close()
-    prepare_broker(plan.env["SHEPHERD_BROKER_URL"], plan.env["SHEPHERD_RESULT_BACKEND"])
+    prepare_broker(plan.env)
 
 
 def forget_simulated_agents(db: bmdb.BMDB, out: Callable[[str], None]) -> None:
@@ -75,10 +73,10 @@ def forget_simulated_agents(db: bmdb.BMDB, out: Callable[[str], None]) -> None:
     session = db.start_session("shepherd-up")
     try:
         def forget(tx: bmdb.Tx) -> list[uuid.UUID]:
-            machines = bmdb.tags.forget_every_agent(tx)
+            machines = bmdb.forget_every_agent(tx)
             for machine_id in machines:
-                bmdb.history.record(tx, machine_id, bmdb.history.AGENT,
-                                    bmdb.history.FORGOTTEN, AGENTS_STOPPED)
+                bmdb.record_history(tx, machine_id, bmdb.Topic.AGENT,
+                                    bmdb.Event.FORGOTTEN, AGENTS_STOPPED)
             return machines
 
         forgotten = session.transact(forget)
@@ -172,23 +170,21 @@ def run_logs(workdir: Path, run_id: str) -> Path:
     return here
 
 
-def prepare_broker(broker: str, backend: str) -> None:
-    if broker.startswith("sqla+sqlite"):
-        from kombu.transport.sqlalchemy.models import metadata
-
-        _create_sqlite_tables(broker.removeprefix("sqla+"), metadata)
-    if backend.startswith("db+sqlite"):
-        # Celery's stubs leave out the result tables' declarative base.
-        from celery.backends.database.models import (  # type: ignore[attr-defined]
-            ResultModelBase,
-        )
-
-        _create_sqlite_tables(backend.removeprefix("db+"), ResultModelBase.metadata)
-
-
-def _create_sqlite_tables(url: str, metadata: sa.MetaData) -> None:
-    engine = sa.create_engine(url)
-    with engine.connect() as conn:
-        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-    metadata.create_all(engine)
-    engine.dispose()
+def prepare_broker(env: dict[str, str]) -> None:
+    """The embedded SQLite broker's and result store's tables, made by the Celery glue
+    (``python -m tasks.broker_tables``) with this run's environment: ``shepherd`` does
+    not know Celery, so ``up`` runs it as it runs the workers. Redis needs nothing."""
+    if not (env["SHEPHERD_BROKER_URL"].startswith("sqla+sqlite")
+            or env["SHEPHERD_RESULT_BACKEND"].startswith("db+sqlite")):
+        return
+    try:
+        done = subprocess.run([sys.executable, "-m", "tasks.broker_tables"], env=env,
+                              capture_output=True, text=True, timeout=BROKER_TABLES_TIMEOUT,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise UpError(f"preparing the SQLite broker took over {BROKER_TABLES_TIMEOUT:g}s "
+                      "(is another process holding its file?)") from None
+    if done.returncode != 0:
+        said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise UpError(f"preparing the SQLite broker failed (exit {done.returncode}): "
+                      f"{said[0]}")

@@ -1,15 +1,15 @@
 """The workflows as plain Python (no Celery): reconcile and update (fleet-wide),
-AgentStart and Recovery (per machine).
+sourcing, AgentStart and Recovery (per machine).
 
-A Celery task adopts (or claims) a ``bmdb.Work`` and calls::
+A per-machine task runs one call, which adopts (or claims) the machine's work, asks
+the guard where Recovery needs it, runs the workflow and says how it ended::
 
-    result = initialize(work, provider, InitializerSettings(ssh_key_path=..., callback_url=...))
-    result = recover(work, provider, power_for, RecovererSettings())
-    reason = recovery_paused(db, thresholds)        # before sourcing Recovery at all
+    result = run_machine_work(runtime, bmdb.Process.AGENT_START, machine_id, work_id)
 
-Both workflows finish or fail the work on every path and return a ``WorkflowResult``
-(JSON-able via ``to_json``, no secrets); only ``WorkGone``, ``SessionExpired`` and
-``CommitOutcomeUnknown`` propagate.
+Under it, ``initialize(work, provider, settings)`` and ``recover(work, provider,
+power_for, settings)`` finish or fail the work on every path and return a
+``WorkflowResult`` (JSON-able via ``to_json``, no secrets); only ``WorkGone``,
+``SessionExpired`` and ``CommitOutcomeUnknown`` propagate.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from shepherd.workflows.common import PERMANENT_BACKOFF, WorkflowFailure, WorkflowResult
     from shepherd.workflows.guard import recovery_paused
     from shepherd.workflows.initializer import InitializerSettings, initialize
+    from shepherd.workflows.machine_work import MachineWorkResult, run_machine_work
     from shepherd.workflows.provisioner import (
         FleetMismatch,
         ProvisionerSettings,
@@ -31,12 +32,13 @@ if TYPE_CHECKING:
     from shepherd.workflows.updater import UpdateResult, UpdaterSettings, update
 
 #: Where each name below lives. Loaded on first use (PEP 562), not with the package:
-#: ``shepherd.workflows.guard`` is read by every operator command, and importing the
-#: package used to load SSH (fabric, paramiko) and the BMC drivers with it (issue 14).
+#: ``shepherd.workflows.guard`` is read by every operator command, which must not load
+#: SSH (fabric, paramiko) and the BMC drivers with the package.
 _HOMES = {
     "PERMANENT_BACKOFF": "common", "WorkflowFailure": "common", "WorkflowResult": "common",
     "recovery_paused": "guard",
     "InitializerSettings": "initializer", "initialize": "initializer",
+    "MachineWorkResult": "machine_work", "run_machine_work": "machine_work",
     "FleetMismatch": "provisioner", "ProvisionerSettings": "provisioner",
     "ReconcileResult": "provisioner", "reconcile": "provisioner",
     "RecovererSettings": "recoverer", "recover": "recoverer",
@@ -58,6 +60,7 @@ __all__ = [
     "PERMANENT_BACKOFF",
     "FleetMismatch",
     "InitializerSettings",
+    "MachineWorkResult",
     "ProvisionerSettings",
     "ReconcileResult",
     "RecovererSettings",
@@ -69,5 +72,6 @@ __all__ = [
     "reconcile",
     "recover",
     "recovery_paused",
+    "run_machine_work",
     "update",
 ]

@@ -65,13 +65,13 @@ def provider_id_of(work: bmdb.Work, provider: Provider, permanent: bmdb.Backoff)
     """The machine's provider id from its Provided tag (which must be this provider's),
     read in a transaction of its own."""
     provided = work.session.transact(
-        lambda tx: bmdb.queries.machine_tag(tx, "Provided", work.machine_id))
+        lambda tx: bmdb.machine_tag(tx, "Provided", work.machine_id))
     return provider_id_from(provided, provider, permanent)
 
 
 def provider_id_from(provided: Mapping[str, Any] | None, provider: Provider,
                      permanent: bmdb.Backoff) -> str:
-    """The provider id in a Provided tag already read (``bmdb.queries.machine_tag``),
+    """The provider id in a Provided tag already read (``bmdb.machine_tag``),
     which must exist and be ``provider``'s."""
     if provided is None:
         raise WorkflowFailure("bmdb: machine has no Provided tag", permanent)

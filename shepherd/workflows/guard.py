@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import bmdb
-from bmdb import fleet
 from shepherd.redaction import redact_url
 
 #: How every pause reason starts.
 PAUSED_PREFIX = "recovery paused: "
 #: The budget window of ``reboots_per_hour``.
-HOUR = fleet.HOUR
+HOUR = bmdb.HOUR
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def callback_server_unhealthy(healthz_url: str, timeout: float = 5.0,
     ignored: the worker must reach the server the way agents do, directly, and
     trusting the CA they trust (``ca_file``), else the system's. ``requests`` loads
     here, not with the module: the guard's figures are read by every operator command
-    and page, which need no HTTP client (issue 14: the CLI's start-up).
+    and page, which need no HTTP client (the CLI's start-up).
     """
     import requests
 
@@ -130,13 +129,13 @@ def check_callback(limits: GuardLimits) -> CallbackCheck | None:
 
 def silent_counts(tx: bmdb.Tx, thresholds: bmdb.Thresholds) -> tuple[int, int]:
     """(machines with AgentStarted, distinct machines in the Recovery backlog query)."""
-    return fleet.agents_started(tx), fleet.silent_machines(tx, thresholds)
+    return bmdb.agents_started(tx), bmdb.silent_machines(tx, thresholds)
 
 
 def reboots_last_hour(tx: bmdb.Tx) -> int:
     """Recovery claims in the last hour, fleet-wide, minus those cancelled before doing
-    anything (``bmdb.fleet.recovery_starts_last_hour``)."""
-    return fleet.recovery_starts_last_hour(tx)
+    anything (``bmdb.recovery_starts_last_hour``)."""
+    return bmdb.recovery_starts_last_hour(tx)
 
 
 def _share_reason(started: int, silent: int, max_share: float, min_silent: int) -> str | None:

@@ -4,7 +4,7 @@ Every takeover (here and in Recovery's rung 0) gives the agent a nonce of its ow
 and the servers' answer key, and must get back a fresh key with a proof of it
 (``shepherd.agent.protocol``): AgentStarted records the key with the nonce, which
 is what makes everything signed for an earlier takeover worthless
-(``bmdb.queries.lock_agent_credentials``).
+(``bmdb.lock_agent_credentials``).
 
 Plain Python, no Celery: a task adopts or claims the work and calls ``initialize``.
 The one rule every path keeps: the work is finished or failed before returning, so a
@@ -33,6 +33,7 @@ from shepherd.agent.protocol import (
     new_nonce,
     parse_takeover_response,
 )
+from shepherd.answer_key import AnswerKey
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers.base import (
     NotFound,
@@ -98,7 +99,7 @@ def initialize(work: bmdb.Work, provider: Provider,
         def record(tx: bmdb.Tx) -> None:
             record_agent(tx, work.machine_id, taken)
             if pin is None:
-                bmdb.host_keys.pin(tx, work.machine_id, taken.host_key,
+                bmdb.pin_host_key(tx, work.machine_id, taken.host_key,
                                    key_line_fingerprint(taken.host_key))
 
         return record
@@ -119,7 +120,7 @@ def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None
     if machine.host_key:
         return pin_for(work.machine_id, machine, None)
     recorded = work.session.transact(
-        lambda tx: bmdb.host_keys.pinned(tx, work.machine_id))
+        lambda tx: bmdb.pinned_host_key(tx, work.machine_id))
     return pin_for(work.machine_id, machine, recorded)
 
 
@@ -139,14 +140,13 @@ class Known(NamedTuple):
     (``read_known``): the machine's own rows, and the fleet's answer key (public
     half, base64) for the agent's TakeoverInit."""
 
-    view: bmdb.queries.TakeoverView
+    view: bmdb.TakeoverView
     answer_key: str
 
 
 def read_known(work: bmdb.Work) -> Known:
     """Everything AgentStart reads from the BMDB, in one transaction and (once the
-    answer key is known) one statement; it used to be three session transactions of
-    one to three statements each (issue 14).
+    answer key is known) one statement: every round trip here is paid per machine.
 
     Outside the session (``BMDB.read``): a session's transaction locks the session
     row, so even a read writes and its COMMIT waits for the WAL to reach the disk.
@@ -164,7 +164,7 @@ def read_known(work: bmdb.Work) -> Known:
     db = work.session.db
 
     def read(tx: bmdb.Tx) -> Known:
-        return Known(bmdb.queries.takeover_view(tx, work.machine_id), _answer_key(tx, db))
+        return Known(bmdb.takeover_view(tx, work.machine_id), _answer_key(tx, db))
 
     known = db.read(read)
     _remember_answer_key(db, known.answer_key)
@@ -184,8 +184,6 @@ def _answer_key(tx: bmdb.Tx, db: bmdb.BMDB) -> str:
     remembered = _ANSWER_KEYS.get(db)
     if remembered is not None:
         return remembered
-    from shepherd.server.answers import AnswerKey  # shepherd.server's package imports us
-
     return AnswerKey.from_tx(tx).public_b64
 
 
@@ -204,7 +202,7 @@ class Takeover(NamedTuple):
 
 def record_agent(tx: bmdb.Tx, machine_id: uuid.UUID, taken: Takeover) -> None:
     """AgentStarted for the agent of ``taken``: its key with the nonce it signs with."""
-    bmdb.tags.set_agent_started(tx, machine_id, taken.agent_key, taken.nonce)
+    bmdb.set_agent_started(tx, machine_id, taken.agent_key, taken.nonce)
 
 
 def take_over_work(work: bmdb.Work, machine: ProviderMachine, settings: InitializerSettings,
@@ -215,7 +213,7 @@ def take_over_work(work: bmdb.Work, machine: ProviderMachine, settings: Initiali
     db = work.session.db
 
     def read(tx: bmdb.Tx) -> tuple[str, bytes | None]:
-        current = bmdb.queries.agent_credentials(tx, work.machine_id)
+        current = bmdb.agent_credentials(tx, work.machine_id)
         return _answer_key(tx, db), current.public_key if current else None
 
     answer_key, current_key = work.session.transact(read)

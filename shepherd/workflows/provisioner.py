@@ -25,7 +25,7 @@ The safety rails (docs/ARCHITECTURE.md section 5) and why they exist:
   its own.
 * **Our own interrupted creations are not strangers.** That gap between "created"
   and "registered" is covered by the creation intent: it is committed before the
-  provider is asked (``bmdb.capacity.record_intent``) and deleted in the same
+  provider is asked (``bmdb.record_intent``) and deleted in the same
   transaction as the registration. A provider-only machine whose witness matches a
   pending intent was made by a creator that died (or lost its answer) before it
   could register it: it is registered, with a warning, instead of stopping the run.
@@ -36,9 +36,11 @@ The safety rails (docs/ARCHITECTURE.md section 5) and why they exist:
   (``bmdb.capacity``) because the next run may happen in another worker process.
 * **Nothing partial on a provider outage**: listing errors propagate as the provider's
   typed error (``TransientExhausted``, ``PermanentError``...) before any write.
-* **One reconcile per provider at a time**, fleet-wide (``bmdb.singletons``): two runs
-  at once could each create a chunk and overshoot ``max_machines``. A run that finds
-  the hold taken returns at once with ``busy=True``.
+* **One reconcile at a time**, fleet-wide (the hold ``RECONCILE_HOLD``, taken here
+  like sourcing takes its own): two runs at once could each create a chunk and
+  overshoot ``max_machines``, and beat may send reconcile twice (two beats, a backed-up
+  queue, an operator's ``shepherd reconcile``). A run that finds the hold taken returns
+  at once with ``busy=True``.
 * Placeholder device prefixes and SSH key labels are refused when the provider is
   constructed (``refuse_placeholder`` in ``shepherd.providers``); the settings here
   are validated when they are built.
@@ -70,6 +72,9 @@ log = logging.getLogger(__name__)
 
 #: How many ids a FleetMismatch message and log line show; the exception keeps all.
 SHOWN_IDS = 20
+#: The fleet-wide hold a reconcile runs under, and what a run that met it says.
+RECONCILE_HOLD = "reconcile"
+SKIPPED = "reconcile already running"
 
 
 class FleetMismatch(Exception):
@@ -149,6 +154,8 @@ class ReconcileResult:
     skipped_cooling: int = 0
 
     def to_json(self) -> dict[str, Any]:
+        if self.busy:
+            return {"skipped": SKIPPED}
         return {"provider": self.provider, "busy": self.busy,
                 "machines_before": self.machines_before,
                 "machines_after": self.machines_after, "max_machines": self.max_machines,
@@ -157,17 +164,21 @@ class ReconcileResult:
                 "skipped_cooling": self.skipped_cooling}
 
 
-def reconcile(session: bmdb.Session, provider: Provider,
-              settings: ProvisionerSettings) -> ReconcileResult:
+def reconcile(session: bmdb.Session, provider: Provider, settings: ProvisionerSettings, *,
+              wait_for_running: float = 0.0) -> ReconcileResult:
     """Check the fleets agree (or assimilate), then create up to a chunk of machines.
+
+    A run that meets another one running skips (beat's: the next is seconds away), or
+    first waits up to ``wait_for_running`` seconds for it to end (an operator's, who
+    asked for a reconcile's answer, not for "already running").
 
     Raises ``FleetMismatch`` when they disagree, the provider's typed error when it
     cannot be listed, and ``SessionExpired`` when the session ends under us.
     """
     refuse_placeholder("provider name", provider.name)
-    with bmdb.singletons.hold(session, f"reconcile:{provider.name}") as held:
+    with bmdb.hold_singleton(session, RECONCILE_HOLD, wait=wait_for_running) as held:
         if not held:
-            log.info("reconcile of %s is running elsewhere; skipping", provider.name)
+            log.info("%s elsewhere; skipped", SKIPPED)
             return ReconcileResult(provider.name, busy=True, max_machines=settings.max_machines)
         return _reconcile_held(session, provider, settings)
 
@@ -178,17 +189,17 @@ def _reconcile_held(session: bmdb.Session, provider: Provider,
     machines = list(provider.list_machines())
     room = max(0, settings.max_machines - len(machines))
     capacity = provider.list_capacity() if room else []
-    known = session.transact(lambda tx: bmdb.queries.provided_by_provider_id(tx, provider.name))
+    known = session.transact(lambda tx: bmdb.provided_by_provider_id(tx, provider.name))
     recovered = register_interrupted(session, provider, machines, known)
     known = {**known, **recovered}
     try:
         assimilated = check_fleets(session, provider, machines, known, settings.assimilate)
     except FleetMismatch as mismatch:
         advice = mismatch.advice
-        session.transact(lambda tx: bmdb.refusals.record(tx, provider.name, advice))
+        session.transact(lambda tx: bmdb.record_refusal(tx, provider.name, advice))
         raise
-    session.transact(lambda tx: bmdb.refusals.clear(tx, provider.name))
-    cooling = session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name))
+    session.transact(lambda tx: bmdb.clear_refusal(tx, provider.name))
+    cooling = session.transact(lambda tx: bmdb.cooling(tx, provider.name))
     candidates = [c for c in capacity if c.reservation_id not in cooling]
     attempts = min(settings.chunk_size, room)
     if attempts < settings.chunk_size and candidates:
@@ -215,12 +226,12 @@ def register_interrupted(session: bmdb.Session, provider: Provider,
     provider id -> machine id of each."""
 
     def body(tx: bmdb.Tx) -> dict[str, Any]:
-        pending = bmdb.capacity.pending_intents(tx, provider.name)
+        pending = bmdb.pending_intents(tx, provider.name)
         ours = [m for m in machines if m.provider_id not in known and m.witness in pending]
         registered = {}
         for machine in ours:
             registered[machine.provider_id] = register_provided(tx, provider.name, machine)
-            bmdb.capacity.forget_intent(tx, provider.name, str(machine.witness))
+            bmdb.forget_intent(tx, provider.name, str(machine.witness))
         return registered
 
     registered = session.transact(body)
@@ -276,7 +287,7 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
     for item in capacity:
         pace.wait()
         session.transact(functools.partial(
-            bmdb.capacity.record_intent, provider=provider.name,
+            bmdb.record_intent, provider=provider.name,
             capacity_id=item.reservation_id, witness=item.request_id))
         try:
             machine = provider.create_machine(item)  # no transaction open: see above
@@ -287,7 +298,7 @@ def create_machines(session: bmdb.Session, provider: Provider, capacity: list[Ca
                 log.warning("%s: stopping this run's creations after %s", provider.name, cause)
                 break
             session.transact(functools.partial(
-                bmdb.capacity.forget_intent, provider=provider.name, witness=item.request_id))
+                bmdb.forget_intent, provider=provider.name, witness=item.request_id))
             cool_down(session, provider.name, item.reservation_id, settings.cooldown, cause)
             continue
         session.transact(functools.partial(
@@ -308,7 +319,7 @@ def register_created(tx: bmdb.Tx, provider: str, capacity: Capacity,
     the next reconcile registers the machine from it (``register_interrupted``).
     """
     machine_id = register_provided(tx, provider, machine)
-    bmdb.capacity.forget_intent(tx, provider, capacity.request_id)
+    bmdb.forget_intent(tx, provider, capacity.request_id)
     return machine_id
 
 
@@ -318,7 +329,7 @@ def cool_down(session: bmdb.Session, provider: str, capacity_id: str, seconds: f
     log.warning("%s: capacity %s failed to provision, cooling down %.0fs: %s", provider,
                 capacity_id, seconds, cause)
     session.transact(
-        lambda tx: bmdb.capacity.cool_down(tx, provider, capacity_id, seconds, cause)
+        lambda tx: bmdb.cool_down(tx, provider, capacity_id, seconds, cause)
     )
 
 

@@ -69,7 +69,7 @@ def recover(work: bmdb.Work, provider: Provider, power_for: PowerFor,
 
     def note(outcome: ladder.RungOutcome) -> None:
         log.info("recovery of %s: %s", work.machine_id, outcome.text())
-        work.note(bmdb.history.RUNG, outcome.text())
+        work.note(bmdb.Event.RUNG, outcome.text())
 
     def body() -> Callable[[bmdb.Tx], None]:
         machine = current_machine(work, provider, settings.permanent_backoff)
@@ -117,7 +117,7 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
         return None
     pin = host_key_pin(work, machine)
     heard = work.session.transact(
-        lambda tx: bmdb.queries.machine_tag(tx, "AgentHeartbeat", work.machine_id))
+        lambda tx: bmdb.machine_tag(tx, "AgentHeartbeat", work.machine_id))
     if pin is None or heard is None:
         return None
     started = time.monotonic()
@@ -140,11 +140,11 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
 
 def exhausted(work: bmdb.Work, power: PowerControl, limit: int) -> WorkflowFailure:
     """The failure of a ladder climbed to its end; quarantines on the ``limit``-th."""
-    cause = (f"{bmdb.holds.LADDER_EXHAUSTED}: no rung was verified through "
+    cause = (f"{bmdb.LADDER_EXHAUSTED}: no rung was verified through "
              f"{power.description} (see the Rung entries in history)")
 
     def quarantine(tx: bmdb.Tx) -> None:
-        if bmdb.holds.quarantine_if_due(tx, work.machine_id, limit, QUARANTINE_ACTOR):
+        if bmdb.quarantine_if_due(tx, work.machine_id, limit, QUARANTINE_ACTOR):
             log.error("QUARANTINED %s: the reboot ladder was exhausted %d times in a row",
                       work.machine_id, limit)
 
@@ -153,5 +153,5 @@ def exhausted(work: bmdb.Work, power: PowerControl, limit: int) -> WorkflowFailu
 
 def forget_agent(tx: bmdb.Tx, machine_id: uuid.UUID) -> None:
     """Drop AgentStarted and AgentHeartbeat: the old agent and its key are gone."""
-    bmdb.tags.delete_heartbeat(tx, machine_id)
-    bmdb.tags.delete_agent_started(tx, machine_id)
+    bmdb.delete_heartbeat(tx, machine_id)
+    bmdb.delete_agent_started(tx, machine_id)

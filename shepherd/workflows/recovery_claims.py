@@ -3,8 +3,8 @@
 Invariant: Recovery is claimed only under the fleet-wide hold, after the guard, so
 the hourly reboot budget is checked and spent by one claimer at a time.
 
-Enforced here, by ``claim_recovery``, for every claimer (sourcing, a manual
-Recovery task, ``shepherd start recovery``):
+Enforced here, by ``claim_recovery``, for every claimer (sourcing; and through
+``claim_one``, a per-machine task called by hand and ``shepherd start recovery``):
 
 1. take the hold ``RECOVERY_CLAIMS`` (``bmdb.singletons``: at most one holder
    fleet-wide, released at the end, or with the holder's session if it dies);
@@ -21,6 +21,7 @@ not get the hold within ``wait`` gets ``ClaimsBusy`` and claims nothing.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 
 import bmdb
@@ -31,6 +32,8 @@ from shepherd.workflows.guard import GuardDecision, GuardLimits
 RECOVERY_CLAIMS = "source:ShepherdRecovery"
 #: How often a waiting claimer asks for the hold again (seconds).
 POLL = 0.2
+#: How long a claim of one named machine waits for another claimer's hold (seconds).
+CLAIMS_WAIT = 10.0
 
 
 class RecoveryPaused(Exception):
@@ -61,7 +64,7 @@ def claim_recovery(session: bmdb.Session, thresholds: bmdb.Thresholds, limits: G
     """
     deadline = time.monotonic() + wait
     while True:
-        with bmdb.singletons.hold(session, RECOVERY_CLAIMS) as held:
+        with bmdb.hold_singleton(session, RECOVERY_CLAIMS) as held:
             if held:
                 return _decide_and_claim(session, thresholds, limits, claim, budget,
                                          on_decision)
@@ -84,3 +87,28 @@ def _decide_and_claim(session: bmdb.Session, thresholds: bmdb.Thresholds,
     if decision.paused:
         raise RecoveryPaused(decision)
     return claim(decision.allowed)
+
+
+def claim_one(session: bmdb.Session, process: bmdb.Process, machine_id: uuid.UUID,
+              limits: GuardLimits, *, dispatch_ttl: float | None = None,
+              wait: float = CLAIMS_WAIT,
+              on_decision: Callable[[GuardDecision], None] | None = None) -> bmdb.Work:
+    """Claim one named machine now (an operator's or a caller's choice, not the
+    backlog's order), Recovery through ``claim_recovery`` like every Recovery claim.
+
+    ``dispatch_ttl``: a claim for another session to adopt in time (``shepherd start``).
+    Raises ``bmdb.NotClaimable`` (busy, in backoff, not in the backlog, or another
+    claimer kept the Recovery hold for ``wait`` seconds) or ``RecoveryPaused``; either
+    way nothing is claimed.
+    """
+    def claim(allowed: int = 1) -> list[bmdb.Work]:
+        return [session.claim_machine(process, machine_id, dispatch_ttl=dispatch_ttl)]
+
+    if process is not bmdb.Process.RECOVERY:
+        return claim()[0]
+    try:
+        (work,) = claim_recovery(session, session.db.thresholds, limits, claim, wait=wait,
+                                 on_decision=on_decision)
+    except ClaimsBusy as busy:
+        raise bmdb.NotClaimable(machine_id, process.value, str(busy)) from None
+    return work

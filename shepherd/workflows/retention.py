@@ -3,7 +3,7 @@
 Why: every work item writes history (its start and end, each reboot rung, holds), so
 without a bound the table, and every read of it, grows with the fleet's whole past.
 The rule of what may go (never the last hour, which the blast-radius guard's hourly
-reboot budget reads) is the BMDB's own (``bmdb.history.prune``); this module only
+reboot budget reads) is the BMDB's own (``bmdb.BMDB.prune_history``); this module only
 turns an age into a cutoff on the database's clock, and bounds a periodic run.
 """
 
@@ -52,13 +52,13 @@ def prune(db: bmdb.BMDB, settings: RetentionSettings,
           after_batch: Callable[[int], None] | None = None) -> PruneResult:
     """Delete history older than ``settings.keep`` before the database's clock.
 
-    Raises ``bmdb.history.CutoffTooRecent`` (a ``ValueError``) for an age under an hour.
+    Raises ``bmdb.CutoffTooRecent`` (a ``ValueError``) for an age under an hour.
     Why the database's clock: the rows' ``at`` and the guard's window are on it, so a
     host whose own clock is off can neither prune the guard's hour nor be refused.
     """
     if settings.keep is None:
         return PruneResult(deleted=0, cutoff=None)
-    bmdb.history.check_age(settings.keep)
+    bmdb.check_prune_age(settings.keep)
     cutoff = db.read(lambda tx: tx.now) - settings.keep
     batches: list[int] = []
 

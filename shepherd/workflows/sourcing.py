@@ -12,8 +12,8 @@ The rules, in one place (the Celery task ``shepherd.source`` is glue over them):
   time is released by the sweep;
 * a run that finds nothing to claim (one read: no eligible machine in the backlog)
   ends there, before the hold, the guard and the claim: with beat sourcing every few
-  seconds, empty runs are most runs, and each used to cost four transactions (and
-  for Recovery the guard's HTTP call) for nothing;
+  seconds, empty runs are most runs, and each would otherwise cost four transactions
+  (and for Recovery the guard's HTTP call) for nothing;
 * claims are dispatched after the hold is released (dispatching is an outside effect:
   a broker call); once the dispatcher refuses one, the rest of the batch is cancelled
   at once instead of waiting for the sweep, since the broker is most likely down and
@@ -74,7 +74,7 @@ def source(session: bmdb.Session, process: bmdb.Process, settings: SourcingSetti
 
     def claim(budget: int) -> list[bmdb.Work]:
         nonlocal active, capped
-        active = session.transact(lambda tx: bmdb.queries.active_work(tx, process))
+        active = session.transact(lambda tx: bmdb.active_work(tx, process))
         limit = min(budget, settings.in_flight_cap - active)
         capped = limit <= 0
         if capped:
@@ -93,7 +93,7 @@ def source(session: bmdb.Session, process: bmdb.Process, settings: SourcingSetti
             return {"process": process.value, "paused": paused.decision.paused,
                     "guard": paused.decision.to_json()}
     else:
-        with bmdb.singletons.hold(session, f"source:{process.value}") as held:
+        with bmdb.hold_singleton(session, f"source:{process.value}") as held:
             if not held:
                 return {"process": process.value, "skipped": SKIPPED}
             claims = claim(settings.batch_size)
@@ -111,9 +111,9 @@ def _outlook(tx: bmdb.Tx, process: bmdb.Process, db: bmdb.BMDB) -> tuple[int, bo
     """The process's work in flight, and whether its backlog has a machine to claim.
     Read outside the session: a session's transaction locks its session row, which
     makes its COMMIT wait for the WAL on disk, for a read that needs no lease."""
-    backlog = bmdb.backlog.retriever(process, db.thresholds)
-    return (bmdb.queries.active_work(tx, process),
-            bmdb.work.any_claimable(tx, process, backlog))
+    backlog = bmdb.retriever(process, db.thresholds)
+    return (bmdb.active_work(tx, process),
+            bmdb.any_claimable(tx, process, backlog))
 
 
 def dispatch_all(claims: list[bmdb.Work], dispatch: Dispatch) -> int:

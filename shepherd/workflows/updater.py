@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class UpdaterSettings:
-    """``batch_size``: changed tags written per transaction (each commit costs ~1 ms)."""
+    """``batch_size``: changed tags written per transaction (fewer commits, each a
+    disk flush, against shorter row locks)."""
 
     batch_size: int = 100
 
@@ -81,7 +82,7 @@ def update(session: bmdb.Session, provider: Provider,
     A listing error propagates as the provider's typed error before any write.
     """
     settings = settings or UpdaterSettings()
-    with bmdb.singletons.hold(session, f"update:{provider.name}") as held:
+    with bmdb.hold_singleton(session, f"update:{provider.name}") as held:
         if not held:
             log.info("update of %s is running elsewhere; skipping", provider.name)
             return UpdateResult(provider.name, busy=True)
@@ -90,7 +91,7 @@ def update(session: bmdb.Session, provider: Provider,
 
 def _update_held(session: bmdb.Session, provider: Provider,
                  settings: UpdaterSettings) -> UpdateResult:
-    with bmdb.listing.open_listing(session, provider.name) as listing:
+    with bmdb.open_listing(session, provider.name) as listing:
         listing.load(listed_views(provider.list_machines()))
         seen = listing.compare()
         done = listing.apply(settings.batch_size)
@@ -104,7 +105,7 @@ def _update_held(session: bmdb.Session, provider: Provider,
     )
 
 
-def listed_views(machines: Iterable[ProviderMachine]) -> Iterator[bmdb.listing.ListedView]:
+def listed_views(machines: Iterable[ProviderMachine]) -> Iterator[bmdb.ListedView]:
     """The part of each listed machine the Provided tag keeps, as it comes: a tuple,
     not an object, because a million of them pass through here."""
     return ((m.provider_id, m.reservation_id, m.address, m.location, m.status)

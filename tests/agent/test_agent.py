@@ -10,7 +10,8 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import functools
-import importlib.util
+import importlib
+import io
 import ipaddress
 import itertools
 import json
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -35,34 +37,34 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import bmdb
-from shepherd.agent import AGENT_PATH, BUNDLE_NAME, agent_bundle
+from shepherd.agent import AGENT_PATH, BUNDLE_NAME, agent_bundle, protocol
 from shepherd.agent.bundle import bundle_members
 from shepherd.agent.protocol import (
     ProtocolError,
     TakeoverInit,
     parse_takeover_response,
 )
-from shepherd.server import RunningServer, ServerConfig, start_server
-from shepherd.server.answers import AnswerKey
+from shepherd.answer_key import AnswerKey
+from shepherd.config import Settings
+from shepherd.server import RunningServer, serve
 from tests.support.agent_fixtures import (
     CLOCK_WINDOW,
     AgentLauncher,
     AgentRun,
-    agents,
     alive,
-    answer_key,
-    callback_server,
     heartbeat_at,
     new_key,
     start_agent,
     tags_of,
     take_over,
     takeover_init,
-    wait_for,
 )
 from tests.support.servers import free_port
+from tests.support.waiting import wait_until
+from tests.support.workers import UNUSED_UID
 
-__all__ = ["agents", "answer_key", "callback_server"]  # fixtures, for pytest to find
+#: The wire format the shepherd imports, which the bundle must carry as it is.
+WIRE_PATH = Path(protocol.__file__)
 
 
 def parent_of(pid: int) -> int:
@@ -104,8 +106,8 @@ def test_takeover_answers_detaches_and_heartbeats_land(
     assert stat.S_IMODE(run.state_dir.stat().st_mode) == 0o700
     assert b"PRIVATE" not in run.completed.stdout
 
-    first = wait_for(lambda: heartbeat_at(db, machine), what="a first heartbeat")
-    wait_for(lambda: (heartbeat_at(db, machine) or first) > first, what="a second heartbeat")
+    first = wait_until(lambda: heartbeat_at(db, machine), what="a first heartbeat")
+    wait_until(lambda: (heartbeat_at(db, machine) or first) > first, what="a second heartbeat")
     report = tags_of(db, machine)["HardwareReport"]["report"]
     assert_report_describes_this_machine(report)
     assert f"signing with Ed25519 from {signing}\n" in run.log()
@@ -150,20 +152,20 @@ def test_an_installation_request_reaches_the_agent_and_its_report_returns(
     agents: AgentLauncher, answer_key: str,
 ) -> None:
     machine, _, _ = start_agent(agents, session, callback_server.url, answer_key=answer_key)
-    wait_for(lambda: heartbeat_at(db, machine), what="a first heartbeat")
+    wait_until(lambda: heartbeat_at(db, machine), what="a first heartbeat")
 
     for generation in (5, 6):
         request = {"kind": f"debian-{generation}"}
-        session.transact(functools.partial(bmdb.tags.set_os_installation_request,
+        session.transact(functools.partial(bmdb.set_os_installation_request,
                                            machine_id=machine, generation=generation,
                                            request=request))
-        report = wait_for(
+        report = wait_until(
             functools.partial(installation_report, db, machine, generation),
             what=f"installation report {generation}",
         )
         assert report["result"]["status"] == "error"
         assert f"debian-{generation}" in report["result"]["message"]
-    credentials = db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine))
+    credentials = db.read(lambda tx: bmdb.agent_credentials(tx, machine))
     assert credentials is not None and credentials.pending_installation() is None
 
 
@@ -190,12 +192,12 @@ def test_agent_without_a_recorded_key_is_refused_and_backs_off(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
     agents: AgentLauncher, answer_key: str,
 ) -> None:
-    machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
+    machine = session.transact(lambda tx: bmdb.create_machine(tx))
     response, run = take_over(agents, machine, callback_server.url, answer_key=answer_key,
                               interval=BACKOFF_INTERVAL,
                               env={"SHEPHERD_AGENT_MAX_BACKOFF": str(MAX_BACKOFF)})
     assert response.ok
-    failures = wait_for(lambda: f if len(f := failures_in(run.log())) >= 6 else None,
+    failures = wait_until(lambda: f if len(f := failures_in(run.log())) >= 6 else None,
                         timeout=15, what="six refused heartbeats")[:6]
 
     assert [count for count, _ in failures] == [1, 2, 3, 4, 5, 6]
@@ -230,24 +232,24 @@ def test_reports_the_server_refuses_are_dropped_so_heartbeats_go_on(
     """A server whose body limit a plain heartbeat fits but the reports do not (413)."""
     root = large_machine(tmp_path / "machine")
     assert len(json.dumps(agent_module.hardware_report(str(root)))) > SMALL_BODY
-    config = ServerConfig(bmdb_url=db.url, max_body=SMALL_BODY, clock_window=CLOCK_WINDOW,
-                          session_interval=2)
-    with start_server(config, db=db, threads=8) as server:
+    settings = Settings(bmdb_url=db.url, serve_listen="127.0.0.1:0", serve_max_body=SMALL_BODY,
+                        serve_clock_window=CLOCK_WINDOW, session_interval=2, serve_threads=8)
+    with serve(settings, db=db) as server:
         machine, _, run = start_agent(agents, session, server.url, answer_key=answer_key,
                                       env={"SHEPHERD_AGENT_SYS_ROOT": str(root)})
 
-        wait_for(lambda: heartbeat_at(db, machine), what="a heartbeat without the report")
+        wait_until(lambda: heartbeat_at(db, machine), what="a heartbeat without the report")
         assert "HardwareReport" not in tags_of(db, machine)
         assert_warned(run, "dropping the hardware report", "413")
 
         request = {"kind": "k" * SMALL_BODY}  # the agent's report quotes it: too large
-        session.transact(lambda tx: bmdb.tags.set_os_installation_request(tx, machine, 7,
+        session.transact(lambda tx: bmdb.set_os_installation_request(tx, machine, 7,
                                                                           request))
-        wait_for(lambda: "dropping installation report 7" in run.log(), what="the drop")
+        wait_until(lambda: "dropping installation report 7" in run.log(), what="the drop")
         for _ in range(2):
             last = heartbeat_at(db, machine)
             assert last is not None  # heartbeats were waited for above
-            wait_for(functools.partial(heartbeat_after, db, machine, last),
+            wait_until(functools.partial(heartbeat_after, db, machine, last),
                      what="heartbeats after the installation report was dropped")
     assert_warned(run, "dropping installation report 7", "413")
     assert "OSInstallationReport" not in tags_of(db, machine)
@@ -299,8 +301,9 @@ def sqlite_db(sqlite_url: str) -> Iterator[bmdb.BMDB]:
 def test_heartbeats_over_tls_verify_the_given_ca(sqlite_db: bmdb.BMDB, tmp_path: Path) -> None:
     cert, key, ca = self_signed(tmp_path, "server")
     _, _, stranger_ca = self_signed(tmp_path, "stranger")
-    config = ServerConfig(bmdb_url=sqlite_db.url, session_interval=2)
-    with start_server(config, db=sqlite_db, tls_cert=cert, tls_key=key) as server, \
+    settings = Settings(bmdb_url=sqlite_db.url, serve_listen="127.0.0.1:0", session_interval=2,
+                        serve_tls_cert=cert, serve_tls_key=key)
+    with serve(settings, db=sqlite_db) as server, \
             sqlite_db.start_session("test", interval=2) as session:
         assert server.url.startswith("https://")
         trusting, doubting = AgentLauncher(tmp_path / "a"), AgentLauncher(tmp_path / "b")
@@ -309,8 +312,8 @@ def test_heartbeats_over_tls_verify_the_given_ca(sqlite_db: bmdb.BMDB, tmp_path:
             machine, _, _ = start_agent(trusting, session, server.url, ca, answer_key=key)
             other, _, run = start_agent(doubting, session, server.url, stranger_ca,
                                         answer_key=key)
-            wait_for(lambda: heartbeat_at(sqlite_db, machine), what="a heartbeat over TLS")
-            wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in run.log(), what="a refused cert")
+            wait_until(lambda: heartbeat_at(sqlite_db, machine), what="a heartbeat over TLS")
+            wait_until(lambda: "CERTIFICATE_VERIFY_FAILED" in run.log(), what="a refused cert")
             assert heartbeat_at(sqlite_db, other) is None
         finally:
             trusting.kill_all()
@@ -341,7 +344,7 @@ def test_a_second_takeover_makes_a_fresh_key_and_replaces_the_running_agent(
     assert not old_key_file.exists()
     assert any("removed the old agent key" in warning for warning in second.warnings)
     assert second_run.pid() not in (None, old_pid)
-    wait_for(lambda: not alive(old_pid), timeout=5, what="the old agent to stop")
+    wait_until(lambda: not alive(old_pid), timeout=5, what="the old agent to stop")
     assert alive(second_run.pid() or 0)
 
 
@@ -360,6 +363,7 @@ def unused_uid() -> int:
     return next(uid for uid in range(61000, 62000) if uid not in busy)
 
 
+@UNUSED_UID
 @pytest.mark.parametrize(("nproc", "expected"), [
     (1, "cannot fork the agent into the background: [Errno 11]"),
     (2, "the agent could not start in the background: the second fork failed: [Errno 11]"),
@@ -479,7 +483,10 @@ def test_the_bundle_is_one_self_contained_reproducible_file() -> None:
     bundle = agent_bundle()
     assert bundle.startswith(b"#!/bin/sh\n")
     members = bundle_members(bundle)
-    assert {"__main__.py", "shepherd_agent.py", "ecdsa/eddsa.py", "six.py"} <= set(members)
+    assert {"__main__.py", "shepherd_agent.py", "protocol.py", "ecdsa/eddsa.py",
+            "six.py"} <= set(members)
+    assert bundle_member(bundle, "protocol.py") == WIRE_PATH.read_bytes(), (
+        "the agent's wire format must be the very module the shepherd imports")
     assert any(name.startswith("LICENSES/ecdsa-") for name in members)
     assert not [name for name in members if "test_" in name or name.endswith(".pyc")]
     source = AGENT_PATH.read_text()
@@ -488,6 +495,53 @@ def test_the_bundle_is_one_self_contained_reproducible_file() -> None:
     )
     agent_bundle.cache_clear()
     assert agent_bundle() == bundle, "two builds of the same sources must be the same bytes"
+
+
+def bundle_member(bundle: bytes, name: str) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(bundle)) as archive:
+        return archive.read(name)
+
+
+#: Run by ``python3 -S -I`` with the bundle first on its path: which file the agent's
+#: wire format was loaded from, and whether the shepherd package was within reach.
+PROVENANCE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import shepherd_agent
+try:
+    import shepherd
+except ImportError:
+    shepherd = None
+print(shepherd_agent.protocol.__file__, shepherd is not None)
+"""
+
+
+def test_the_agent_from_its_bundle_alone_speaks_the_wire_format(
+    db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,
+    agents: AgentLauncher, answer_key: str,
+) -> None:
+    """``python3 -S -I``: no site-packages, no script directory, no PYTHON* variables,
+    so the shepherd package is out of reach, as on a stock machine. The agent's wire
+    format comes from its bundle, and it speaks every message of it to the real
+    shepherd: a takeover answer the initializer's parser accepts (proof included),
+    signed heartbeats with a hardware report, signed answers with an installation
+    request, and the installation report."""
+    bundle = agents.upload()
+    isolated = [sys.executable, "-S", "-I"]
+    where = subprocess.run([*isolated, "-c", PROVENANCE, str(bundle)], capture_output=True,
+                           text=True, cwd=agents.sandbox, timeout=20, check=True)
+    assert where.stdout.split() == [f"{bundle}/protocol.py", "False"], where.stderr
+
+    machine, response, run = start_agent(agents, session, callback_server.url,
+                                         answer_key=answer_key, argv=[*isolated, str(bundle)])
+    assert response.ok and response.proof is not None
+    wait_until(lambda: "HardwareReport" in tags_of(db, machine), what="the hardware report")
+    session.transact(functools.partial(bmdb.set_os_installation_request, machine_id=machine,
+                                       generation=3, request={"kind": "bundle-only"}))
+    report = wait_until(functools.partial(installation_report, db, machine, 3),
+                        what="installation report 3")
+    assert report is not None and "'bundle-only' is not" in report["result"]["message"]
+    assert "signing with Ed25519 from ecdsa (pure Python)" in run.log()
 
 
 def test_both_ed25519_implementations_verify_each_other(agent_module: ModuleType) -> None:
@@ -507,11 +561,8 @@ def test_both_ed25519_implementations_verify_each_other(agent_module: ModuleType
 
 @pytest.fixture(scope="module")
 def agent_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("shepherd_agent_under_test", AGENT_PATH)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The agent as the shepherd package holds it (the bundle's is run, above)."""
+    return importlib.import_module("shepherd.agent.agent")
 
 
 def write_tree(root: Path, files: dict[str, str]) -> None:
@@ -670,3 +721,63 @@ def test_takeover_init_validates(change: dict[str, Any]) -> None:
         TakeoverInit.from_json({**INIT.to_json(), **change})
     with pytest.raises(ProtocolError):
         TakeoverInit.from_json({"machine_id": "x", "callback_url": "http://h"})
+
+
+def test_the_agents_own_answers_are_what_the_initializer_accepts(
+    agent_module: ModuleType,
+) -> None:
+    """The agent builds its answers with the wire format, in this process as on a
+    machine: its success parses, proof and all, and its error comes back as sent."""
+    signing, _ = agent_module.ed25519()
+    taken = agent_module.Taken(INIT, INIT.callback_url, None, signing.new_key(),
+                               lambda *_: None, ["w"])
+    answer = parse_takeover_response(agent_module.success(taken, ["more"]).encode(), INIT)
+    assert (answer.key, answer.warnings) == (taken.key.public, ("w", "more"))
+    failed = parse_takeover_response(agent_module.failed("boom").encode(), INIT)
+    assert (failed.ok, failed.error) == (False, "boom")
+
+
+MACHINE = uuid.uuid4()
+REQUEST = {"generation": 3, "request": {"kind": "debian"}}
+
+
+def test_heartbeats_and_their_answers_read_back_as_written() -> None:
+    sent = protocol.Heartbeat(MACHINE, {"cpu": {}}, protocol.InstallationReport(2, {"a": 1}))
+    assert protocol.Heartbeat.from_json(json.loads(sent.encode())) == sent
+    assert json.loads(protocol.Heartbeat(MACHINE).encode()) == {"machine_id": str(MACHINE)}
+    request = protocol.InstallationRequest(3, {"kind": "debian"})
+    for asked in (request, None):
+        written = json.dumps(protocol.heartbeat_answer(asked)).encode()
+        assert protocol.parse_heartbeat_answer(written) == asked
+    newer = {"os_installation_request": REQUEST, "from_a_newer_server": 1}
+    assert protocol.parse_heartbeat_answer(json.dumps(newer).encode()) == request
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    (b"", "heartbeat answer is not valid JSON"),
+    (b"<html>", "heartbeat answer is not valid JSON"),
+    (b"[]", "heartbeat answer must be a JSON object"),
+    (b'{"os_installation_request": 1}', "os_installation_request must be a JSON object"),
+    (json.dumps({"os_installation_request": {**REQUEST, "generation": "3"}}).encode(),
+     "os_installation_request.generation must be an integer"),
+    (json.dumps({"os_installation_request": {**REQUEST, "generation": True}}).encode(),
+     "os_installation_request.generation must be an integer"),
+    (json.dumps({"os_installation_request": {"generation": 3}}).encode(),
+     "os_installation_request.request must be a JSON object"),
+])
+def test_a_heartbeat_answer_that_is_garbage_is_refused(answer: bytes, why: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(why)):
+        protocol.parse_heartbeat_answer(answer)
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ([], "body must be a JSON object"),
+    ({}, "machine_id is not a UUID: None"),
+    ({"machine_id": "x"}, "machine_id is not a UUID"),
+    ({"machine_id": str(MACHINE), "hardware_report": []}, "hardware_report must be a JSON"),
+    ({"machine_id": str(MACHINE), "installation_report": {"generation": 1}},
+     "installation_report.result must be a JSON object"),
+])
+def test_a_heartbeat_body_that_is_garbage_is_refused(body: Any, why: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(why)):
+        protocol.Heartbeat.from_json(body)

@@ -1,4 +1,4 @@
-"""The trigger-kept counters (``bmdb.counters``) equal a recount of the tables: after
+"""The trigger-kept counters (``bmdb._counters``) equal a recount of the tables: after
 every kind of write, after cascades, after concurrent writers, after compaction."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from bmdb import counters
+from bmdb import _counters as counters
 from tests.support.bmdb_helpers import seed_provided
 
-KINDS: tuple[bmdb.holds.Kind, ...] = ("maintenance", "quarantine")
+KINDS: tuple[bmdb.HoldKind, ...] = ("maintenance", "quarantine")
 
 
 def recounted(tx: bmdb.Tx) -> tuple[dict[int, int], dict[tuple[str, str], int]]:
@@ -46,17 +46,17 @@ def test_every_kind_of_write_is_counted(db: bmdb.BMDB, session: bmdb.Session) ->
 
     def writes(tx: bmdb.Tx) -> None:
         for machine in (a, b, c):
-            bmdb.tags.set_agent_started(tx, machine, b"\x01" * 32)
-        bmdb.tags.record_heartbeat(tx, a, tx.now)
-        bmdb.tags.record_heartbeat(tx, a, tx.now)  # an update: no count moves
-        bmdb.tags.set_hardware_report(tx, a, {"cpus": 8})
-        bmdb.tags.set_os_installation_request(tx, b, 1, {"image": "x"})
-        bmdb.tags.set_os_installation_report(tx, b, 1, {"ok": True})
-        bmdb.tags.delete_os_installation_request(tx, b)
-        bmdb.tags.delete_agent_started(tx, c)
-        bmdb.tags.delete_provided(tx, d)
-        bmdb.tags.delete_machine(tx, e)  # cascades into its tags
-        bmdb.history.record(tx, f, "Recovery", "Started", None)
+            bmdb.set_agent_started(tx, machine, b"\x01" * 32)
+        bmdb.record_heartbeat(tx, a, tx.now)
+        bmdb.record_heartbeat(tx, a, tx.now)  # an update: no count moves
+        bmdb.set_hardware_report(tx, a, {"cpus": 8})
+        bmdb.set_os_installation_request(tx, b, 1, {"image": "x"})
+        bmdb.set_os_installation_report(tx, b, 1, {"ok": True})
+        bmdb.delete_os_installation_request(tx, b)
+        bmdb.delete_agent_started(tx, c)
+        bmdb.delete_provided(tx, d)
+        bmdb.delete_machine(tx, e)  # cascades into its tags
+        bmdb.record_history(tx, f, "Recovery", "Started", None)
 
     session.transact(writes)
     assert_counters_agree(db)
@@ -65,28 +65,28 @@ def test_every_kind_of_write_is_counted(db: bmdb.BMDB, session: bmdb.Session) ->
 def test_holds_set_and_clear_their_bits(db: bmdb.BMDB, session: bmdb.Session) -> None:
     a, b = seed_provided(session, 2)
     for kind in KINDS:
-        session.transact(functools.partial(bmdb.holds.put, machine_id=a, kind=kind,
+        session.transact(functools.partial(bmdb.put_hold, machine_id=a, kind=kind,
                                            reason="rack work", actor="test"))
-    session.transact(lambda tx: bmdb.holds.put(tx, b, "maintenance", "rack work", "test"))
+    session.transact(lambda tx: bmdb.put_hold(tx, b, "maintenance", "rack work", "test"))
     assert_counters_agree(db)
-    assert db.read(bmdb.fleet.held_counts) == {"maintenance": 2, "quarantine": 1}
-    session.transact(lambda tx: bmdb.holds.lift(tx, a, "maintenance", "test"))
+    assert db.read(bmdb.held_counts) == {"maintenance": 2, "quarantine": 1}
+    session.transact(lambda tx: bmdb.lift_hold(tx, a, "maintenance", "test"))
     assert_counters_agree(db)
-    assert db.read(bmdb.fleet.held_counts) == {"maintenance": 1, "quarantine": 1}
+    assert db.read(bmdb.held_counts) == {"maintenance": 1, "quarantine": 1}
 
 
 def test_deleting_history_leaves_the_totals(db: bmdb.BMDB, session: bmdb.Session) -> None:
     (machine,) = seed_provided(session, 1)
     for _ in range(3):
-        session.transact(lambda tx: bmdb.history.record(tx, machine, "Recovery", "Started", None))
-    session.transact(lambda tx: tx.execute(sa.delete(bmdb.schema.history)))
+        session.transact(lambda tx: bmdb.record_history(tx, machine, "Recovery", "Started", None))
+    session.transact(lambda tx: tx.execute(sa.delete(bmdb._schema.history)))
     assert db.read(counters.history_totals) == {("Recovery", "Started"): 3}
-    assert db.read(bmdb.fleet.task_outcomes)[("Recovery", "Started")] == 3
+    assert db.read(bmdb.task_outcomes)[("Recovery", "Started")] == 3
 
 
 def test_recount_repairs_a_counter_written_around(db: bmdb.BMDB, session: bmdb.Session) -> None:
     seed_provided(session, 3)
-    session.transact(lambda tx: tx.execute(sa.delete(bmdb.schema.state_counts)))
+    session.transact(lambda tx: tx.execute(sa.delete(bmdb._schema.state_counts)))
     assert db.read(counters.states) == {}
     session.transact(counters.recount)
     assert_counters_agree(db)
@@ -131,20 +131,20 @@ def test_concurrent_writers_agree_with_a_recount_after_compaction(pg_url: str) -
 def churn(tx: bmdb.Tx, seed: int, round_: int) -> None:
     """Five machines through the life cycle, leaving a different mix each round."""
     tx.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
-    made = [bmdb.tags.create_machine(tx) for _ in range(5)]
+    made = [bmdb.create_machine(tx) for _ in range(5)]
     for i, machine in enumerate(made):
-        bmdb.tags.upsert_provided(tx, machine, provider="test", provider_id=str(machine),
+        bmdb.upsert_provided(tx, machine, provider="test", provider_id=str(machine),
                                   provider_status="Running")
         if i >= 1:
-            bmdb.tags.set_agent_started(tx, machine, b"\x02" * 32)
+            bmdb.set_agent_started(tx, machine, b"\x02" * 32)
         if i >= 2:
-            bmdb.tags.record_heartbeat(tx, machine, tx.now)
+            bmdb.record_heartbeat(tx, machine, tx.now)
         if i == 3:
-            bmdb.holds.put(tx, machine, KINDS[round_ % 2], "churn", f"w{seed}")
-        bmdb.history.record(tx, machine, "AgentStart", "Started", None, work_id=uuid.uuid4())
+            bmdb.put_hold(tx, machine, KINDS[round_ % 2], "churn", f"w{seed}")
+        bmdb.record_history(tx, machine, "AgentStart", "Started", None, work_id=uuid.uuid4())
     if round_ % 3 == 0:
-        bmdb.tags.delete_heartbeat(tx, made[2])
-        bmdb.tags.delete_machine(tx, made[4])
+        bmdb.delete_heartbeat(tx, made[2])
+        bmdb.delete_machine(tx, made[4])
 
 
 @pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
@@ -153,8 +153,8 @@ def test_the_migration_fills_the_counters_from_existing_rows(dialect: str, reque
     db = bmdb.connect(url)
     with db.start_session("seed", interval=5) as session:
         ids = seed_provided(session, 4)
-        session.transact(lambda tx: bmdb.tags.set_agent_started(tx, ids[0], b"\x01" * 32))
-        session.transact(lambda tx: bmdb.history.record(tx, ids[1], "Recovery", "Failed", "x"))
+        session.transact(lambda tx: bmdb.set_agent_started(tx, ids[0], b"\x01" * 32))
+        session.transact(lambda tx: bmdb.record_history(tx, ids[1], "Recovery", "Failed", "x"))
     db.downgrade("0005")
     db.migrate()
     assert_counters_agree(db)

@@ -25,10 +25,11 @@ import bmdb
 from shepherd import cli
 from shepherd.config import Settings, SettingsError
 from shepherd.workflows import retention
-from tests.support.celery_fixtures import REPO, control_plane, wait_until  # noqa: F401
+from tests.support.celery_fixtures import REPO
+from tests.support.waiting import wait_until
 
-H = bmdb.schema.history
-HOUR = bmdb.fleet.HOUR
+H = bmdb._schema.history
+HOUR = bmdb.HOUR
 DAY = dt.timedelta(days=1)
 MINUTE = dt.timedelta(minutes=1)
 
@@ -131,20 +132,20 @@ def test_prune_leaves_what_the_guards_hourly_budget_reads(db: bmdb.BMDB) -> None
     last_hour += add_rows(db, 58 * MINUTE, process=recovery, event=bmdb.Event.CANCELED,
                           work_id=canceled)
     last_hour += add_rows(db, 50 * MINUTE, process=recovery, event=bmdb.Event.STARTED)
-    budget_used = db.read(bmdb.fleet.recovery_starts_last_hour)
+    budget_used = db.read(bmdb.recovery_starts_last_hour)
     assert budget_used == 1  # the cancelled claim does not count
 
     # The youngest cutoff allowed: exactly an hour before the database's clock.
     assert bmdb.history.prune(db.engine, db_now(db) - HOUR, batch_size=1) == len(gone)
 
     assert ids(db) == last_hour
-    assert db.read(bmdb.fleet.recovery_starts_last_hour) == budget_used
+    assert db.read(bmdb.recovery_starts_last_hour) == budget_used
 
 
 @pytest.mark.parametrize("age", [59 * MINUTE, dt.timedelta(0), -DAY])
 def test_a_cutoff_inside_the_last_hour_is_refused(db: bmdb.BMDB, age: dt.timedelta) -> None:
     everything = add_rows(db, 3 * DAY, 2 * HOUR, 10 * MINUTE)
-    with pytest.raises(bmdb.history.CutoffTooRecent, match="hourly reboot budget"):
+    with pytest.raises(bmdb.CutoffTooRecent, match="hourly reboot budget"):
         bmdb.history.prune(db.engine, db_now(db) - age, batch_size=10)
     with pytest.raises(ValueError, match="younger than 1:00:00"):
         retention.prune(db, retention.RetentionSettings(keep=age))
@@ -216,9 +217,9 @@ def test_pruning_moves_no_outcome_total(db: bmdb.BMDB) -> None:
     """Prometheus counters must never go down: the totals count every row ever written."""
     for event in (bmdb.Event.STARTED, bmdb.Event.FINISHED):
         add_rows(db, 3 * DAY, 2 * DAY, process=bmdb.Process.AGENT_START.value, event=event)
-    before = db.read(bmdb.fleet.task_outcomes)
+    before = db.read(bmdb.task_outcomes)
     assert bmdb.history.prune(db.engine, db_now(db) - DAY, batch_size=3) == 4
-    assert db.read(bmdb.fleet.task_outcomes) == before
+    assert db.read(bmdb.task_outcomes) == before
 
 
 # -- the workflow and the setting ---------------------------------------------------------
@@ -340,7 +341,7 @@ def test_cli_in_a_real_process(tmp_path) -> None:
 # -- the task, on a real worker and beat ------------------------------------------------
 
 
-def test_the_worker_prunes_by_the_settings_and_beat_schedules_it(control_plane) -> None:  # noqa: F811
+def test_the_worker_prunes_by_the_settings_and_beat_schedules_it(control_plane) -> None:
     """SHEPHERD_HISTORY_RETENTION (1 day, not the default 30) reaches the task; beat sends
     it every SHEPHERD_HISTORY_PRUNE_INTERVAL (1 s: at the default 600 s nothing would
     happen within this test)."""

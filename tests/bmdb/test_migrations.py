@@ -1,4 +1,4 @@
-"""The Alembic migrations go up and down cleanly and build exactly ``bmdb.schema``."""
+"""The Alembic migrations go up and down cleanly and build exactly ``bmdb._schema``."""
 
 import datetime as dt
 import uuid
@@ -8,7 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 import bmdb
-from bmdb.processes import EXCLUSION_GROUPS
+from bmdb import EXCLUSION_GROUPS
 
 
 def test_up_down_up(db_url):
@@ -23,13 +23,13 @@ def test_up_down_up(db_url):
 def test_migrations_match_schema(db_url):
     db = bmdb.connect(db_url)
     with db.engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn), bmdb.schema.metadata)
+        diff = compare_metadata(MigrationContext.configure(conn), bmdb._schema.metadata)
     db.close()
     assert diff == []
 
 
 def test_processes_are_seeded_from_the_exclusion_groups(db):
-    rows = db.read(lambda tx: tx.execute(sa.select(bmdb.schema.processes)).all())
+    rows = db.read(lambda tx: tx.execute(sa.select(bmdb._schema.processes)).all())
     assert {(name, group) for name, group in rows} == {
         (process.value, group) for process, group in EXCLUSION_GROUPS.items()
     }
@@ -42,7 +42,7 @@ def test_agents_of_protocol_v1_go_back_to_agent_start(db_url):
     db = bmdb.connect(db_url)
     db.downgrade("0004")
     machine, now = uuid.uuid4(), dt.datetime.now(dt.UTC)
-    s = bmdb.schema
+    s = bmdb._schema
     with db.engine.begin() as conn:  # the 0004 columns only: no nonce yet
         conn.execute(sa.insert(s.machines).values(id=machine, created_at=now))
         conn.execute(sa.insert(s.provided).values(
@@ -53,8 +53,8 @@ def test_agents_of_protocol_v1_go_back_to_agent_start(db_url):
         conn.execute(sa.insert(s.agent_heartbeat).values(
             machine_id=machine, last_heartbeat_at=now, last_signed_at=now))
     db.migrate()
-    assert db.read(lambda tx: bmdb.inspection.in_backlog(
+    assert db.read(lambda tx: bmdb.in_backlog(
         tx, bmdb.Process.AGENT_START, machine, db.thresholds)) is True
     assert db.read(lambda tx: tx.execute(sa.select(sa.func.count()).select_from(
-        bmdb.schema.agent_heartbeat)).scalar_one()) == 0
+        bmdb._schema.agent_heartbeat)).scalar_one()) == 0
     db.close()

@@ -1,4 +1,4 @@
-"""Cursor paging of machines (``bmdb.inspection.list_machines``): every match once, in
+"""Cursor paging of machines (``bmdb.list_machines``): every match once, in
 creation order, across pages; the edges (empty, last page, a cursor whose machine is
 gone, a page over the cap, a cursor no page gave out); counts, exact or estimated."""
 
@@ -10,8 +10,7 @@ import uuid
 import pytest
 
 import bmdb
-from bmdb import inspection
-from bmdb.inspection import MachineFilter
+from bmdb import MachineFilter, inspection
 from shepherd import operations
 from tests.support.bmdb_helpers import seed_provided, start_agent
 
@@ -54,7 +53,7 @@ def test_pages_cover_every_match_once_in_creation_order(db, session) -> None:
 def test_counts_tags_and_holds_come_with_the_page(db, session) -> None:
     a, b, c = seed_provided(session, 3)
     start_agent(session, a)
-    session.transact(lambda tx: bmdb.holds.put(tx, b, "maintenance", "rack", "test"))
+    session.transact(lambda tx: bmdb.put_hold(tx, b, "maintenance", "rack", "test"))
     found = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(limit=2)))
     assert found.total == 3 and found.matched == 3 and not found.matched_estimated
     assert found.tag_counts["Provided"] == 3 and found.tag_counts["AgentStarted"] == 1
@@ -88,7 +87,7 @@ def test_a_cursor_whose_machine_was_deleted_still_leads_on(db, session) -> None:
     ids = creation_order(db, seed_provided(session, 5))
     first = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(limit=2)))
     assert [m.id for m in first.machines] == ids[:2]
-    session.transact(lambda tx: bmdb.tags.delete_machine(tx, ids[1]))
+    session.transact(lambda tx: bmdb.delete_machine(tx, ids[1]))
     rest = db.read(lambda tx: inspection.list_machines(
         tx, MachineFilter(limit=10, after=first.next_cursor)))
     assert [m.id for m in rest.machines] == ids[2:]

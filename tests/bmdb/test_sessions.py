@@ -46,14 +46,14 @@ def test_close_ends_the_lease_at_once(db):
 
 def test_body_errors_roll_back_and_propagate(session):
     def body(tx: bmdb.Tx) -> None:
-        bmdb.tags.create_machine(tx)
+        bmdb.create_machine(tx)
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
         session.transact(body)
     count = session.transact(
         lambda tx: tx.execute(
-            sa.select(sa.func.count()).select_from(bmdb.schema.machines)
+            sa.select(sa.func.count()).select_from(bmdb._schema.machines)
         ).scalar_one()
     )
     assert count == 0
@@ -63,8 +63,8 @@ def test_a_lease_that_could_not_be_extended_is_not_alive(db):
     """The database unreachable from the keep-alive: past one interval the session
     stops counting as alive on its own, and held work refuses to act."""
     session = db.start_session("unreachable", interval=1)
-    seed = session.transact(lambda tx: bmdb.tags.create_machine(tx))
-    session.transact(lambda tx: bmdb.tags.upsert_provided(
+    seed = session.transact(lambda tx: bmdb.create_machine(tx))
+    session.transact(lambda tx: bmdb.upsert_provided(
         tx, seed, provider="test", provider_id="p", provider_status="Running"))
     (work,) = session.claim_backlog(bmdb.Process.AGENT_START, limit=1)
     work.ensure_held()  # freshly extended: fine

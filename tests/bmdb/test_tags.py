@@ -17,7 +17,7 @@ KEY = b"k" * 32
 
 
 def _tags(db: bmdb.BMDB, machine: uuid.UUID) -> set[str]:
-    return set(db.read(lambda tx: bmdb.queries.machine_tags(tx, machine)))
+    return set(db.read(lambda tx: bmdb.machine_tags(tx, machine)))
 
 
 def _marker(db: bmdb.BMDB, table: sa.Table, column: str, machine: uuid.UUID) -> bool:
@@ -30,28 +30,28 @@ def test_every_tag_can_be_deleted_and_the_markers_follow(db, session):
     start_agent(session, machine)
 
     def fill(tx: bmdb.Tx) -> None:
-        bmdb.tags.record_heartbeat(tx, machine, tx.now)
-        bmdb.tags.set_hardware_report(tx, machine, {"cpu": {"threads": 4}})
-        bmdb.tags.set_os_installation_request(tx, machine, 3, {"kind": "none"})
-        bmdb.tags.set_os_installation_report(tx, machine, 3, {"error": "unsupported"})
+        bmdb.record_heartbeat(tx, machine, tx.now)
+        bmdb.set_hardware_report(tx, machine, {"cpu": {"threads": 4}})
+        bmdb.set_os_installation_request(tx, machine, 3, {"kind": "none"})
+        bmdb.set_os_installation_report(tx, machine, 3, {"error": "unsupported"})
 
     session.transact(fill)
-    assert _marker(db, bmdb.schema.agent_started, "heartbeat_seen", machine)
-    assert _marker(db, bmdb.schema.provided, "agent_started", machine)
+    assert _marker(db, bmdb._schema.agent_started, "heartbeat_seen", machine)
+    assert _marker(db, bmdb._schema.provided, "agent_started", machine)
     deletes = [
-        ("AgentHeartbeat", bmdb.tags.delete_heartbeat),
-        ("HardwareReport", bmdb.tags.delete_hardware_report),
-        ("OSInstallationRequest", bmdb.tags.delete_os_installation_request),
-        ("OSInstallationReport", bmdb.tags.delete_os_installation_report),
-        ("AgentStarted", bmdb.tags.delete_agent_started),
+        ("AgentHeartbeat", bmdb.delete_heartbeat),
+        ("HardwareReport", bmdb.delete_hardware_report),
+        ("OSInstallationRequest", bmdb.delete_os_installation_request),
+        ("OSInstallationReport", bmdb.delete_os_installation_report),
+        ("AgentStarted", bmdb.delete_agent_started),
     ]
     for tag, delete in deletes:
         assert tag in _tags(db, machine)
         session.transact(lambda tx, d=delete: d(tx, machine))
         assert tag not in _tags(db, machine)
-    assert not _marker(db, bmdb.schema.provided, "agent_started", machine)
+    assert not _marker(db, bmdb._schema.provided, "agent_started", machine)
     assert backlog_ids(session, Process.AGENT_START) == {machine}
-    session.transact(lambda tx: bmdb.tags.delete_provided(tx, machine))
+    session.transact(lambda tx: bmdb.delete_provided(tx, machine))
     assert _tags(db, machine) == set()
     assert backlog_ids(session, Process.AGENT_START) == set()
 
@@ -60,7 +60,7 @@ def test_provided_ids_are_unique_per_provider(db, session):
     first, second = seed_provided(session, 2)
 
     def same_id(provider: str):
-        return lambda tx: bmdb.tags.upsert_provided(
+        return lambda tx: bmdb.upsert_provided(
             tx, second, provider=provider, provider_id=str(first), provider_status="Running")
 
     try:
@@ -85,7 +85,7 @@ def test_a_provided_update_during_an_agent_start_keeps_the_marker(pg_url):
         holding, release = threading.Event(), threading.Event()
 
         def finish_agent_start(tx: bmdb.Tx) -> None:
-            bmdb.tags.set_agent_started(tx, machine, KEY)  # locks the Provided row
+            bmdb.set_agent_started(tx, machine, KEY)  # locks the Provided row
             holding.set()
             assert release.wait(10)
 
@@ -93,7 +93,7 @@ def test_a_provided_update_during_an_agent_start_keeps_the_marker(pg_url):
         finisher.start()
         assert holding.wait(10)
         updater = threading.Thread(target=lambda: session.transact(
-            lambda tx: bmdb.tags.upsert_provided(
+            lambda tx: bmdb.upsert_provided(
                 tx, machine, provider="test", provider_id=str(machine),
                 provider_status="Running", address="127.0.0.2")))
         updater.start()
@@ -101,7 +101,7 @@ def test_a_provided_update_during_an_agent_start_keeps_the_marker(pg_url):
         release.set()
         finisher.join(10)
         updater.join(10)
-        assert _marker(db, bmdb.schema.provided, "agent_started", machine)
+        assert _marker(db, bmdb._schema.provided, "agent_started", machine)
         assert backlog_ids(session, Process.AGENT_START) == set()
     db.close()
 
@@ -115,7 +115,7 @@ def test_a_restart_during_a_heartbeat_keeps_the_heartbeat_marker(pg_url):
         holding, release = threading.Event(), threading.Event()
 
         def heartbeat(tx: bmdb.Tx) -> None:
-            bmdb.tags.record_heartbeat(tx, machine, tx.now)  # locks the AgentStarted row
+            bmdb.record_heartbeat(tx, machine, tx.now)  # locks the AgentStarted row
             holding.set()
             assert release.wait(10)
 
@@ -123,13 +123,13 @@ def test_a_restart_during_a_heartbeat_keeps_the_heartbeat_marker(pg_url):
         beat.start()
         assert holding.wait(10)
         restart = threading.Thread(target=lambda: session.transact(
-            lambda tx: bmdb.tags.set_agent_started(tx, machine, b"n" * 32)))
+            lambda tx: bmdb.set_agent_started(tx, machine, b"n" * 32)))
         restart.start()
         time.sleep(0.5)
         release.set()
         beat.join(10)
         restart.join(10)
-        assert _marker(db, bmdb.schema.agent_started, "heartbeat_seen", machine)
+        assert _marker(db, bmdb._schema.agent_started, "heartbeat_seen", machine)
         assert backlog_ids(session, Process.RECOVERY) == set()  # heard from: not silent
     db.close()
 
@@ -137,53 +137,53 @@ def test_a_restart_during_a_heartbeat_keeps_the_heartbeat_marker(pg_url):
 def test_history_outlives_a_deleted_machine(db, session):
     (machine,) = seed_provided(session, 1)
     session.claim_machine(Process.AGENT_START, machine).finish()
-    session.transact(lambda tx: bmdb.tags.delete_machine(tx, machine))
-    assert db.read(lambda tx: bmdb.queries.machine_tags(tx, machine)) == {}
-    events = [row["event"] for row in db.read(lambda tx: bmdb.queries.history(tx, machine))]
+    session.transact(lambda tx: bmdb.delete_machine(tx, machine))
+    assert db.read(lambda tx: bmdb.machine_tags(tx, machine)) == {}
+    events = [row["event"] for row in db.read(lambda tx: bmdb.machine_history(tx, machine))]
     assert events == ["Finished", "Started"]
 
 
 def test_every_agent_start_writes_a_new_nonce_even_for_the_same_key(db, session):
-    """What no-replay rests on (``bmdb.queries.lock_agent_credentials``): a takeover's
+    """What no-replay rests on (``bmdb.lock_agent_credentials``): a takeover's
     nonce replaces the last one, also when an agent answered with the same key, and a
     caller that names none still gets a new one, never the old."""
     (machine,) = seed_provided(session, 1)
     given = "n" * 44
-    session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, KEY, given))
-    nonces = [db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine)).nonce]
+    session.transact(lambda tx: bmdb.set_agent_started(tx, machine, KEY, given))
+    nonces = [db.read(lambda tx: bmdb.agent_credentials(tx, machine)).nonce]
     for _ in range(2):
-        session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine, KEY))
-        nonces.append(db.read(lambda tx: bmdb.queries.agent_credentials(tx, machine)).nonce)
+        session.transact(lambda tx: bmdb.set_agent_started(tx, machine, KEY))
+        nonces.append(db.read(lambda tx: bmdb.agent_credentials(tx, machine)).nonce)
     assert nonces[0] == given and len(set(nonces)) == 3
     for bad in ("short", "x" * 65):
         with pytest.raises(ValueError, match="nonce"):
-            session.transact(lambda tx, b=bad: bmdb.tags.set_agent_started(tx, machine, KEY, b))
+            session.transact(lambda tx, b=bad: bmdb.set_agent_started(tx, machine, KEY, b))
 
 
 def test_the_takeover_view_agrees_with_the_reads_it_replaces(db, session):
     """``queries.takeover_view`` (AgentStart's one read before acting) says what
     ``machine_tag``, ``host_keys.pinned`` and ``agent_credentials`` say, at every stage."""
     bare, provided, started = seed_provided(session, 3)
-    session.transact(lambda tx: bmdb.tags.delete_provided(tx, bare))
+    session.transact(lambda tx: bmdb.delete_provided(tx, bare))
     start_agent(session, started)
-    session.transact(lambda tx: bmdb.host_keys.pin(tx, started, "ssh-ed25519 AAAA", "SHA256:x"))
+    session.transact(lambda tx: bmdb.pin_host_key(tx, started, "ssh-ed25519 AAAA", "SHA256:x"))
     for machine in (bare, provided, started, uuid.uuid4()):
         def both(tx: bmdb.Tx, m: uuid.UUID = machine) -> tuple[object, tuple[object, ...]]:
-            current = bmdb.queries.agent_credentials(tx, m)
-            return bmdb.queries.takeover_view(tx, m), (
-                bmdb.queries.machine_tag(tx, "Provided", m), bmdb.host_keys.pinned(tx, m),
+            current = bmdb.agent_credentials(tx, m)
+            return bmdb.takeover_view(tx, m), (
+                bmdb.machine_tag(tx, "Provided", m), bmdb.pinned_host_key(tx, m),
                 current.public_key if current else None)
 
         view, separately = db.read(both)
         assert (view.provided, view.host_key, view.agent_key) == separately
-    assert db.read(lambda tx: bmdb.queries.takeover_view(tx, started)).agent_key == b"\x01" * 32
+    assert db.read(lambda tx: bmdb.takeover_view(tx, started)).agent_key == b"\x01" * 32
 
 
 def test_any_claimable_is_whether_a_claim_would_find_a_machine(db, session):
-    agent_start = bmdb.backlog.retriever(Process.AGENT_START, db.thresholds)
+    agent_start = bmdb.retriever(Process.AGENT_START, db.thresholds)
 
     def claimable() -> bool:
-        return db.read(lambda tx: bmdb.work.any_claimable(tx, Process.AGENT_START,
+        return db.read(lambda tx: bmdb.any_claimable(tx, Process.AGENT_START,
                                                             agent_start))
 
     assert not claimable()
@@ -193,7 +193,7 @@ def test_any_claimable_is_whether_a_claim_would_find_a_machine(db, session):
     assert not claimable()  # busy
     work.fail("ssh: refused")
     assert not claimable()  # in backoff
-    session.transact(lambda tx: bmdb.work.clear_backoff(tx, machine, Process.AGENT_START))
+    session.transact(lambda tx: bmdb.clear_backoff(tx, machine, Process.AGENT_START))
     assert claimable()
     start_agent(session, machine)
     assert not claimable()  # out of the backlog

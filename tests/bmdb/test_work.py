@@ -19,14 +19,14 @@ from tests.support.bmdb_helpers import backlog_ids, events, seed_provided, store
 
 def only(machine_id: uuid.UUID):
     """A retriever for one named machine, whatever its tags."""
-    return lambda tx: sa.select(bmdb.schema.machines.c.id).where(
-        bmdb.schema.machines.c.id == machine_id
+    return lambda tx: sa.select(bmdb._schema.machines.c.id).where(
+        bmdb._schema.machines.c.id == machine_id
     )
 
 
 def expire_backoff(db: bmdb.BMDB, machine_id: uuid.UUID, process: Process) -> None:
     """Let the backoff's time pass without waiting for it."""
-    b = bmdb.schema.backoff
+    b = bmdb._schema.backoff
 
     def body(tx: bmdb.Tx) -> None:
         tx.execute(
@@ -68,7 +68,7 @@ def test_database_itself_refuses_a_second_work_item_in_the_group(db, session):
 
     def sneak_in(tx: bmdb.Tx) -> None:
         tx.execute(
-            sa.insert(bmdb.schema.work).values(
+            sa.insert(bmdb._schema.work).values(
                 id=uuid.uuid4(), machine_id=machine, process=Process.RECOVERY,
                 exclusion_group=bmdb.exclusion_group(Process.RECOVERY),
                 session_id=session.id, started_at=tx.now,
@@ -84,7 +84,7 @@ def test_database_refuses_a_work_row_with_a_wrong_group(session):
 
     def mislabelled(tx: bmdb.Tx) -> None:
         tx.execute(
-            sa.insert(bmdb.schema.work).values(
+            sa.insert(bmdb._schema.work).values(
                 id=uuid.uuid4(), machine_id=machine, process=Process.RECOVERY,
                 exclusion_group="SomethingElse", session_id=session.id, started_at=tx.now,
             )
@@ -104,13 +104,13 @@ def test_held_machine_leaves_both_backlogs_and_finish_is_atomic(db, session):
     assert backlog_ids(session, Process.AGENT_START) == set()
     # An agent started long ago and never heard of: in the Recovery backlog, yet
     # not claimable while AgentStart work holds the machine.
-    session.transact(lambda tx: bmdb.tags.set_agent_started(
+    session.transact(lambda tx: bmdb.set_agent_started(
         tx, machine, b"o" * 32, started_at=tx.now - dt.timedelta(seconds=120)))
-    recovery = bmdb.backlog.retriever(Process.RECOVERY, db.thresholds)
+    recovery = bmdb.retriever(Process.RECOVERY, db.thresholds)
     assert set(db.read(lambda tx: tx.execute(recovery(tx)).scalars().all())) == {machine}
     assert backlog_ids(session, Process.RECOVERY) == set()
 
-    work.finish(lambda tx: bmdb.tags.set_agent_started(tx, machine, b"k" * 32))
+    work.finish(lambda tx: bmdb.set_agent_started(tx, machine, b"k" * 32))
     assert backlog_ids(session, Process.AGENT_START) == set()
     assert session.claim_backlog(Process.AGENT_START, limit=5) == []
     assert events(db, machine) == [
@@ -123,8 +123,8 @@ def test_finish_of_lost_work_rolls_back_the_tag_changes(db, session):
     (work,) = session.claim_backlog(Process.AGENT_START, limit=1)
     work.cancel("operator said so")
     with pytest.raises(bmdb.WorkGone):
-        work.finish(lambda tx: bmdb.tags.set_agent_started(tx, machine, b"k" * 32))
-    assert "AgentStarted" not in db.read(lambda tx: bmdb.queries.machine_tags(tx, machine))
+        work.finish(lambda tx: bmdb.set_agent_started(tx, machine, b"k" * 32))
+    assert "AgentStarted" not in db.read(lambda tx: bmdb.machine_tags(tx, machine))
     assert events(db, machine)[-1] == (Process.AGENT_START, "Canceled")
 
 
@@ -148,7 +148,7 @@ def test_failed_machine_sits_out_its_backoff(db, session):
         session.claim_machine(Process.AGENT_START, machine)
     time.sleep(1.1)
     assert backlog_ids(session, Process.AGENT_START) == {machine}
-    history = db.read(lambda tx: bmdb.queries.history(tx, machine))
+    history = db.read(lambda tx: bmdb.machine_history(tx, machine))
     assert history[0]["event"] == "Failed"
     assert history[0]["cause"] == "ssh: connection refused"
 
@@ -213,11 +213,11 @@ def test_recovery_backlog_follows_the_thresholds(db, session):
 
     def body(tx: bmdb.Tx) -> None:
         for machine in (never_heard, quiet, fresh):
-            bmdb.tags.set_agent_started(tx, machine, b"k" * 32, started_at=long_ago)
-        bmdb.tags.set_agent_started(tx, young, b"k" * 32)
-        bmdb.tags.record_heartbeat(tx, quiet, long_ago)
-        bmdb.tags.record_heartbeat(tx, fresh, long_ago)
-        hb = bmdb.schema.agent_heartbeat
+            bmdb.set_agent_started(tx, machine, b"k" * 32, started_at=long_ago)
+        bmdb.set_agent_started(tx, young, b"k" * 32)
+        bmdb.record_heartbeat(tx, quiet, long_ago)
+        bmdb.record_heartbeat(tx, fresh, long_ago)
+        hb = bmdb._schema.agent_heartbeat
         tx.execute(
             sa.update(hb).where(hb.c.machine_id == quiet).values(last_heartbeat_at=long_ago)
         )
@@ -231,13 +231,13 @@ def test_recovery_finish_returns_the_machine_to_agent_start(db, session):
     (machine,) = seed_provided(session, 1)
     long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     session.transact(
-        lambda tx: bmdb.tags.set_agent_started(tx, machine, b"k" * 32, started_at=long_ago)
+        lambda tx: bmdb.set_agent_started(tx, machine, b"k" * 32, started_at=long_ago)
     )
     (work,) = session.claim_backlog(Process.RECOVERY, limit=1)
 
     def drop_agent(tx: bmdb.Tx) -> None:
-        bmdb.tags.delete_agent_started(tx, machine)
-        bmdb.tags.delete_heartbeat(tx, machine)
+        bmdb.delete_agent_started(tx, machine)
+        bmdb.delete_heartbeat(tx, machine)
 
     work.finish(drop_agent)
     assert backlog_ids(session, Process.AGENT_START) == {machine}
@@ -276,20 +276,20 @@ def test_named_claim_with_dispatch_ttl_can_be_adopted(db, session):
     with pytest.raises(bmdb.MachineBusy, match="ShepherdAgentStart work held by session"):
         session.claim_machine(Process.AGENT_START, machine, dispatch_ttl=30)
     with db.start_session("worker", interval=2) as worker:
-        assert db.read(lambda tx: bmdb.queries.work_holder(tx, claim.id)) == session.id
+        assert db.read(lambda tx: bmdb.work_holder(tx, claim.id)) == session.id
         work = worker.adopt(claim.id, machine_id=machine, process=Process.AGENT_START)
-        assert db.read(lambda tx: bmdb.queries.work_holder(tx, claim.id)) == worker.id
+        assert db.read(lambda tx: bmdb.work_holder(tx, claim.id)) == worker.id
         work.finish()
-    assert db.read(lambda tx: bmdb.queries.work_holder(tx, claim.id)) is None
+    assert db.read(lambda tx: bmdb.work_holder(tx, claim.id)) is None
     assert [e for _, e in events(db, machine)] == ["Started", "Finished"]
 
     unadopted = session.claim_machine(Process.AGENT_START, late, dispatch_ttl=1)
-    assert db.read(lambda tx: bmdb.queries.active_work(tx, Process.AGENT_START)) == 1
+    assert db.read(lambda tx: bmdb.active_work(tx, Process.AGENT_START)) == 1
     time.sleep(1.1)
     assert db.sweep().unadopted == 1
     with db.start_session("late-worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
         worker.adopt(unadopted.id)
-    assert db.read(lambda tx: bmdb.queries.active_work(tx, Process.AGENT_START)) == 0
+    assert db.read(lambda tx: bmdb.active_work(tx, Process.AGENT_START)) == 0
 
 
 def test_a_named_claim_without_dispatch_ttl_cannot_be_adopted(db, session):
@@ -320,7 +320,7 @@ def test_sweep_abandons_work_of_dead_sessions(db, session):
     time.sleep(1.2)
     result = db.sweep()
     assert (result.abandoned, result.sessions_deleted) == (1, 1)
-    last = db.read(lambda tx: bmdb.queries.history(tx, machine))[0]
+    last = db.read(lambda tx: bmdb.machine_history(tx, machine))[0]
     assert last["event"] == "Abandoned"
     assert str(dead.id) in last["cause"]
     assert backlog_ids(session, Process.AGENT_START) == {machine}
@@ -344,7 +344,7 @@ def test_parallel_workers_share_the_machines(db, session):
                     return
                 (work,) = claimed
                 time.sleep(0.2)  # the long part: SSH in, start the agent
-                work.finish(lambda tx, m=work.machine_id: bmdb.tags.set_agent_started(
+                work.finish(lambda tx, m=work.machine_id: bmdb.set_agent_started(
                     tx, m, b"k" * 32))
                 with lock:
                     done.setdefault(name, []).append(work.machine_id)
@@ -368,7 +368,7 @@ def test_claimers_skip_rows_another_claimer_holds(pg_url):
         machines = seed_provided(session, 4)
         locker = db.engine.connect()
         transaction = locker.begin()
-        m = bmdb.schema.machines
+        m = bmdb._schema.machines
         locker.execute(sa.select(m.c.id).where(m.c.id.in_(machines[:2])).with_for_update())
         try:
             started = time.monotonic()
@@ -409,7 +409,7 @@ def test_a_claim_passes_over_machines_finished_meanwhile_and_fills_its_batch(pg_
         time.sleep(0.3)  # the claimer's statement has its snapshot and is pausing
         for machine in done_elsewhere:
             (work,) = other.claim(Process.AGENT_START, only(machine))
-            work.finish(functools.partial(bmdb.tags.set_agent_started, machine_id=machine,
+            work.finish(functools.partial(bmdb.set_agent_started, machine_id=machine,
                                           public_key=b"k" * 32))
         claimer.join(20)
     db.close()
@@ -423,7 +423,7 @@ def test_claiming_a_named_machine_waits_for_a_claim_in_progress(pg_url):
         (machine,) = seed_provided(session, 1)
         locker = db.engine.connect()
         transaction = locker.begin()
-        m = bmdb.schema.machines
+        m = bmdb._schema.machines
         locker.execute(sa.select(m.c.id).where(m.c.id == machine).with_for_update())
         threading.Timer(0.5, transaction.rollback).start()  # the other claim gives up
         try:

@@ -35,7 +35,7 @@ def overlapping_work(db: bmdb.BMDB) -> list[str]:
     it re-checked eligibility, which sees every finish committed before it; so in
     id order, a Started while another item of the group is open is a real overlap.
     """
-    h = bmdb.schema.history
+    h = bmdb._schema.history
     rows = db.read(lambda tx: tx.execute(sa.select(h).order_by(h.c.id)).all())
     open_items: dict[tuple, set] = defaultdict(set)
     problems = []
@@ -68,7 +68,7 @@ def test_stress_eight_processes_at_read_committed(pg_url):
     assert all(s["finished"] > 0 for s in summaries)
     assert overlapping_work(db) == []
     events = db.read(lambda tx: tx.execute(
-        sa.select(bmdb.schema.history.c.process).distinct()).scalars().all())
+        sa.select(bmdb._schema.history.c.process).distinct()).scalars().all())
     assert set(events) == {Process.AGENT_START, Process.RECOVERY}
     db.close()
 
@@ -92,7 +92,7 @@ def test_killed_holder_releases_the_machine(db_url):
             assert time.monotonic() - killed_at < interval + sweep_period + 1
             db.sweep()
             time.sleep(sweep_period)
-        last = db.read(lambda tx: bmdb.queries.history(tx, machine))[0]
+        last = db.read(lambda tx: bmdb.machine_history(tx, machine))[0]
         assert (last["event"], str(last["work_id"])) == ("Abandoned", work_id)
         assert holder_session in last["cause"]
         session.claim_machine(Process.AGENT_START, machine).finish()

@@ -20,10 +20,13 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from tests.support.compose_stack import ComposeStack, HealthChecks, PodmanService, wait
+from tests.support.compose_stack import ComposeStack, HealthChecks, PodmanService
 from tests.support.container_images import build_all, podman, require_podman
+from tests.support.waiting import wait_until
+from tests.support.workers import COMPOSE_STACK
 
-pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(900),
+              COMPOSE_STACK]
 
 PROJECT = "shepherd-compose-test"
 MACHINES = 20  # the demo's `shepherd simulator --reservations 20`
@@ -90,7 +93,7 @@ def _set_faults(stack: ComposeStack, faults: dict) -> None:
             return False  # not listening yet
         return True
 
-    wait(set_them, 60, "the simulator's admin API to answer")
+    wait_until(set_them, 60, "the simulator's admin API to answer", every=0.5)
 
 
 def _hostname(container: str) -> str:
@@ -122,13 +125,15 @@ def test_a_machine_worker_killed_mid_agent_start_loses_nothing(stack: ComposeSta
         return next(((work, holder.partition(":")[0]) for work, holder in rows
                      if holder.partition(":")[0] in workers), None)
 
-    work_id, hostname = wait(held_by_a_worker, SETTLE,
-                             lambda: f"an AgentStart held by a machine worker; {stack.state()}")
+    work_id, hostname = wait_until(
+        held_by_a_worker, SETTLE,
+        lambda: f"an AgentStart held by a machine worker; {stack.state()}", every=0.5)
     podman("restart", "--time", "0", workers[hostname])
     _set_faults(stack, {"ssh_latency": 0.0})
 
-    wait(lambda: _fleet_settled(stack), SETTLE,
-         lambda: f"{MACHINES} machines heartbeating, no work held; {stack.state()}")
+    wait_until(lambda: _fleet_settled(stack), SETTLE,
+               lambda: f"{MACHINES} machines heartbeating, no work held; {stack.state()}",
+               every=0.5)
     events = [event for (event,) in stack.sql(
         f"SELECT event FROM history WHERE work_id = '{work_id}' ORDER BY id")]
     assert events == ["Started", "Abandoned"], events
@@ -141,8 +146,8 @@ def test_a_machine_worker_killed_mid_agent_start_loses_nothing(stack: ComposeSta
 
 
 def test_every_machine_heartbeats_and_reports_its_hardware(stack: ComposeStack) -> None:
-    fleet = wait(lambda: _fleet_settled(stack), SETTLE,
-                 lambda: f"{MACHINES} machines heartbeating; {stack.state()}")
+    fleet = wait_until(lambda: _fleet_settled(stack), SETTLE,
+                       lambda: f"{MACHINES} machines heartbeating; {stack.state()}", every=0.5)
     assert (fleet["machines"], fleet["provided"], fleet["agent_started"]) == (MACHINES,) * 3
     assert stack.sql("SELECT count(*) FROM hardware_report") == [[str(MACHINES)]]
 
@@ -182,7 +187,8 @@ def test_the_view_and_flower_answer_on_loopback_with_their_authentication(
         return seen if nodes <= seen else None
 
     seen: set[str] = set()
-    wait(answered, 120, lambda: f"machine workers {sorted(nodes)} in Flower, saw {seen}")
+    wait_until(answered, 120, lambda: f"machine workers {sorted(nodes)} in Flower, saw {seen}",
+               every=0.5)
 
 
 def test_every_service_of_the_demo_runs_and_the_migration_finished(
@@ -206,7 +212,7 @@ def test_every_health_check_passes(stack: ComposeStack) -> None:
         checked = {name: state for name, state in states.items() if state}
         return checked if set(checked.values()) == {"healthy"} else None
 
-    checked = wait(health, 120, "every health check passing", every=2)
+    checked = wait_until(health, 120, "every health check passing", every=2)
     assert {name.split("_")[1] for name in checked} == {"postgres", "redis", "server"}
 
 

@@ -21,15 +21,15 @@ import pytest
 
 import bmdb
 from shepherd.agent import BUNDLE_NAME
+from shepherd.inventory.provider import StaticProvider
 from shepherd.providers import ssh_keys
 from shepherd.providers.base import register_provided
-from shepherd.providers.static import StaticProvider
 from shepherd.server import RunningServer
 from shepherd.workflows import InitializerSettings, initialize
 from shepherd.workflows.common import WorkflowResult
 from shepherd.workflows.initializer import FALLBACK_DIRECTORY
 from tests.agent.test_agent import assert_report_describes_this_machine
-from tests.support.agent_fixtures import callback_server, tags_of, wait_for
+from tests.support.agent_fixtures import tags_of
 from tests.support.minimal_systems import (
     Changes,
     StockMachine,
@@ -37,10 +37,10 @@ from tests.support.minimal_systems import (
     rootfs,
     stock_machine,
 )
+from tests.support.waiting import wait_until
+from tests.support.workers import STOCK_MACHINES
 
-__all__ = ["callback_server"]  # a fixture, for pytest to find
-
-pytestmark = [pytest.mark.slow, pytest.mark.stock_machines,
+pytestmark = [pytest.mark.slow, pytest.mark.stock_machines, STOCK_MACHINES,
               # A first run builds the root filesystems (about a minute each).
               pytest.mark.timeout(900)]
 
@@ -103,9 +103,9 @@ def agent_log(machine: StockMachine, state_dir: str = "/root/shepherd-agent.d") 
 
 
 def assert_heartbeats_with_hardware(db: bmdb.BMDB, machine_id: uuid.UUID) -> dict:
-    first = wait_for(lambda: tags_of(db, machine_id).get("AgentHeartbeat"), timeout=20,
+    first = wait_until(lambda: tags_of(db, machine_id).get("AgentHeartbeat"), timeout=20,
                      what="a first heartbeat")["last_signed_at"]
-    wait_for(lambda: tags_of(db, machine_id)["AgentHeartbeat"]["last_signed_at"] > first,
+    wait_until(lambda: tags_of(db, machine_id)["AgentHeartbeat"]["last_signed_at"] > first,
              timeout=10, what="a second heartbeat")
     report: dict = tags_of(db, machine_id)["HardwareReport"]["report"]
     return report
@@ -158,7 +158,7 @@ def test_a_machine_without_python3_fails_with_the_cause_and_a_backoff(
     assert (result.cause or "").startswith(
         "agent: reported error: python3 is not installed on this machine"), result.cause
     assert result.backoff_seconds == AGENT_START_BACKOFF
-    latest = db.read(lambda tx: bmdb.queries.history(tx, machine_id))[0]
+    latest = db.read(lambda tx: bmdb.machine_history(tx, machine_id))[0]
     assert latest["event"] == "Failed" and latest["cause"] == result.cause
     assert "AgentStarted" not in tags_of(db, machine_id)
     with pytest.raises(bmdb.MachineInBackoff):

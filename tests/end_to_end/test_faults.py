@@ -5,9 +5,6 @@ stops by itself. How long each recovery took and what the invariants saw is prin
 a table at the end of the run (``record_recovery``; ``tests/conftest.py``).
 """
 
-# Fixtures are imported and used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import datetime as dt
@@ -21,15 +18,14 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from tests.support.celery_fixtures import wait_until
 from tests.support.fault_fixtures import (
     FaultPlane,
     api_request_bound,
     assert_invariants,
-    fault_plane,
     overlapping_holds,
     record_recovery,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(150)]
 AGENT_START = bmdb.Process.AGENT_START
@@ -261,8 +257,8 @@ def test_device_hanging_ssh_times_out_into_backoff(fault_plane) -> None:
     done = {h["machine_id"]: h["at"] for h in cp.events(AGENT_START, bmdb.Event.FINISHED)}
     assert set(others) <= set(done), "the others were not started while the device hung"
     assert all(done[m] < failure["at"] for m in others), "the hang blocked the worker"
-    backoff = cp.db.read(lambda tx: tx.execute(bmdb.schema.backoff.select().where(
-        bmdb.schema.backoff.c.machine_id == victim)).one()._mapping)
+    backoff = cp.db.read(lambda tx: tx.execute(bmdb._schema.backoff.select().where(
+        bmdb._schema.backoff.c.machine_id == victim)).one()._mapping)
     assert "ExecTimeout" in backoff["cause"] and backoff["until"] > failure["at"]
     assert "AgentStarted" not in cp.tags(victim)
 
@@ -324,7 +320,7 @@ def test_a_dead_broker_channel_fails_as_a_connection_error() -> None:
     from kombu import Connection, Exchange, Queue
     from kombu.common import ignore_errors
 
-    import tasks  # installs the work-around, as the worker does
+    import tasks  # noqa: F401 - installs the work-around, as the worker does
     from tests.support.servers import RedisServer
 
     server = RedisServer().start()
@@ -370,13 +366,13 @@ def test_the_invariant_checks_see_what_they_look_for(pg_url: str) -> None:
             work = {}
             for name, age in ages.items():
                 machine, session, work[name] = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
-                tx.execute(sa.insert(bmdb.schema.machines).values(id=machine,
+                tx.execute(sa.insert(bmdb._schema.machines).values(id=machine,
                                                                   created_at=tx.now))
-                tx.execute(sa.insert(bmdb.schema.sessions).values(
+                tx.execute(sa.insert(bmdb._schema.sessions).values(
                     id=session, component="crafted", holder=f"crafted:{name}:1",
                     started_at=tx.now - dt.timedelta(seconds=60), interval_s=2,
                     deadline=tx.now - dt.timedelta(seconds=age)))
-                tx.execute(sa.insert(bmdb.schema.work).values(
+                tx.execute(sa.insert(bmdb._schema.work).values(
                     id=work[name], machine_id=machine, process=AGENT_START.value,
                     exclusion_group=bmdb.exclusion_group(AGENT_START), session_id=session,
                     started_at=tx.now))

@@ -21,15 +21,15 @@ from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers import ssh_keys
 from shepherd.simulator.racks import Racks
 from shepherd.simulator.redfish import available as sushy_available
-from tests.support.celery_fixtures import ControlPlane, control_plane, overlapping_work, wait_until
+from tests.support.celery_fixtures import ControlPlane, overlapping_work
+from tests.support.waiting import wait_until
+from tests.support.workers import RACK_DEVICES
 
 pytestmark = [
     pytest.mark.slow,
+    RACK_DEVICES,
     pytest.mark.skipif(not sushy_available(), reason="sushy-tools is not installed"),
 ]
-__all__ = ["control_plane"]
-
-
 @pytest.fixture
 def racked(control_plane: Callable[..., ControlPlane], tmp_path: Path
            ) -> Iterator[Callable[..., tuple[ControlPlane, Racks]]]:
@@ -72,7 +72,7 @@ def heartbeating(cp: ControlPlane, machine_id: uuid.UUID, after: object = None) 
 
 def hold(cp: ControlPlane, machine_id: uuid.UUID, reason: str) -> None:
     with cp.db.start_session("test-operator", interval=2) as session:
-        session.transact(lambda tx: bmdb.holds.put(tx, machine_id, bmdb.holds.MAINTENANCE,
+        session.transact(lambda tx: bmdb.put_hold(tx, machine_id, bmdb.MAINTENANCE,
                                                    reason, "test"))
 
 
@@ -184,7 +184,7 @@ def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked
     assert racks.bmc.resets(locked_out) == []
     with cp.db.start_session("test-reader", interval=2) as session:
         backoffs = session.transact(
-            lambda tx: bmdb.inspection.machine_backoffs(tx, ids[locked_out]))
+            lambda tx: bmdb.machine_backoffs(tx, ids[locked_out]))
     assert any(b.process == bmdb.Process.RECOVERY.value for b in backoffs)
 
     # Quarantined: nothing more is done to it, however long it stays silent.

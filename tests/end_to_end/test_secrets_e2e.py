@@ -34,8 +34,9 @@ import sqlalchemy as sa
 
 import bmdb
 import tests.support.celery_fixtures
-from tests.support.celery_fixtures import REPO, ControlPlane, wait_until
+from tests.support.celery_fixtures import REPO, ControlPlane
 from tests.support.servers import free_port
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]
 

@@ -4,9 +4,6 @@ PostgreSQL, the simulator's devices over SSH, the real agent and callback server
 process on loopback, each test bounded in time (``tests/celery_fixtures``).
 """
 
-# Fixtures imported from tests.support.celery_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import dataclasses
@@ -21,14 +18,9 @@ import pytest
 
 import bmdb
 from shepherd.agent import BUNDLE_NAME
-from tests.support.celery_fixtures import (
-    ControlPlane,
-    control_plane,
-    dump,
-    overlapping_work,
-    wait_until,
-)
+from tests.support.celery_fixtures import ControlPlane, dump, overlapping_work
 from tests.support.servers import free_port
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(150)]
 slow = pytest.mark.slow
@@ -82,7 +74,7 @@ def test_refused_ssh_fails_with_the_backoff_then_succeeds(control_plane) -> None
     failed = events(cp, bmdb.Process.AGENT_START, bmdb.Event.FAILED)
     assert all("ConnectionRefused" in (h["cause"] or "") for h in failed), dump(failed)
     backoffs = cp.db.read(lambda tx: [dict(r._mapping) for r in
-                                      tx.execute(bmdb.schema.backoff.select())])
+                                      tx.execute(bmdb._schema.backoff.select())])
     assert backoffs and all(b["interval_s"] in (1, 2) for b in backoffs), dump(backoffs)
     assert all("ConnectionRefused" in b["cause"] for b in backoffs)
     assert cp.counts().agent_started == 0
@@ -198,7 +190,7 @@ def test_two_workers_share_the_work_and_survive_a_lost_one(control_plane) -> Non
     def shared() -> Counter[str] | None:
         """Finished AgentStarts by machine worker, once both have some."""
         sessions = cp.db.read(lambda tx: {r.id: int(r.holder.rsplit(":", 1)[1]) for r in
-                                          tx.execute(bmdb.schema.sessions.select())})
+                                          tx.execute(bmdb._schema.sessions.select())})
         by_node: Counter[str] = Counter()
         for h in events(cp, bmdb.Process.AGENT_START, bmdb.Event.FINISHED):
             pid = sessions.get(h["session_id"])
@@ -211,8 +203,8 @@ def test_two_workers_share_the_work_and_survive_a_lost_one(control_plane) -> Non
         """Claims w2's pool has adopted (mid-SSH), if any right now."""
         def read(tx: bmdb.Tx) -> list:
             pids = {r.id: int(r.holder.rsplit(":", 1)[1])
-                    for r in tx.execute(bmdb.schema.sessions.select())}
-            return [r for r in tx.execute(bmdb.schema.work.select())
+                    for r in tx.execute(bmdb._schema.sessions.select())}
+            return [r for r in tx.execute(bmdb._schema.work.select())
                     if r.dispatch_deadline is None and pids.get(r.session_id) in pools["w2"]]
 
         return cp.db.read(read) or None
@@ -432,7 +424,7 @@ def add_running(db: bmdb.BMDB, count: int, *, agent_started_ago: float | None = 
             machine_id = register_provided(tx, "equinix", machine)
             if agent_started_ago is not None:
                 started = tx.now - dt.timedelta(seconds=agent_started_ago)
-                bmdb.tags.set_agent_started(tx, machine_id, bytes(32), started_at=started)
+                bmdb.set_agent_started(tx, machine_id, bytes(32), started_at=started)
             ids.append(machine_id)
         return ids
 
@@ -454,7 +446,7 @@ def test_sourcing_dispatches_claims_within_the_caps(state, monkeypatch) -> None:
     assert all(call["name"] == "shepherd.agent_start" and call["expires"] == 30
                and call["queue"] == "shepherd.machines" for call in sent)
     work = state.db.read(lambda tx: {(str(r.machine_id), str(r.id)) for r in
-                                     tx.execute(bmdb.schema.work.select())})
+                                     tx.execute(bmdb._schema.work.select())})
     assert {tuple(call["args"]) for call in sent} == work
     assert {m for m, _ in work} <= {str(i) for i in ids}
     # Unadopted claims count against the in-flight cap.
@@ -479,11 +471,11 @@ def test_a_broker_refusal_cancels_the_claim_at_once(state, monkeypatch) -> None:
         cast(Any, app)._pool = None
     assert result["claimed"] == 2 and result["refused"] == 2, result
     for machine_id in ids:  # the second was not even tried once the broker had refused
-        history = state.db.read(lambda tx, m=machine_id: bmdb.queries.history(tx, m))
+        history = state.db.read(lambda tx, m=machine_id: bmdb.machine_history(tx, m))
         assert [h["event"] for h in history] == ["Canceled", "Started"]
         assert history[0]["cause"].startswith("broker refused: OperationalError")
-    assert state.db.read(lambda tx: tx.execute(bmdb.schema.work.select()).all()) == []
-    assert state.db.read(lambda tx: tx.execute(bmdb.schema.backoff.select()).all()) == []
+    assert state.db.read(lambda tx: tx.execute(bmdb._schema.work.select()).all()) == []
+    assert state.db.read(lambda tx: tx.execute(bmdb._schema.backoff.select()).all()) == []
 
 
 def test_a_redelivered_message_ends_as_gone_untouched(state) -> None:
@@ -505,12 +497,12 @@ def test_recovery_pauses_at_execution_when_the_callback_server_is_down(state) ->
         [work] = sourcer.claim_backlog(bmdb.Process.RECOVERY, 1, dispatch_ttl=30)
         result = machines.recovery.run(str(machine_id), str(work.id))
     assert result["outcome"] == "paused" and "unreachable" in result["cause"], result
-    history = state.db.read(lambda tx: bmdb.queries.history(tx, machine_id))
+    history = state.db.read(lambda tx: bmdb.machine_history(tx, machine_id))
     assert [h["event"] for h in history] == ["Canceled", "Started"]
-    assert "AgentStarted" in state.db.read(lambda tx: bmdb.queries.machine_tags(tx, machine_id))
+    assert "AgentStarted" in state.db.read(lambda tx: bmdb.machine_tags(tx, machine_id))
     with pytest.raises(RecoveryPaused, match="callback server"):
         machines.recovery.run(str(machine_id))  # by hand: refused, nothing claimed
-    assert len(state.db.read(lambda tx: bmdb.queries.history(tx, machine_id))) == 2
+    assert len(state.db.read(lambda tx: bmdb.machine_history(tx, machine_id))) == 2
 
 
 def test_a_provider_that_cannot_be_built_fails_the_claim(state) -> None:
@@ -524,18 +516,16 @@ def test_a_provider_that_cannot_be_built_fails_the_claim(state) -> None:
     [work] = state.session.claim_backlog(bmdb.Process.AGENT_START, 1, dispatch_ttl=30)
     with pytest.raises(MachineWorkFailed, match="SHEPHERD_STATIC_INVENTORY"):
         machines.agent_start.run(str(machine_id), str(work.id))
-    history = state.db.read(lambda tx: bmdb.queries.history(tx, machine_id))
+    history = state.db.read(lambda tx: bmdb.machine_history(tx, machine_id))
     assert [h["event"] for h in history] == ["Failed", "Started"]
     assert history[0]["cause"].startswith("worker: SettingsError")
-    assert state.db.read(lambda tx: tx.execute(bmdb.schema.work.select()).all()) == []
-    assert len(state.db.read(lambda tx: tx.execute(bmdb.schema.backoff.select()).all())) == 1
+    assert state.db.read(lambda tx: tx.execute(bmdb._schema.work.select()).all()) == []
+    assert len(state.db.read(lambda tx: tx.execute(bmdb._schema.backoff.select()).all())) == 1
 
 
 @pytest.fixture
 def healthy_callback_server(state):
     """A /healthz that answers 200, so only the share and the budget can pause Recovery."""
-    import dataclasses
-
     from tests.support.operator_fixtures import healthy_callback_server as serving
 
     with serving() as url:
@@ -574,7 +564,7 @@ def test_the_hourly_reboot_budget_counts_history_fleet_wide(state) -> None:
 
     def started(ago: float, work_id: uuid.UUID, event: str = bmdb.Event.STARTED) -> None:
         def body(tx: bmdb.Tx) -> None:
-            tx.execute(bmdb.schema.history.insert().values(
+            tx.execute(bmdb._schema.history.insert().values(
                 machine_id=machine_id, process="ShepherdRecovery", event=event,
                 at=tx.now - dt.timedelta(seconds=ago), work_id=work_id))
         state.db.read(body)
@@ -678,7 +668,7 @@ def test_reconcile_runs_once_at_a_time_fleet_wide(state) -> None:
     from tasks import control
 
     with state.db.start_session("other-host", interval=2) as other, \
-            bmdb.singletons.hold(other, "reconcile") as held:
+            bmdb.hold_singleton(other, "reconcile") as held:
         assert held
         assert control.reconcile.run() == {"skipped": "reconcile already running"}
 

@@ -79,7 +79,7 @@ def fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str,
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("SHEPHERD_BMDB_URL", db_url)
     with healthy_callback_server() as endpoint:
-        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", endpoint)
+        monkeypatch.setenv("SHEPHERD_CALLBACK_URL", endpoint)
         yield seed_fleet(db, session)
 
 
@@ -250,7 +250,7 @@ def test_start_with_the_broker_down_cancels_its_claim(fleet: Fleet, db: bmdb.BMD
     line = one_line_error(err, status, expected=1)
     assert "could not dispatch ShepherdAgentStart: broker refused" in line
     assert "claim cancelled" in line
-    history = db.read(lambda tx: bmdb.queries.history(tx, fleet.new))
+    history = db.read(lambda tx: bmdb.machine_history(tx, fleet.new))
     assert [h["event"] for h in history] == ["Canceled", "Started"]
 
 
@@ -288,7 +288,7 @@ def test_start_hands_the_claim_to_a_worker_that_adopts_it(fleet: Fleet, db: bmdb
         assert "ShepherdRecovery started on machine" in out and "task task-1" in out
         assert adopted[0].session is worker
         adopted[0].finish()
-    assert [h["event"] for h in db.read(lambda tx: bmdb.queries.history(tx, fleet.silent))
+    assert [h["event"] for h in db.read(lambda tx: bmdb.machine_history(tx, fleet.silent))
             ] == ["Finished", "Started"]
 
 
@@ -299,7 +299,7 @@ def test_start_cancels_when_no_worker_adopts_in_time(fleet: Fleet, db: bmdb.BMDB
                          workers=nobody)
     line = one_line_error(err, status, expected=1)
     assert "no worker took ShepherdAgentStart within 0.5s (task task-lost)" in line
-    history = db.read(lambda tx: bmdb.queries.history(tx, fleet.new))
+    history = db.read(lambda tx: bmdb.machine_history(tx, fleet.new))
     assert [h["event"] for h in history] == ["Canceled", "Started"]
 
 
@@ -425,7 +425,7 @@ def unreachable_endpoint() -> tuple[socket.socket, str]:
 def test_explain_and_start_ask_the_callback_server(fleet: Fleet, capsys, monkeypatch) -> None:
     sock, endpoint = unreachable_endpoint()
     with sock:
-        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", endpoint)
+        monkeypatch.setenv("SHEPHERD_CALLBACK_URL", endpoint)
         monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1")  # only the server pauses
         status, out, _ = run(capsys, "explain", str(fleet.silent), "--json")
         assert status == 0
@@ -446,7 +446,7 @@ def test_the_guard_waits_for_the_callback_server_at_most_2s(monkeypatch) -> None
     from shepherd.config import Settings
 
     monkeypatch.setenv("SHEPHERD_HEALTHZ_TIMEOUT", "30")
-    monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", "https://callbacks.example:8443/")
+    monkeypatch.setenv("SHEPHERD_CALLBACK_URL", "https://callbacks.example:8443/")
     limits = runtime.Runtime(Settings.from_env(), "test").guard_limits(interactive=True)
     assert limits.healthz_url == "https://callbacks.example:8443/healthz"
     assert limits.healthz_timeout == runtime.INTERACTIVE_HEALTHZ_TIMEOUT == 2.0

@@ -27,9 +27,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 import bmdb
 from shepherd import cli
 from shepherd.inventory.host_keys import key_line_fingerprint
+from shepherd.inventory.provider import load_inventory
 from shepherd.providers import ssh_keys
 from shepherd.providers.base import register_provided
-from shepherd.providers.static import load_inventory
 from shepherd.up import progress
 from shepherd.workflows.guard import GuardLimits
 from tests.support.bmc_fixtures import RedfishBmc, running_redfish
@@ -53,13 +53,13 @@ def one_line(err: str) -> str:
 
 def history(db: bmdb.BMDB, machine_id: uuid.UUID) -> list[tuple[str, str, str | None]]:
     """(process, event, cause) oldest first."""
-    rows = db.read(lambda tx: bmdb.queries.history(tx, machine_id, limit=100))
+    rows = db.read(lambda tx: bmdb.machine_history(tx, machine_id, limit=100))
     return [(r["process"], r["event"], r["cause"]) for r in reversed(rows)]
 
 
 def holds(db: bmdb.BMDB, machine_id: uuid.UUID) -> list[tuple[str, str, str]]:
     return [(h.kind, h.reason, h.actor)
-            for h in db.read(lambda tx: bmdb.holds.holds_of(tx, machine_id))]
+            for h in db.read(lambda tx: bmdb.holds_of(tx, machine_id))]
 
 
 # -- maintenance and quarantine (a seeded fleet, both backends) --------------------------
@@ -169,9 +169,9 @@ def test_quarantine_clear(fleet: Fleet, db: bmdb.BMDB, session: bmdb.Session, ca
     machine = fleet.quiet  # silent agent: in the Recovery backlog until quarantined
     session.claim(bmdb.Process.RECOVERY,
                   lambda tx: sa.select(sa.literal(machine, sa.Uuid)))[0].fail(
-        f"{bmdb.holds.LADDER_EXHAUSTED}: no rung was verified")
-    session.transact(lambda tx: bmdb.holds.put(
-        tx, machine, bmdb.holds.QUARANTINE, "the reboot ladder was exhausted 3 times in a row",
+        f"{bmdb.LADDER_EXHAUSTED}: no rung was verified")
+    session.transact(lambda tx: bmdb.put_hold(
+        tx, machine, bmdb.QUARANTINE, "the reboot ladder was exhausted 3 times in a row",
         "shepherd recovery"))
     status, out, _ = run(capsys, "explain", str(machine))
     assert "HELD: quarantined since" in out and "exhausted 3 times in a row" in out
@@ -193,7 +193,7 @@ def test_quarantine_clear(fleet: Fleet, db: bmdb.BMDB, session: bmdb.Session, ca
 def test_maintenance_off_leaves_a_quarantine(fleet: Fleet, db: bmdb.BMDB,
                                              session: bmdb.Session, capsys) -> None:
     machine = fleet.silent
-    session.transact(lambda tx: bmdb.holds.put(tx, machine, bmdb.holds.QUARANTINE,
+    session.transact(lambda tx: bmdb.put_hold(tx, machine, bmdb.QUARANTINE,
                                                "ladder", "shepherd recovery"))
     run(capsys, "maintenance", "on", str(machine), "--reason", "inspect")
     status, out, _ = run(capsys, "maintenance", "off", str(machine))
@@ -409,7 +409,7 @@ def test_host_key_forget(racks: Racks, capsys) -> None:
     recorded = ssh_keys.public_key_openssh(Ed25519PrivateKey.generate()).rsplit(" ", 1)[0]
     node1, pinned = racks.ids["node-1"], racks.ids["pinned"]
     for machine in (node1, pinned):
-        racks.db.read(functools.partial(bmdb.host_keys.pin, machine_id=machine, host_key=recorded,
+        racks.db.read(functools.partial(bmdb.pin_host_key, machine_id=machine, host_key=recorded,
                                         fingerprint=key_line_fingerprint(recorded)))
     status, out, _ = run(capsys, "show", str(node1))
     assert f"recorded at the first takeover: {key_line_fingerprint(recorded)}" in out
@@ -420,13 +420,13 @@ def test_host_key_forget(racks: Racks, capsys) -> None:
     line = one_line(err)
     assert f"its host key ({key_line_fingerprint(racks.pin)}) is pinned in the inventory " \
            f"{racks.inventory} (entry pinned): edit host_key there instead" in line
-    assert racks.db.read(lambda tx: bmdb.host_keys.pinned(tx, pinned)) == recorded
+    assert racks.db.read(lambda tx: bmdb.pinned_host_key(tx, pinned)) == recorded
 
     status, out, _ = run(capsys, "host-key", "forget", str(node1), "--by", "carol", "--json")
     assert status == 0
     assert json.loads(out) == {"machine": str(node1), "host_key": recorded,
                                "fingerprint": key_line_fingerprint(recorded)}
-    assert racks.db.read(lambda tx: bmdb.host_keys.pinned(tx, node1)) is None
+    assert racks.db.read(lambda tx: bmdb.pinned_host_key(tx, node1)) is None
     assert history(racks.db, node1)[-1] == ("HostKey", "Forgotten", "by carol")
     status, out, _ = run(capsys, "host-key", "forget", str(node1))
     assert status == 0 and "had no recorded host key; nothing changed" in out
@@ -438,8 +438,8 @@ def test_gone_machines_and_refusals_are_shown(racks: Racks, capsys) -> None:
     machine = racks.ids["node-2"]
 
     def changes(tx: bmdb.Tx) -> None:
-        bmdb.tags.set_provider_status(tx, [machine], bmdb.ProviderStatus.MISSING)
-        bmdb.refusals.record(tx, "equinix", "FLEET MISMATCH: 1 at the provider but not in "
+        bmdb.set_provider_status(tx, [machine], bmdb.ProviderStatus.MISSING)
+        bmdb.record_refusal(tx, "equinix", "FLEET MISMATCH: 1 at the provider but not in "
                                             "the BMDB; set SHEPHERD_ASSIMILATE=true")
 
     racks.db.read(changes)

@@ -3,9 +3,6 @@ subprocess, a real Redis broker and a real ``celery worker`` that adopts the cla
 The CLI sends tasks by name, as ``shepherd.task_api`` declares them (whose own tests
 check the declarations against the tasks the workers register)."""
 
-# The fixture is imported from tests.support.celery_fixtures and used as an argument:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import json
@@ -15,7 +12,6 @@ import time
 import pytest
 
 import bmdb
-from tests.support.celery_fixtures import control_plane
 
 pytestmark = pytest.mark.timeout(180)
 

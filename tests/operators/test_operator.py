@@ -153,7 +153,7 @@ def test_a_held_machine_is_in_no_backlog_and_explain_says_why(
     put = operations.put_maintenance(session, fleet.new, "  swap the NIC ", "alice")
     assert put.changed and put.hold is not None
     assert (put.hold.reason, put.hold.actor) == ("swap the NIC", "alice")
-    session.transact(lambda tx: bmdb.holds.put(tx, fleet.quiet, bmdb.holds.QUARANTINE,
+    session.transact(lambda tx: bmdb.put_hold(tx, fleet.quiet, bmdb.QUARANTINE,
                                                "ladder exhausted 3 times", "shepherd recovery"))
     limits = guard.GuardLimits(max_share=1.0)
     for machine_id, words in ((fleet.new, "in maintenance since"),
@@ -196,13 +196,13 @@ def test_hold_arguments_are_checked_before_anything_changes(
         operations.lift_maintenance(session, fleet.new, "")
     with pytest.raises(operations.UnknownMachine):
         operations.put_maintenance(session, uuid.uuid4(), "x", "alice")
-    assert db.read(lambda tx: bmdb.fleet.held_counts(tx)) == {"maintenance": 0,
+    assert db.read(lambda tx: bmdb.held_counts(tx)) == {"maintenance": 0,
                                                               "quarantine": 0}
 
 
 def test_a_machine_its_provider_no_longer_lists_is_shown_as_gone(
         db: bmdb.BMDB, fleet: Fleet) -> None:
-    db.read(lambda tx: bmdb.tags.set_provider_status(tx, [fleet.new],
+    db.read(lambda tx: bmdb.set_provider_status(tx, [fleet.new],
                                                      bmdb.ProviderStatus.MISSING))
     found = db.read(lambda tx: operations.explain(tx, fleet.new, db.thresholds))
     agent_start = found.processes[0]
@@ -269,9 +269,9 @@ def test_an_honest_report_is_shown_as_sent(db: bmdb.BMDB, session: bmdb.Session)
     result = agent.install_os({"kind": "debian-12"})
 
     def store(tx: bmdb.Tx) -> uuid.UUID:
-        machine_id = bmdb.tags.create_machine(tx)
-        bmdb.tags.set_hardware_report(tx, machine_id, report)
-        bmdb.tags.set_os_installation_report(tx, machine_id, 3, result)
+        machine_id = bmdb.create_machine(tx)
+        bmdb.set_hardware_report(tx, machine_id, report)
+        bmdb.set_os_installation_report(tx, machine_id, 3, result)
         return machine_id
 
     machine_id = session.transact(store)
@@ -284,11 +284,12 @@ def test_an_honest_report_is_shown_as_sent(db: bmdb.BMDB, session: bmdb.Session)
 def machine_pages(db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> dict[str, str]:
     """Garbage name -> the machine page of a machine holding it, from a real server (whose
     threads have a deeper stack than the CLI: 900 levels failed there even to decode)."""
-    from shepherd.server import ServerConfig, start_server
+    from shepherd.config import Settings
+    from shepherd.server import serve
 
     machines = seed_garbage(db, session)
     pages = {}
-    with (start_server(ServerConfig(bmdb_url=db_url), db=db) as server,
+    with (serve(Settings(bmdb_url=db_url, serve_listen="127.0.0.1:0"), db=db) as server,
           requests.Session() as http):
         http.trust_env = False
         assert server.operator_url

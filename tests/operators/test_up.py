@@ -27,6 +27,7 @@ from shepherd.simulator import Simulator
 from shepherd.simulator.racks import Racks
 from shepherd.up import RUN_MARKER, SIM_SANDBOX, Plan, UpError, UpOptions, plan, racks
 from tests.support.up_fixtures import FAST, THRESHOLDS, leftovers, user_env
+from tests.support.workers import RACK_DEVICES
 
 MACHINES = 5
 
@@ -42,7 +43,7 @@ def second_terminal(up: Plan, directory: Path) -> Settings:
 
 def test_a_real_provider_needs_an_endpoint_machines_can_reach(tmp_path: Path) -> None:
     real = {"SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1"}
-    with pytest.raises(UpError, match="SHEPHERD_BMAAS_ENDPOINT"):
+    with pytest.raises(UpError, match="SHEPHERD_CALLBACK_URL"):
         plan(UpOptions(workdir=tmp_path), real)
 
 
@@ -50,13 +51,13 @@ def test_agents_listen_where_asked_and_the_view_stays_on_loopback(tmp_path: Path
     up = plan(UpOptions(workdir=tmp_path, serve_port=8470), {
         "SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1",
         "SHEPHERD_SERVE_LISTEN": "0.0.0.0:8470",
-        "SHEPHERD_BMAAS_ENDPOINT": "https://shepherd.example.net:8470"})
+        "SHEPHERD_CALLBACK_URL": "https://shepherd.example.net:8470"})
     env = up.env
     assert env["SHEPHERD_SERVE_LISTEN"] == "0.0.0.0:8470"
     view = env["SHEPHERD_SERVE_OPERATOR_LISTEN"]
     assert view.startswith("127.0.0.1:") and view != "127.0.0.1:8470"  # 8470 is the agents'
     assert up.urls["web"] == f"http://{view}"
-    assert env["SHEPHERD_BMAAS_ENDPOINT"] == "https://shepherd.example.net:8470"
+    assert env["SHEPHERD_CALLBACK_URL"] == "https://shepherd.example.net:8470"
 
 
 def test_on_the_simulator_everything_is_on_loopback(tmp_path: Path) -> None:
@@ -64,7 +65,7 @@ def test_on_the_simulator_everything_is_on_loopback(tmp_path: Path) -> None:
     env = up.env
     assert env["SHEPHERD_SERVE_LISTEN"] == "127.0.0.1:8470"
     assert "SHEPHERD_SERVE_OPERATOR_LISTEN" not in env
-    assert env["SHEPHERD_BMAAS_ENDPOINT"] == up.urls["web"] == "http://127.0.0.1:8470"
+    assert env["SHEPHERD_CALLBACK_URL"] == up.urls["web"] == "http://127.0.0.1:8470"
     assert second_terminal(up, tmp_path).heartbeat_timeout == 30
 
 
@@ -92,6 +93,7 @@ def test_racks_plan_a_static_provider_over_the_simulators_inventory(tmp_path: Pa
             "SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1"})
 
 
+@RACK_DEVICES
 def test_racks_inventory_lists_each_machine_behind_its_bmc(tmp_path: Path) -> None:
     """What ``up --racks`` prepares, and the inventory the simulator then writes, read
     by the static provider the workers build (a real emulated BMC, no control plane)."""
@@ -173,7 +175,7 @@ def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broke
                                   thresholds=THRESHOLDS)
             if db is not None:
                 with contextlib.suppress(Exception):  # busy or not yet migrated
-                    counts = db.read(lambda tx: bmdb.fleet.fleet_counts(tx, THRESHOLDS))
+                    counts = db.read(lambda tx: bmdb.fleet_counts(tx, THRESHOLDS))
                 if counts is not None and counts.heartbeating == MACHINES:
                     break
             time.sleep(1)

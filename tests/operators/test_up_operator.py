@@ -149,7 +149,7 @@ def test_a_state_directory_of_another_provider_is_refused(up_runs: UpRuns,
     inventory.write_text("")
     run = up_runs.start(*FREE_PORTS, env={
         "SHEPHERD_PROVIDER": "static", "SHEPHERD_STATIC_INVENTORY": str(inventory),
-        "SHEPHERD_BMAAS_ENDPOINT": "http://192.0.2.1:8470"})
+        "SHEPHERD_CALLBACK_URL": "http://192.0.2.1:8470"})
     assert run.process.wait(timeout=60) == 1
     (line,) = [line for line in run.text().splitlines() if line.startswith("shepherd up:")]
     assert f"{workdir} was made with provider simulator" in line

@@ -36,7 +36,7 @@ REFUSAL = ("FLEET MISMATCH: 2 at the provider but not in the BMDB; "
 
 def heartbeat(session: bmdb.Session, machine_id: uuid.UUID) -> None:
     signed = dt.datetime.now(dt.UTC)
-    session.transact(lambda tx: bmdb.tags.record_heartbeat(tx, machine_id, signed))
+    session.transact(lambda tx: bmdb.record_heartbeat(tx, machine_id, signed))
 
 
 def heartbeating(session: bmdb.Session, count: int) -> list[uuid.UUID]:
@@ -77,7 +77,7 @@ def fleet(db: bmdb.BMDB, session: bmdb.Session) -> Iterator[Fleet]:
     dying = db.start_session("doomed", interval=1)
     dying.claim_machine(bmdb.Process.POWER, held[1])
     dying.close()  # its deadline is now: dead, and nobody swept it
-    db.read(lambda tx: bmdb.refusals.record(tx, "equinix", REFUSAL))
+    db.read(lambda tx: bmdb.record_refusal(tx, "equinix", REFUSAL))
     yield Fleet(live, silent, failed, held)
 
 
@@ -104,7 +104,7 @@ def test_snapshot_after_the_sweep_and_a_cleared_backoff(db, session, fleet):
     """The same reads follow the fleet: the sweep releases the dead session's work, and
     an operator's clearing of a backoff takes its machine out of the count."""
     db.sweep()
-    session.transact(lambda tx: bmdb.work.clear_backoff(tx, fleet.failed[0],
+    session.transact(lambda tx: bmdb.clear_backoff(tx, fleet.failed[0],
                                                         bmdb.Process.AGENT_START))
     snap = read_snapshot(db, NO_HTTP)
     assert isinstance(snap, Snapshot), snap
@@ -140,7 +140,7 @@ def test_an_unmigrated_bmdb_is_said_in_one_line(tmp_path):
     finally:
         db.close()
     assert isinstance(said, str)
-    assert said.startswith("BMDB not readable now: OperationalError: ")
+    assert said.startswith("BMDB not readable now: Unavailable: ")
     assert "no such table" in said and "\n" not in said
 
 
@@ -217,7 +217,7 @@ def test_plain_says_a_refusal_and_a_pause_when_they_start_and_end(db, fleet):
     shown = for_stream(out)
     shown.show(read_snapshot(db, GuardLimits(reboots_per_hour=0)))
     shown.show(read_snapshot(db, GuardLimits(reboots_per_hour=0)))
-    db.read(lambda tx: bmdb.refusals.clear(tx, "equinix"))
+    db.read(lambda tx: bmdb.clear_refusal(tx, "equinix"))
     shown.show(read_snapshot(db, NO_HTTP))
     shown.show(read_snapshot(db, NO_HTTP))
     lines = plain_lines(out)

@@ -186,7 +186,7 @@ def test_a_bmc_held_elsewhere_is_busy_after_the_wait(db: bmdb.BMDB, tmp_path: Pa
     other, ours = sessions(db, 2)
     try:
         name = singleton_name(LOCK)
-        assert other.transact(lambda tx: bmdb.singletons.try_acquire(tx, name))
+        assert other.transact(lambda tx: bmdb.try_acquire_singleton(tx, name))
         bmc = SharedBmc(tmp_path)
         power = ExclusivePower(bmc, ours, LOCK, wait=0.6)
         started = time.monotonic()
@@ -196,7 +196,7 @@ def test_a_bmc_held_elsewhere_is_busy_after_the_wait(db: bmdb.BMDB, tmp_path: Pa
         assert 0.6 <= elapsed < 2.0, f"{elapsed:.2f}s"
         assert bmc.description in str(busy.value)
         assert bmc.calls() == []
-        other.transact(lambda tx: bmdb.singletons.release(tx, name))
+        other.transact(lambda tx: bmdb.release_singleton(tx, name))
         power.act(PowerAction.POWER_OFF)
         assert len(bmc.calls()) == 1
     finally:
@@ -239,7 +239,7 @@ def test_a_dead_holder_is_taken_over(db: bmdb.BMDB, tmp_path: Path) -> None:
     """A worker that died mid-call leaves the name to its session, which ends with it."""
     dead, ours = sessions(db, 2)
     try:
-        assert dead.transact(lambda tx: bmdb.singletons.try_acquire(tx, singleton_name(LOCK)))
+        assert dead.transact(lambda tx: bmdb.try_acquire_singleton(tx, singleton_name(LOCK)))
         dead.close()  # no release: as a killed worker's session lapses
         started = time.monotonic()
         ExclusivePower(SharedBmc(tmp_path), ours, LOCK, wait=5).act(PowerAction.POWER_ON)
@@ -256,8 +256,8 @@ def test_a_failing_call_releases_the_bmc(db: bmdb.BMDB, tmp_path: Path) -> None:
         with pytest.raises(BmcUnreachable):
             ExclusivePower(bmc, first, LOCK).act(PowerAction.FORCE_RESTART)
         name = singleton_name(LOCK)
-        assert second.transact(lambda tx: bmdb.singletons.try_acquire(tx, name))
-        second.transact(lambda tx: bmdb.singletons.release(tx, name))
+        assert second.transact(lambda tx: bmdb.try_acquire_singleton(tx, name))
+        second.transact(lambda tx: bmdb.release_singleton(tx, name))
     finally:
         first.close()
         second.close()

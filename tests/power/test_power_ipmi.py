@@ -5,9 +5,6 @@ so each action is observed where the machine has it, and read back by an
 independent client (``ipmitool -I lanplus``).
 """
 
-# Fixtures imported from tests.support.bmc_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import logging
@@ -18,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from shepherd.bmc import BmcSpec
 from shepherd.power import (
     ActionUnsupported,
     BmcAuthFailed,
-    BmcSpec,
     BmcUnreachable,
     IpmiPower,
     PowerAction,
     PowerState,
     connect,
 )
-from tests.support.bmc_fixtures import IpmiBmc, ipmi_bmc
+from tests.support.bmc_fixtures import IpmiBmc
 
 
 def ipmitool_power(bmc: IpmiBmc) -> str:

@@ -1,6 +1,6 @@
 """The power states Shepherd observed and set, recorded in the BMDB for the web view
 (``bmdb.power_states``, ``shepherd.power.recorded``), the page reads beside them
-(``bmdb.overview``), and the simulator's machines named as the simulator's.
+(``bmdb.glances``), and the simulator's machines named as the simulator's.
 
 Real parts: the BMDB on PostgreSQL and SQLite, the simulator's Equinix API over
 loopback, the power controls ``shepherd.runtime`` builds for Recovery and
@@ -31,7 +31,6 @@ from shepherd.power import (
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.simulator import Simulator
 from tests.support.bmdb_helpers import seed_provided
-from tests.support.simulator_fixtures import client, provider, simulator, ssh_key  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 BMC = "redfish http://10.0.0.9 system /redfish/v1/Systems/1"
@@ -40,23 +39,23 @@ BMC = "redfish http://10.0.0.9 system /redfish/v1/Systems/1"
 def test_readings_and_actions_are_recorded_apart(db: bmdb.BMDB) -> None:
     with db.start_session("test") as session:
         (machine,) = seed_provided(session, 1)
-    assert db.read(lambda tx: bmdb.power_states.of_machine(tx, machine)) is None
-    assert db.read(lambda tx: bmdb.power_states.record_observed(tx, machine, "Unknown", BMC)
+    assert db.read(lambda tx: bmdb.power_of(tx, machine)) is None
+    assert db.read(lambda tx: bmdb.record_power_observed(tx, machine, "Unknown", BMC)
                    ) is False
-    assert db.read(lambda tx: bmdb.power_states.record_action(
+    assert db.read(lambda tx: bmdb.record_power_action(
         tx, machine, "power_off", BMC)) is True
-    asked = db.read(lambda tx: bmdb.power_states.of_machine(tx, machine))
+    asked = db.read(lambda tx: bmdb.power_of(tx, machine))
     assert asked is not None and (asked.state, asked.action, asked.via) == (
         None, "power_off", BMC)
-    assert db.read(lambda tx: bmdb.power_states.record_observed(tx, machine, "Off", BMC))
-    seen = db.read(lambda tx: bmdb.power_states.of_machine(tx, machine))
+    assert db.read(lambda tx: bmdb.record_power_observed(tx, machine, "Off", BMC))
+    seen = db.read(lambda tx: bmdb.power_of(tx, machine))
     assert seen is not None and (seen.state, seen.action) == ("Off", "power_off")
     assert seen.observed_at is not None and asked.acted_at is not None
     assert seen.observed_at >= asked.acted_at and seen.acted_at == asked.acted_at
     nobody = uuid.uuid4()  # gone from the BMDB: nothing recorded, nothing raised
-    assert db.read(lambda tx: bmdb.power_states.record_observed(tx, nobody, "On", BMC)
+    assert db.read(lambda tx: bmdb.record_power_observed(tx, nobody, "On", BMC)
                    ) is False
-    assert db.read(lambda tx: bmdb.power_states.record_action(tx, nobody, "power_on", BMC)
+    assert db.read(lambda tx: bmdb.record_power_action(tx, nobody, "power_on", BMC)
                    ) is False
     assert db.read(lambda tx: bmdb.power_states.of_machines(tx, [machine, nobody])).keys() \
         == {machine}
@@ -76,7 +75,7 @@ def test_a_page_reads_hostnames_from_whatever_the_reports_hold(db: bmdb.BMDB) ->
         # Stored as escapes PostgreSQL's json type accepts but its operators refuse.
         surrogate: {"s": "\ud800", "hostname": "x"}, nul: {"hostname": "a\u0000b"},
     }
-    h = bmdb.schema.hardware_report
+    h = bmdb._schema.hardware_report
 
     def store(tx: bmdb.Tx) -> None:
         for machine, report in reports.items():
@@ -88,7 +87,7 @@ def test_a_page_reads_hostnames_from_whatever_the_reports_hold(db: bmdb.BMDB) ->
                                "WHERE machine_id = :m"), {"m": broken.hex})
 
     db.read(store)
-    seen = db.read(lambda tx: bmdb.overview.glances(tx, machines))
+    seen = db.read(lambda tx: bmdb.glances(tx, machines))
     assert seen.keys() == set(machines)
     assert seen[named].hostname == "<b>rack1-u07</b>"
     assert seen[long_name].hostname == "h" * 255
@@ -98,15 +97,15 @@ def test_a_page_reads_hostnames_from_whatever_the_reports_hold(db: bmdb.BMDB) ->
         assert seen[surrogate].hostname is None and seen[nul].hostname is None
 
 
-def running_machine(provider: EquinixProvider, simulator: Simulator,  # noqa: F811
+def running_machine(provider: EquinixProvider, simulator: Simulator,
                     session: bmdb.Session) -> tuple[uuid.UUID, str]:
     """A running device of the simulator, registered in the BMDB as its provider's."""
     created = provider.create_machine(provider.list_capacity()[0])
     simulator.wait_for_state(created.provider_id, "active", timeout=10)
 
     def register(tx: bmdb.Tx) -> uuid.UUID:
-        machine = bmdb.tags.create_machine(tx)
-        bmdb.tags.upsert_provided(tx, machine, provider=provider.name,
+        machine = bmdb.create_machine(tx)
+        bmdb.upsert_provided(tx, machine, provider=provider.name,
                                   provider_id=created.provider_id, provider_status="Running")
         return machine
 
@@ -118,28 +117,28 @@ def simulator_settings() -> Settings:
 
 
 def test_the_power_recovery_and_shepherd_power_use_records_what_it_reads_and_asks(
-        db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator) -> None:  # noqa: F811
+        db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator) -> None:
     with db.start_session("worker") as session:
         machine, device = running_machine(provider, simulator, session)
         listed = provider.get_machine(device)
         power = runtime.power_for(simulator_settings(), provider, session, listed)
         assert isinstance(power, ProviderPower)
         assert power.power_state() is PowerState.ON
-        seen = session.transact(lambda tx: bmdb.power_states.of_machine(tx, machine))
+        seen = session.transact(lambda tx: bmdb.power_of(tx, machine))
         assert seen is not None and (seen.state, seen.action) == ("On", None)
         assert seen.via == f"provider {provider.name} device {device}"
         power.act(PowerAction.FORCE_RESTART)
         assert simulator.devices[device].reboots == 1
-        asked = session.transact(lambda tx: bmdb.power_states.of_machine(tx, machine))
+        asked = session.transact(lambda tx: bmdb.power_of(tx, machine))
         assert asked is not None and (asked.state, asked.action) == ("On", "force_restart")
         rebooting = power.power_state()  # Equinix shows a rebooting device as stopped
         assert rebooting in (PowerState.OFF, PowerState.TRANSITIONING)
-        during = session.transact(lambda tx: bmdb.power_states.of_machine(tx, machine))
+        during = session.transact(lambda tx: bmdb.power_of(tx, machine))
         assert during is not None and during.state == rebooting.value
 
 
 def test_a_bmc_behind_the_fleet_lock_records_once_released(
-        db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator) -> None:  # noqa: F811
+        db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator) -> None:
     """``ExclusivePower`` (every BMC's wrapper) records too, after the BMC's lock is
     released: the record is a transaction of its own, never inside the BMC's turn."""
     with db.start_session("worker") as session, db.start_session("other") as other:
@@ -153,7 +152,7 @@ def test_a_bmc_behind_the_fleet_lock_records_once_released(
         assert power.power_state() is PowerState.ON
         power.act(PowerAction.GRACEFUL_RESTART)
         assert recorder.held_while_recording == [False, False]
-        seen = session.transact(lambda tx: bmdb.power_states.of_machine(tx, machine))
+        seen = session.transact(lambda tx: bmdb.power_of(tx, machine))
         assert seen is not None and (seen.state, seen.action) == ("On", "graceful_restart")
 
 
@@ -170,8 +169,8 @@ class _SeesTheLock:
 
     def _held(self) -> bool:
         def try_and_release(tx: bmdb.Tx) -> bool:
-            if bmdb.singletons.try_acquire(tx, self.singleton):
-                bmdb.singletons.release(tx, self.singleton)
+            if bmdb.try_acquire_singleton(tx, self.singleton):
+                bmdb.release_singleton(tx, self.singleton)
                 return False
             return True
 
@@ -187,7 +186,7 @@ class _SeesTheLock:
 
 
 def test_a_failed_record_never_fails_the_power_call(
-        db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator,  # noqa: F811
+        db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator,
         caplog: pytest.LogCaptureFixture) -> None:
     with db.start_session("worker") as session:
         machine, device = running_machine(provider, simulator, session)
@@ -200,11 +199,11 @@ def test_a_failed_record_never_fails_the_power_call(
         power.act(PowerAction.FORCE_RESTART)
     assert simulator.devices[device].reboots == 1
     assert len([r for r in caplog.records if "could not record" in r.getMessage()]) == 2
-    assert db.read(lambda tx: bmdb.power_states.of_machine(tx, machine)) is None
+    assert db.read(lambda tx: bmdb.power_of(tx, machine)) is None
 
 
 def test_the_simulator_names_its_machines_as_the_simulators(
-        simulator: Simulator, tmp_path: Path) -> None:  # noqa: F811
+        simulator: Simulator, tmp_path: Path) -> None:
     """``build_provider`` names the provider as configured: machines it registers are
     the simulator's (``Provided.provider``), not Equinix's, though it speaks that API."""
     settings = dataclasses.replace(

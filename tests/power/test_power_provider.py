@@ -1,8 +1,5 @@
 """ProviderPower: an API reboot as a power control, against the simulator's real HTTP API."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import pytest
@@ -18,15 +15,9 @@ from shepherd.power import (
 )
 from shepherd.providers.equinix import EquinixProvider, ProviderConfig
 from shepherd.simulator import Simulator
-from tests.support.bmc_fixtures import wait_until
-from tests.support.simulator_fixtures import (
-    client,
-    fast_client,
-    free_port,
-    provider,
-    simulator,
-    ssh_key,
-)
+from tests.support.servers import free_port
+from tests.support.simulator_fixtures import fast_client
+from tests.support.waiting import wait_until
 
 
 def running_device(provider: EquinixProvider, simulator: Simulator) -> str:

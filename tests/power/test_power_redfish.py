@@ -6,15 +6,10 @@ delay. The RedfishEmulator's own behaviour (notifications, frozen systems, reset
 log, TLS) is checked here too: other suites build on it.
 """
 
-# Fixtures imported from tests.support.bmc_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
-import ipaddress
 import json
 import logging
 import socket
@@ -26,15 +21,11 @@ from pathlib import Path
 
 import pytest
 import sushy
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
+from shepherd.bmc import BmcSpec
 from shepherd.power import (
     ActionUnsupported,
     BmcAuthFailed,
-    BmcSpec,
     BmcUnreachable,
     PowerAction,
     PowerError,
@@ -44,8 +35,9 @@ from shepherd.power import (
 )
 from shepherd.simulator import redfish as emulator_module
 from shepherd.simulator.redfish import EmulatorError, RedfishEmulator
-from tests.support.bmc_fixtures import RedfishBmc, redfish_bmc, running_redfish, wait_until
+from tests.support.bmc_fixtures import RedfishBmc, running_redfish
 from tests.support.servers import self_signed
+from tests.support.waiting import wait_until
 
 #: The fake driver applies a change at most 11 s later (whole seconds, so up to 12).
 TRANSITION = 15.0

@@ -27,14 +27,14 @@ class DoneTwice(Exception):
 
 def apply_for(process: Process, machine_id):
     def agent_start(tx: bmdb.Tx) -> None:
-        if bmdb.queries.agent_credentials(tx, machine_id) is not None:
+        if bmdb.agent_credentials(tx, machine_id) is not None:
             raise DoneTwice(machine_id)
-        bmdb.tags.set_agent_started(tx, machine_id, b"k" * 32, started_at=LONG_AGO)
+        bmdb.set_agent_started(tx, machine_id, b"k" * 32, started_at=LONG_AGO)
 
     def recovery(tx: bmdb.Tx) -> None:
-        if bmdb.queries.agent_credentials(tx, machine_id) is None:
+        if bmdb.agent_credentials(tx, machine_id) is None:
             raise DoneTwice(machine_id)
-        bmdb.tags.delete_agent_started(tx, machine_id)
+        bmdb.delete_agent_started(tx, machine_id)
 
     return agent_start if process is Process.AGENT_START else recovery
 

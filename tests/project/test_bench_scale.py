@@ -64,9 +64,9 @@ def test_work_belongs_to_a_live_session(fleet: tuple[sa.Engine, bmdb.BMDB]) -> N
 def test_history_speaks_the_bmdb_vocabulary(fleet: tuple[sa.Engine, bmdb.BMDB]) -> None:
     engine, _ = fleet
     grow_history(engine, SIZE, 7, chunk=50)
-    processes = {p.value for p in Process} | {bmdb.history.HOST_KEY}
-    events = {Event.STARTED, Event.FINISHED, Event.FAILED, bmdb.history.RUNG,
-              bmdb.history.PINNED}
+    processes = {p.value for p in Process} | {bmdb.Topic.HOST_KEY}
+    events = {Event.STARTED, Event.FINISHED, Event.FAILED, bmdb.Event.RUNG,
+              bmdb.Event.PINNED}
     with engine.connect() as conn:
         found = set(conn.execute(sa.text("SELECT DISTINCT process, event FROM history")).all())
     assert {p for p, _ in found} <= processes and {e for _, e in found} <= events
@@ -78,10 +78,10 @@ def test_the_fleet_has_the_issues_shape(fleet: tuple[sa.Engine, bmdb.BMDB]) -> N
     """The backlogs and the guard's figures, through the BMDB's own reads."""
     _, db = fleet
 
-    def read(tx: bmdb.Tx) -> tuple[bmdb.fleet.FleetCounts, int, int, int]:
-        return (bmdb.fleet.fleet_counts(tx, db.thresholds), bmdb.fleet.agents_started(tx),
-                bmdb.fleet.silent_machines(tx, db.thresholds),
-                bmdb.fleet.recovery_starts_last_hour(tx))
+    def read(tx: bmdb.Tx) -> tuple[bmdb.FleetCounts, int, int, int]:
+        return (bmdb.fleet_counts(tx, db.thresholds), bmdb.agents_started(tx),
+                bmdb.silent_machines(tx, db.thresholds),
+                bmdb.recovery_starts_last_hour(tx))
 
     counts, started, silent, recent = db.read(read)
     assert counts.backlog == {
@@ -97,7 +97,7 @@ def test_the_fleet_has_the_issues_shape(fleet: tuple[sa.Engine, bmdb.BMDB]) -> N
 def test_counters_agree_with_a_recount(fleet: tuple[sa.Engine, bmdb.BMDB]) -> None:
     """The builder writes through the tables, so the triggers kept the counters."""
     _, db = fleet
-    counters = pytest.importorskip("bmdb.counters")
+    from bmdb import _counters as counters
 
     def before_and_after(tx: bmdb.Tx) -> None:
         kept = counters.states(tx), counters.history_totals(tx)

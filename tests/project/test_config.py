@@ -1,5 +1,11 @@
 """Settings from SHEPHERD_* variables: defaults, overrides, secrets, and clear errors."""
 
+import argparse
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
 import pytest
 
 import bmdb
@@ -124,3 +130,88 @@ def test_environ_is_a_copy(monkeypatch):
     assert copied["SHEPHERD_BATCH_SIZE"] == "3"
     copied["SHEPHERD_BATCH_SIZE"] = "4"
     assert Settings.from_env().batch_size == 3
+
+
+# -- the declaration: each setting said once -------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = re.compile(r"<!-- settings table: begin -->\n(.*?)<!-- settings table: end -->",
+                   re.DOTALL)
+
+
+def test_the_readme_table_is_the_declaration() -> None:
+    found = TABLE.search((ROOT / "README.md").read_text())
+    assert found, "README.md has no settings table between its markers"
+    assert found.group(1) == config.settings_table(), (
+        "regenerate README's table: python -c 'from shepherd.config import "
+        "settings_table; print(settings_table())'")
+
+
+def test_every_default_has_its_fields_type() -> None:
+    """The kind of a setting follows from its default's type: ``setting(300, ...)`` on a
+    float field would parse '2.5' as a whole number and refuse it."""
+    hints = typing.get_type_hints(Settings)
+    wrong = {}
+    for declared in dataclasses.fields(Settings):
+        expected = typing.get_origin(hints[declared.name]) or hints[declared.name]
+        default = declared.default
+        if not isinstance(default, expected) or (
+                expected in (bool, int, float) and type(default) is not expected):
+            wrong[declared.name] = type(default).__name__
+    assert wrong == {}
+
+
+def test_every_variable_named_in_a_refusal() -> None:
+    """A value no kind accepts (a NUL byte in a number, a listener, a URL...) is refused
+    with its variable's name first; text settings take any value."""
+    unnamed = {}
+    for variable, name in config.variables().items():
+        if variable.endswith("_FILE"):
+            continue
+        try:
+            Settings.from_env({variable: "\0bad"})
+        except SettingsError as error:
+            if not str(error).startswith(f"{variable}="):
+                unnamed[variable] = str(error)
+        else:
+            assert isinstance(getattr(Settings(), name), str | Path | tuple), variable
+    assert unnamed == {}
+
+
+@pytest.mark.parametrize(("old", "new", "field"), [
+    ("SHEPHERD_BMAAS_ENDPOINT", "SHEPHERD_CALLBACK_URL", "callback_url"),
+    ("SHEPHERD_BMAAS_CA_FILE", "SHEPHERD_CALLBACK_CA_FILE", "callback_ca_file"),
+])
+def test_former_names_are_read_and_the_new_one_wins(old: str, new: str, field: str) -> None:
+    """Operators' environment files still say the former names."""
+    assert getattr(Settings.from_env({old: "former"}), field) == "former"
+    assert getattr(Settings.from_env({old: "former", new: "current"}), field) == "current"
+    assert getattr(Settings.from_env({new: "current"}), field) == "current"
+
+
+def test_a_secret_is_never_shown_nor_its_file_read_twice(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("from-the-file")
+    settings = Settings.from_env({"SHEPHERD_PROVIDER_TOKEN_FILE": str(secret),
+                                  "SHEPHERD_PROVIDER_TOKEN": "from-the-environment"})
+    assert settings.provider_token == "from-the-file"
+    assert "from-the" not in repr(settings) and "from-the" not in config.settings_table()
+
+
+def test_the_cli_help_names_only_settings_that_exist() -> None:
+    """A flag's help that says "default: SHEPHERD_X" goes stale when X is renamed."""
+    from shepherd.cli.arguments import parser
+    from shepherd.server.serve import build_parser
+
+    helps = _all_help(parser()) + _all_help(build_parser(Settings()))
+    named = set(re.findall(r"\bSHEPHERD_[A-Z_]+[A-Z]", helps))
+    assert named and named - set(config.variables()) == set()
+
+
+def _all_help(parser: argparse.ArgumentParser) -> str:
+    texts = [parser.description or ""]
+    for action in parser._actions:
+        texts.append(action.help or "")
+        if isinstance(action, argparse._SubParsersAction):
+            texts += [_all_help(sub) for sub in action.choices.values()]
+    return "\n".join(texts)

@@ -6,11 +6,9 @@ after real BMDB activity (a renamed metric would otherwise leave an alert that n
 fires, silently).
 """
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -27,12 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
 from shepherd import metrics
-from shepherd.server import ServerConfig, start_server
+from shepherd.config import Settings
+from shepherd.runtime import Runtime
+from shepherd.server import ServeOptions, start_server
+from shepherd.server.options import COMPONENT
 from shepherd.simulator import Simulator
 from shepherd.workflows.guard import GuardLimits
 from tests.support.operator_fixtures import healthy_callback_server, seed_fleet
 from tests.support.servers import free_port
-from tests.support.simulator_fixtures import simulator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,9 +176,10 @@ def scrape(url: str) -> str:
 def scrape_server(db: bmdb.BMDB, url: str, limits: GuardLimits) -> set[str]:
     """Sample names of a real callback server's /metrics, on its operators' listener as
     in compose."""
-    config = ServerConfig(bmdb_url=url, metrics_cache=0)
-    with start_server(config, db=db, limits=limits,
-                      operator_listen=("127.0.0.1", free_port())) as server:
+    settings = Settings(bmdb_url=url, serve_listen="127.0.0.1:0", metrics_cache=0,
+                        serve_operator_listen=f"127.0.0.1:{free_port()}")
+    options = dataclasses.replace(ServeOptions.from_settings(settings), guard=limits)
+    with start_server(Runtime(settings, COMPONENT, db=db), options) as server:
         assert server.metrics_url is not None
         return sample_names(scrape(server.metrics_url))
 
@@ -214,7 +215,7 @@ def exported(sqlite_url: str, simulator: Simulator, tmp_path: Path) -> set[str]:
         with db.start_session("test", interval=2) as session, \
                 healthy_callback_server() as callback:
             seed_fleet(db, session)
-            db.read(lambda tx: bmdb.refusals.record(tx, "equinix", "FLEET MISMATCH: test"))
+            db.read(lambda tx: bmdb.record_refusal(tx, "equinix", "FLEET MISMATCH: test"))
             healthz = f"{callback}/healthz"
             server = scrape_server(db, sqlite_url, GuardLimits(healthz_url=healthz))
             worker = scrape_worker(sqlite_url, healthz, simulator, tmp_path)

@@ -31,8 +31,9 @@ with db.engine.connect() as conn:
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
 assert {"machines", "provided", "work", "history", "backoff", "sessions"} <= tables, tables
 from shepherd.agent.bundle import bundle_members
-bundle = shepherd.agent.agent_bundle()  # the launcher and the agent, from the wheel
-assert bundle.startswith(b"#!/bin/sh") and "__main__.py" in bundle_members(bundle)
+bundle = shepherd.agent.agent_bundle()  # the launcher, the agent and its wire format
+assert bundle.startswith(b"#!/bin/sh")
+assert {"__main__.py", "shepherd_agent.py", "protocol.py"} <= set(bundle_members(bundle))
 templates = Path(shepherd.server.web.__file__).with_name("templates")
 assert (templates / "machines.html").is_file(), sorted(templates.iterdir())
 print("ok")

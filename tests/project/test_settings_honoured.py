@@ -38,9 +38,9 @@ from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.config import Settings
 from tests.support.agent_fixtures import add_machine, heartbeat_body, new_key, signed_headers
 from tests.support.bmdb_helpers import seed_provided
-from tests.support.celery_fixtures import wait_until
 from tests.support.operator_fixtures import KEY, healthy_callback_server
 from tests.support.servers import free_port, wait_for_port
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,7 +212,7 @@ class World:
     new: uuid.UUID        # Running, no agent: in the AgentStart backlog
 
     def interval_of(self, component: str) -> list[int]:
-        s = bmdb.schema.sessions
+        s = bmdb._schema.sessions
         query = sa.select(s.c.interval_s).where(s.c.component.startswith(component),
                                                 s.c.deadline > sa.func.now())
         return list(self.db.read(lambda tx: tx.execute(query).scalars()))
@@ -224,12 +224,12 @@ def seed(db: bmdb.BMDB) -> tuple[uuid.UUID, ...]:
 
         def body(tx: bmdb.Tx) -> None:
             for machine in (stale, fresh):
-                bmdb.tags.set_agent_started(tx, machine, KEY,
+                bmdb.set_agent_started(tx, machine, KEY,
                                             started_at=tx.now - dt.timedelta(hours=2))
-                bmdb.tags.record_heartbeat(tx, machine, tx.now)
-            bmdb.tags.set_agent_started(tx, unheard, KEY,
+                bmdb.record_heartbeat(tx, machine, tx.now)
+            bmdb.set_agent_started(tx, unheard, KEY,
                                         started_at=tx.now - dt.timedelta(seconds=60))
-            h = bmdb.schema.agent_heartbeat
+            h = bmdb._schema.agent_heartbeat
             tx.execute(sa.update(h).where(h.c.machine_id == stale)
                        .values(last_heartbeat_at=tx.now - dt.timedelta(seconds=60)))
 
@@ -244,7 +244,7 @@ def world(pg_url: str, redis_url: str) -> Iterator[World]:
     with healthy_callback_server() as endpoint:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
         env.update(SETTINGS, SHEPHERD_BMDB_URL=pg_url, SHEPHERD_BROKER_URL=redis_url,
-                   SHEPHERD_RESULT_BACKEND=redis_url, SHEPHERD_BMAAS_ENDPOINT=endpoint,
+                   SHEPHERD_RESULT_BACKEND=redis_url, SHEPHERD_CALLBACK_URL=endpoint,
                    PYTHONUNBUFFERED="1")
         yield World(pg_url, db, env, stale, unheard, fresh, new)
     db.close()
@@ -366,7 +366,7 @@ def test_a_worker_honours_thresholds_guard_session_and_batch(world: World,
                                    queue="shepherd.control").get(timeout=60)
         assert sourced["claimed"] == 1  # of the two silent machines: the batch size
         assert world.interval_of("worker") == [2]
-        work = bmdb.schema.work
+        work = bmdb._schema.work
         deadlines = world.db.read(lambda tx: list(tx.execute(
             sa.select(work.c.dispatch_deadline - work.c.started_at)).scalars()))
         assert deadlines == [dt.timedelta(seconds=3)]  # the claim waits dispatch_ttl

@@ -2,9 +2,12 @@
 
 * ``Settings`` (shepherd/config.py) is the only reader of the environment, apart from
   the agent and the simulator, which are separate programs;
-* the table layout is the BMDB's own: nothing outside ``bmdb/`` (its migrations
-  included) and the tests imports ``bmdb.schema``;
-* no import cycle outside ``bmdb/``.
+* SQLAlchemy and Alembic are the BMDB's own: nothing outside ``bmdb/`` imports them
+  (the tests and the benchmarks aside: they build raw SQL on purpose, to corrupt a row,
+  pin a connection or time a statement);
+* ``bmdb``'s face is its ``__init__``: it exports no submodule, and nothing outside
+  ``bmdb/`` (but the tests) names one, ``bmdb._schema`` (the table layout) included;
+* no import cycle anywhere, ``bmdb/`` included.
 
 Each rule is shown to catch what it forbids on a small snippet, so a green run means
 the tree is clean, not that the check is blind.
@@ -14,34 +17,15 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TypeGuard
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-#: The project's own code (tests, bench and migrations are checked where a rule says).
-CODE = ("bmdb", "shepherd", "tasks", "celeryconfig.py")
+from tests.support.source import CODE, ROOT, absolute, module_name, parse, python_files, relative
+
+#: Outside the BMDB: what may use its face only.
+OUTSIDE_BMDB = ("shepherd", "tasks", "celeryconfig.py")
 ENVIRONMENT_READERS = ("shepherd/config.py", "shepherd/agent/", "shepherd/simulator/")
-
-
-def python_files(*roots: str) -> Iterator[Path]:
-    for root in roots:
-        path = ROOT / root
-        yield from [path] if path.is_file() else sorted(path.rglob("*.py"))
-
-
-def relative(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(), filename=str(path))
 
 
 # -- the environment -------------------------------------------------------------------
@@ -76,37 +60,125 @@ def test_the_environment_check_catches(source: str) -> None:
     assert environment_reads(ast.parse(source))
 
 
-# -- the table layout ------------------------------------------------------------------
+# -- SQLAlchemy is the BMDB's -----------------------------------------------------------
+
+BMDB_LIBRARIES = ("sqlalchemy", "alembic")
 
 
-def schema_uses(tree: ast.AST) -> list[int]:
-    return [node.lineno for node in ast.walk(tree) if _names_schema(node)]
+def database_library_imports(tree: ast.AST) -> list[int]:
+    """Lines that import SQLAlchemy or Alembic, at module level or lazily."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name.split(".")[0] in BMDB_LIBRARIES for name in names):
+            found.append(node.lineno)
+    return found
 
 
-def _names_schema(node: ast.AST) -> TypeGuard[ast.Import | ast.ImportFrom | ast.Attribute]:
-    """``import bmdb.schema``, ``from bmdb(.schema) import ...schema...``, ``bmdb.schema``."""
-    if isinstance(node, ast.Import):
-        return any(a.name.startswith("bmdb.schema") for a in node.names)
-    if isinstance(node, ast.ImportFrom):
-        return (node.module or "").startswith("bmdb.schema") or (
-            node.module == "bmdb" and any(a.name == "schema" for a in node.names))
-    return (isinstance(node, ast.Attribute) and node.attr == "schema"
-            and isinstance(node.value, ast.Name) and node.value.id == "bmdb")
-
-
-def test_only_bmdb_knows_the_table_layout() -> None:
-    offenders = [f"{relative(path)}:{line}"
-                 for path in python_files("shepherd", "tasks", "celeryconfig.py", "bench")
-                 for line in schema_uses(parse(path))]
-    assert offenders == [], "use a named query function in bmdb/ instead of bmdb.schema"
+def test_only_bmdb_imports_sqlalchemy() -> None:
+    offenders = [f"{relative(path)}:{line}" for path in python_files(*OUTSIDE_BMDB)
+                 for line in database_library_imports(parse(path))]
+    assert offenders == [], "ask bmdb (a verb, bmdb.Unavailable, bmdb.parse_url) instead"
 
 
 @pytest.mark.parametrize("source", [
-    "import bmdb.schema", "from bmdb import schema", "from bmdb.schema import work",
-    "import bmdb\nt = bmdb.schema.work",
+    "import sqlalchemy as sa", "from sqlalchemy.exc import OperationalError",
+    "import sqlalchemy.exc", "def f():\n    import sqlalchemy\n",
+    "from alembic import command",
 ])
-def test_the_schema_check_catches(source: str) -> None:
-    assert schema_uses(ast.parse(source))
+def test_the_sqlalchemy_check_catches(source: str) -> None:
+    assert database_library_imports(ast.parse(source))
+
+
+def test_the_sqlalchemy_check_spares_look_alikes() -> None:
+    assert not database_library_imports(ast.parse("import sqlalchemy_utils_not\n"
+                                                  "from . import sqlalchemy\n"))
+
+
+# -- bmdb's face ------------------------------------------------------------------------
+
+#: ``bmdb``'s submodules and subpackages, by name (``_schema``, ``tags``, ``migrations``).
+BMDB_SUBMODULES = frozenset(
+    path.stem if path.is_file() else path.name for path in (ROOT / "bmdb").iterdir()
+    if (path.suffix == ".py" and path.stem != "__init__")
+    or (path.is_dir() and (path / "__init__.py").exists()))
+
+
+def submodule_uses(tree: ast.AST, submodules: frozenset[str] = BMDB_SUBMODULES) -> list[int]:
+    """Lines that name a submodule of ``bmdb``: ``import bmdb.x``, ``from bmdb.x import
+    ...``, ``from bmdb import x``, ``bmdb.x``."""
+    return [node.lineno for node in ast.walk(tree) if _names_submodule(node, submodules)]
+
+
+def _names_submodule(node: ast.AST, submodules: frozenset[str]
+                     ) -> TypeGuard[ast.Import | ast.ImportFrom | ast.Attribute]:
+    if isinstance(node, ast.Import):
+        return any(a.name.startswith("bmdb.") for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").startswith("bmdb.") or (
+            node.module == "bmdb" and any(a.name in submodules for a in node.names))
+    return (isinstance(node, ast.Attribute) and node.attr in submodules
+            and isinstance(node.value, ast.Name) and node.value.id == "bmdb")
+
+
+def test_nothing_outside_bmdb_names_its_submodules() -> None:
+    offenders = [f"{relative(path)}:{line}"
+                 for path in python_files(*OUTSIDE_BMDB, "bench")
+                 for line in submodule_uses(parse(path))]
+    assert offenders == [], "use bmdb.<name> (bmdb/__init__.py) instead of bmdb.<module>"
+
+
+@pytest.mark.parametrize("source", [
+    "import bmdb._schema", "from bmdb import _schema", "from bmdb._schema import work",
+    "import bmdb\nt = bmdb._schema.work", "import bmdb\nbmdb.tags.create_machine(tx)",
+    "from bmdb.fleet import FleetCounts", "from bmdb import Process, queries",
+])
+def test_the_submodule_check_catches(source: str) -> None:
+    assert submodule_uses(ast.parse(source))
+
+
+def test_the_submodule_check_spares_the_face() -> None:
+    assert not submodule_uses(ast.parse("import bmdb\nfrom bmdb import Process, Tx\n"
+                                        "bmdb.create_machine(tx)\nbmdb.Process.RECOVERY"))
+
+
+def exported_submodules(tree: ast.Module, submodules: frozenset[str] = BMDB_SUBMODULES
+                        ) -> list[str]:
+    """Submodules a package's ``__init__`` binds as names of its own (``from bmdb import
+    tags``, ``import bmdb.tags as tags``) or lists in ``__all__``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "bmdb":
+            found += [a.asname or a.name for a in node.names if a.name in submodules]
+        elif isinstance(node, ast.Import):
+            found += [a.asname for a in node.names
+                      if a.asname and a.name.startswith("bmdb.")]
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            found += [e.value for e in ast.walk(node.value)
+                      if isinstance(e, ast.Constant) and e.value in submodules]
+    return found
+
+
+def test_bmdb_exports_no_submodule() -> None:
+    init = parse(ROOT / "bmdb" / "__init__.py")
+    assert exported_submodules(init) == [], "export the verbs and records, not the module"
+    import bmdb
+
+    assert not [name for name in bmdb.__all__ if name in BMDB_SUBMODULES]
+
+
+@pytest.mark.parametrize("source", [
+    "from bmdb import tags", "from bmdb import _schema as schema",
+    "import bmdb.fleet as fleet", "__all__ = ['Process', 'queries']",
+])
+def test_the_export_check_catches(source: str) -> None:
+    assert exported_submodules(ast.parse(source))
 
 
 # -- import cycles ---------------------------------------------------------------------
@@ -120,7 +192,7 @@ def imports(tree: ast.Module, name: str, is_package: bool, known: set[str]) -> s
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = _absolute(node, name, is_package)
+            base = absolute(node, name, is_package)
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
                       for a in node.names}
     return {module for module in found if module in known and module != name}
@@ -133,14 +205,6 @@ def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
             continue
         yield node
         yield from _runtime_nodes(node)
-
-
-def _absolute(node: ast.ImportFrom, name: str, is_package: bool) -> str:
-    if not node.level:
-        return node.module or ""
-    package = name.split(".") if is_package else name.split(".")[:-1]
-    base = package[: len(package) - node.level + 1]
-    return ".".join([*base, *([node.module] if node.module else [])])
 
 
 def import_graph(roots: tuple[str, ...]) -> dict[str, set[str]]:
@@ -185,10 +249,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_outside_bmdb() -> None:
-    found = [c for c in cycles(import_graph(CODE))
-             if not all(m == "bmdb" or m.startswith("bmdb.") for m in c)]
-    assert found == []
+def test_no_import_cycle() -> None:
+    assert cycles(import_graph(CODE)) == []
+
+
+def test_bmdb_vocabulary_is_at_the_bottom() -> None:
+    """Its words are what every module of ``bmdb`` needs: importing any of them back
+    would be the first step of a circle."""
+    assert import_graph(("bmdb",))["bmdb.vocabulary"] == set()
 
 
 def test_the_cycle_check_catches_a_lazy_circle() -> None:

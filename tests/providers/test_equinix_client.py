@@ -1,8 +1,5 @@
 """The Equinix client and provider against the real simulator HTTP server on loopback."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import contextlib
@@ -43,15 +40,8 @@ from shepherd.providers.equinix import (
 )
 from shepherd.redaction import scrub
 from shepherd.simulator import Simulator
-from tests.support.simulator_fixtures import (
-    TOKEN,
-    client,
-    fast_client,
-    free_port,
-    provider,
-    simulator,
-    ssh_key,
-)
+from tests.support.servers import free_port
+from tests.support.simulator_fixtures import TOKEN, fast_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -526,7 +516,7 @@ def test_a_reply_that_is_not_an_object_is_refused_by_name(reply: bytes) -> None:
 
 
 def _provided(db: bmdb.BMDB, name: str) -> dict:
-    return db.read(lambda tx: bmdb.queries.provided_by_provider_id(tx, name))
+    return db.read(lambda tx: bmdb.provided_by_provider_id(tx, name))
 
 
 def test_create_machine_only_creates_and_the_caller_registers(
@@ -543,7 +533,7 @@ def test_create_machine_only_creates_and_the_caller_registers(
     assert _provided(db, "equinix") == {}  # the provider call touches no BMDB
     session.transact(lambda tx: register_provided(tx, provider.name, machine))
     machine_id = _provided(db, "equinix")[machine.provider_id]
-    tags = db.read(lambda tx: bmdb.queries.machine_tags(tx, machine_id))["Provided"]
+    tags = db.read(lambda tx: bmdb.machine_tags(tx, machine_id))["Provided"]
     assert tags["address"] == device.address
     assert tags["reservation_id"] == capacity.reservation_id
     assert tags["location"] == capacity.location

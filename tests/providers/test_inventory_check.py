@@ -3,9 +3,6 @@ servers no one here wrote the client side of: the simulator's SSH endpoints (cro
 checked with OpenSSH's ssh-keyscan) and emulated Redfish BMCs (sushy-emulator).
 """
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import json
@@ -24,12 +21,12 @@ import pytest
 from shepherd.cli.main import main
 from shepherd.inventory.host_keys import HostKey, parse_host_key
 from shepherd.inventory.probe import probe_machines
-from shepherd.providers.static import load_inventory
+from shepherd.inventory.provider import load_inventory
 from shepherd.simulator import Simulator
 from shepherd.simulator.redfish import RedfishEmulator
 from shepherd.simulator.ssh import generate_host_key
-from tests.support.bmc_fixtures import IpmiBmc, ipmi_bmc
-from tests.support.simulator_fixtures import free_port, simulator
+from tests.support.bmc_fixtures import IpmiBmc
+from tests.support.servers import free_port
 
 BMC_USER = "admin"
 BMC_PASSWORD = "rack-Pa55word-never-shown"

@@ -1,8 +1,5 @@
 """The simulator itself: API shapes, device lifecycle, faults, admin endpoint, CLI, clean stop."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import json
@@ -24,13 +21,9 @@ from shepherd.os_processes import marked_processes
 from shepherd.providers import ssh_keys
 from shepherd.simulator import Simulator
 from shepherd.simulator.ssh import MARKER
-from tests.support.simulator_fixtures import (
-    TOKEN,
-    free_port,
-    presented_host_key,
-    refused,
-    simulator,
-)
+from tests.support.servers import free_port
+from tests.support.simulator_fixtures import TOKEN, presented_host_key, refused
+from tests.support.workers import RACK_DEVICES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -444,6 +437,7 @@ def test_bmc_notifications_power_the_named_device(powered: Simulator) -> None:
 # -- racks: the machines behind an emulated Redfish BMC ------------------------------
 
 
+@RACK_DEVICES
 def test_racks_list_pinned_machines_whose_bmc_powers_them(tmp_path: Path,
                                                           login_key: Path) -> None:
     """A real sushy-emulator: the inventory parses, pins what SSH serves, and a reset
@@ -494,6 +488,7 @@ def test_racks_list_pinned_machines_whose_bmc_powers_them(tmp_path: Path,
         requests.get(bmc_url + "/redfish/v1/", timeout=2)
 
 
+@RACK_DEVICES
 def test_cli_racks_until_sigterm(tmp_path: Path, login_key: Path) -> None:
     """``shepherd simulator --racks``: the inventory is there when the JSON line is;
     SIGTERM stops the emulated BMC too."""

@@ -28,13 +28,14 @@ from shepherd.remote import Remote
 from shepherd.simulator import Simulator
 from shepherd.simulator.persist import WORLD_FILE, WorldError
 from shepherd.simulator.ssh import MARKER
+from tests.support.servers import free_port
 from tests.support.simulator_fixtures import (
     TOKEN,
     fast_client,
-    free_port,
     presented_host_key,
     refused,
 )
+from tests.support.workers import RACK_DEVICES
 
 pytestmark = pytest.mark.timeout(90)
 PROJECT = "00000000-0000-4000-8000-0000000000aa"
@@ -321,6 +322,7 @@ def test_cli_persist_needs_a_workdir_and_refuses_a_corrupt_world(
 # -- racks -----------------------------------------------------------------------------
 
 
+@RACK_DEVICES
 def test_racks_come_back_with_their_pins_bmc_and_power(tmp_path: Path,
                                                        login_key: Path) -> None:
     """Racked and persisted: after a restart the inventory names the same machines, pins

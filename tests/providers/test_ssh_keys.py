@@ -1,8 +1,5 @@
 """The shepherd's SSH key: generated once with mode 0400, registered under a label."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import stat
@@ -16,7 +13,6 @@ from shepherd.providers import ConfigError
 from shepherd.providers.equinix import EquinixClient
 from shepherd.providers.ssh_keys import ensure_registered, load_or_create, public_key_openssh
 from shepherd.simulator import Simulator
-from tests.support.simulator_fixtures import client, simulator
 
 
 def test_key_is_generated_once_with_mode_0400(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import bmdb
+from shepherd.bmc import BmcSpec
 from shepherd.inventory.host_keys import HostKeyError, fingerprint, parse_host_key
-from shepherd.power.spec import BmcSpec
+from shepherd.inventory.provider import InventoryError, StaticProvider, load_inventory
 from shepherd.providers import Capacity, NotFound, NotSupported, Provider, ProviderMachine
-from shepherd.providers.static import InventoryError, StaticProvider, load_inventory
 
 GOOD = """
 [[machines]]

@@ -7,6 +7,7 @@ shows whatever passes unchanged. Last, the same through a real server on loopbac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import uuid
@@ -19,8 +20,8 @@ import requests
 import sqlalchemy as sa
 
 import bmdb
-from bmdb.inspection import StoredJSON
-from shepherd.agent import agent
+from bmdb import StoredJSON
+from shepherd.agent import agent, protocol
 from shepherd.agent.protocol import (
     HEARTBEAT_PATH,
     INT64_MAX,
@@ -37,15 +38,11 @@ from shepherd.server.bodies import GENERATION_MAX, BadBody, parse_heartbeat
 from tests.support.agent_fixtures import (
     add_machine,
     bmdb_rows,
-    callback_server,
     heartbeat_body,
-    http,
     new_key,
     signed_headers,
     tags_of,
 )
-
-__all__ = ["callback_server", "http"]  # fixtures, imported for pytest to find
 
 MACHINE = "6f1c8e2a-1b2c-4d3e-8f90-0123456789ab"
 HONEST: dict[str, Any] = {
@@ -116,6 +113,27 @@ def test_a_plain_heartbeat_passes() -> None:
                       "installation_report": None})):
         heartbeat = parse_heartbeat(body)
         assert (heartbeat.hardware_report, heartbeat.installation_report) == (None, None)
+
+
+def test_the_agents_heartbeat_as_the_wire_format_encodes_it_reads_back_as_sent() -> None:
+    sent = protocol.Heartbeat(uuid.UUID(MACHINE), agent.hardware_report(),
+                              protocol.InstallationReport(7, agent.install_os({"kind": "x"})))
+    assert parse_heartbeat(sent.encode()) == sent
+
+
+def test_the_schema_types_every_field_of_the_wire_format() -> None:
+    """The schema's models name the fields the wire format writes (``Heartbeat`` and
+    its records) and the agent's hardware report has: a field renamed on one side
+    would otherwise pass, unnoticed, as free-form JSON."""
+    assert set(bodies.Body.model_fields) == {
+        each.name for each in dataclasses.fields(protocol.Heartbeat)}
+    assert set(bodies.InstallationReport.model_fields) == set(
+        protocol.InstallationReport._fields)
+    report = agent.hardware_report()
+    assert set(bodies.HardwareReport.model_fields) == set(report)
+    assert set(bodies.Cpu.model_fields) == set(report["cpu"])
+    assert set(bodies.NetworkInterface.model_fields) == {"name", "mac"}
+    assert set(bodies.BlockDevice.model_fields) == {"name", "size_bytes"}
 
 
 # -- at the limits: accepted; one beyond: refused, the field named ----------------------
@@ -294,11 +312,11 @@ def outcome(db: bmdb.BMDB, session: bmdb.Session, body: bytes) -> tuple[str, Any
         return "refused", str(error)
 
     def store(tx: bmdb.Tx) -> uuid.UUID:
-        machine_id = bmdb.tags.create_machine(tx)
+        machine_id = bmdb.create_machine(tx)
         if heartbeat.hardware_report is not None:
-            bmdb.tags.set_hardware_report(tx, machine_id, heartbeat.hardware_report)
+            bmdb.set_hardware_report(tx, machine_id, heartbeat.hardware_report)
         if heartbeat.installation_report is not None:
-            bmdb.tags.set_os_installation_report(tx, machine_id, *heartbeat.installation_report)
+            bmdb.set_os_installation_report(tx, machine_id, *heartbeat.installation_report)
         return machine_id
 
     tags = tags_of(db, session.transact(store))
@@ -350,8 +368,8 @@ def test_without_the_checks_the_backends_would_disagree(
     stored_on = []
     for db, session in both_backends:
         def store(tx: bmdb.Tx) -> None:
-            machine_id = bmdb.tags.create_machine(tx)
-            bmdb.tags.set_os_installation_report(tx, machine_id, generation, json.loads(result))
+            machine_id = bmdb.create_machine(tx)
+            bmdb.set_os_installation_report(tx, machine_id, generation, json.loads(result))
 
         try:
             session.transact(store)

@@ -21,24 +21,20 @@ import sqlalchemy as sa
 
 import bmdb
 from shepherd.agent.protocol import HEADER_SIGNATURE, HEARTBEAT_PATH, new_nonce
-from shepherd.config import parse_listen
-from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.config import Settings, parse_listen
+from shepherd.server import RunningServer, ServeOptions, serve
 from tests.support.agent_fixtures import (
     CLOCK_WINDOW,
     MAX_BODY,
     add_machine,
     bmdb_rows,
-    callback_server,
     heartbeat_body,
-    http,
     new_key,
     signed_headers,
     tags_of,
     utc,
-    wait_for,
 )
-
-__all__ = ["callback_server", "http"]  # fixtures, imported for pytest to find
+from tests.support.waiting import wait_until
 
 Post = Callable[..., requests.Response]
 
@@ -63,7 +59,7 @@ def test_healthz_is_503_when_the_bmdb_does_not_answer(http: requests.Session,
     from tests.support.servers import free_port
 
     url = f"postgresql+psycopg2://nobody@127.0.0.1:{free_port()}/none"
-    with start_server(ServerConfig(bmdb_url=url)) as running:
+    with serve(Settings(bmdb_url=url, serve_listen="127.0.0.1:0")) as running:
         answer = http.get(running.url + "/healthz", timeout=15)
     assert answer.status_code == 503
     assert answer.json()["status"] == "unavailable"
@@ -107,7 +103,7 @@ def test_installation_request_is_answered_until_reported(
     key, public = new_key()
     machine = add_machine(session, public)
     request = {"kind": "debian", "version": "12"}
-    session.transact(lambda tx: bmdb.tags.set_os_installation_request(tx, machine, 3, request))
+    session.transact(lambda tx: bmdb.set_os_installation_request(tx, machine, 3, request))
     body = heartbeat_body(machine)
 
     first = post(body, signed_headers(key, machine, body))
@@ -250,13 +246,13 @@ def test_the_bmdb_snapshot_sees_every_table_but_session_deadlines(
 ) -> None:
     """What the refusal tests' "changed nothing" rests on."""
     before = bmdb_rows(db)
-    assert set(before) == set(bmdb.schema.metadata.tables)
-    deadline = sa.select(bmdb.schema.sessions.c.deadline)
+    assert set(before) == set(bmdb._schema.metadata.tables)
+    deadline = sa.select(bmdb._schema.sessions.c.deadline)
     old_deadlines = db.read(lambda tx: tx.execute(deadline).all())
-    wait_for(lambda: db.read(lambda tx: tx.execute(deadline).all()) != old_deadlines,
+    wait_until(lambda: db.read(lambda tx: tx.execute(deadline).all()) != old_deadlines,
              timeout=5, what="the session's keep-alive to move its deadline")
     assert bmdb_rows(db) == before
-    session.transact(lambda tx: tx.execute(sa.insert(bmdb.schema.history).values(
+    session.transact(lambda tx: tx.execute(sa.insert(bmdb._schema.history).values(
         machine_id=uuid.uuid4(), process="test", event="test", at=tx.now)))
     assert bmdb_rows(db) != before
 
@@ -281,7 +277,7 @@ def test_an_unknown_machine_runs_the_same_statements_as_a_known_one(
     db: bmdb.BMDB, fleet: dict[str, Any], post: Post
 ) -> None:
     """No timing assertion: the BMDB work of a refusal must not depend on whether the
-    machine exists or has a key (see ``bmdb.queries.lock_agent_credentials``)."""
+    machine exists or has a key (see ``bmdb.lock_agent_credentials``)."""
 
     def refused(machine: uuid.UUID, key: Any) -> list[str]:
         body = heartbeat_body(machine)
@@ -427,6 +423,13 @@ def test_serve_main_runs_until_sigterm(sqlite_url: str, http: requests.Session) 
             server.kill()
     assert health.json() == {"status": "ok"}
     assert big.status_code == 413
+
+
+@pytest.mark.parametrize("half", [{"serve_tls_cert": "server.crt"},
+                                  {"serve_tls_key": "server.key"}])
+def test_half_a_certificate_pair_is_refused_before_anything_starts(half: dict) -> None:
+    with pytest.raises(ValueError, match="TLS needs both a certificate and a key file"):
+        ServeOptions.from_settings(Settings(**half))
 
 
 def test_listen_argument_parses_host_and_port() -> None:

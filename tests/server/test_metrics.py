@@ -2,9 +2,6 @@
 Prometheus client's own parser; provider calls made through the real client against
 the simulator in this process; multiprocess mode across real processes."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import datetime as dt
@@ -24,13 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
 from shepherd import metrics
+from shepherd.config import Settings
 from shepherd.providers import NotFound, TransientExhausted
-from shepherd.server import ServerConfig, start_server
+from shepherd.server import serve
 from shepherd.simulator import Simulator
-from tests.support.agent_fixtures import wait_for
-from tests.support.operator_fixtures import Fleet, seed_fleet
-from tests.support.servers import wait_for_port
-from tests.support.simulator_fixtures import TOKEN, fast_client, free_port, simulator
+from tests.support.operator_fixtures import seed_fleet
+from tests.support.servers import free_port, wait_for_port
+from tests.support.simulator_fixtures import fast_client
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 Samples = dict[tuple[str, frozenset], float]
@@ -56,7 +54,8 @@ def scrape(url: str) -> Samples:
 def server_and_fleet(db: bmdb.BMDB, session: bmdb.Session, db_url: str):
     fleet = seed_fleet(db, session)
     # No cache: these tests change the BMDB between scrapes (the cache has its own tests).
-    with start_server(ServerConfig(bmdb_url=db_url, metrics_cache=0), db=db) as server:
+    settings = Settings(bmdb_url=db_url, serve_listen="127.0.0.1:0", metrics_cache=0)
+    with serve(settings, db=db) as server:
         yield server, fleet
 
 
@@ -88,7 +87,7 @@ def test_dead_sessions_show_until_the_sweep_deletes_them(server_and_fleet,
     """The seeded dead session (its Recovery work not released yet), aged 10 minutes:
     counted, with its work and its age, until a sweep releases the work and deletes it."""
     server, fleet = server_and_fleet
-    s = bmdb.schema.sessions
+    s = bmdb._schema.sessions
     db.read(lambda tx: tx.execute(sa.update(s).where(s.c.id == fleet.dead_session)
                                   .values(deadline=tx.now - dt.timedelta(minutes=10))))
     samples = scrape(server.url)
@@ -120,10 +119,10 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
     cause = "FLEET MISMATCH: 1 at the provider but not in the BMDB (dev-7f3a)"
 
     def changes(tx: bmdb.Tx) -> None:
-        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "cabling", "alice")
-        bmdb.holds.put(tx, fleet.healthy, bmdb.holds.MAINTENANCE, "cabling", "alice")
-        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE, "ladder", "shepherd recovery")
-        bmdb.refusals.record(tx, "equinix", cause)
+        bmdb.put_hold(tx, fleet.new, bmdb.MAINTENANCE, "cabling", "alice")
+        bmdb.put_hold(tx, fleet.healthy, bmdb.MAINTENANCE, "cabling", "alice")
+        bmdb.put_hold(tx, fleet.silent, bmdb.QUARANTINE, "ladder", "shepherd recovery")
+        bmdb.record_refusal(tx, "equinix", cause)
 
     db.read(changes)
     text = requests.get(f"{server.url}/metrics", timeout=10).text
@@ -139,14 +138,15 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
     samples = parse(generate_latest(registry).decode())
     assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "equinix")}))] == 1
     assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "static")}))] == 0
-    db.read(lambda tx: bmdb.refusals.clear(tx, "equinix"))
+    db.read(lambda tx: bmdb.clear_refusal(tx, "equinix"))
     samples = parse(generate_latest(registry).decode())
     assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "equinix")}))] == 0
 
 
 def test_provider_calls_of_this_process_show_on_the_endpoint(simulator: Simulator,
                                                              sqlite_url: str) -> None:
-    with start_server(ServerConfig(bmdb_url=sqlite_url, metrics_cache=0)) as server:
+    settings = Settings(bmdb_url=sqlite_url, serve_listen="127.0.0.1:0", metrics_cache=0)
+    with serve(settings) as server:
         before = scrape(server.url)
         client = fast_client(simulator, observer=metrics.provider_call)
         client.list_devices()
@@ -250,17 +250,18 @@ def test_concurrent_scrapes_share_one_computation_until_it_is_old(
     times itself in ``shepherd_bmdb_scrape_seconds``), and a change to the fleet shows
     only once the cached one is ``metrics_cache`` seconds old."""
     seed_fleet(db, session)
-    config = ServerConfig(bmdb_url=db_url, metrics_cache=3600)
-    with start_server(config, db=db) as server:
+    settings = Settings(bmdb_url=db_url, serve_listen="127.0.0.1:0", metrics_cache=3600)
+    with serve(settings, db=db) as server:
         bodies = scrape_all(server.url, 20)
         assert len(set(bodies)) == 1
         assert value(parse(bodies[0]), "shepherd_fleet_machines") == 9
-        session.transact(lambda tx: bmdb.tags.create_machine(tx, uuid.uuid4()))
+        session.transact(lambda tx: bmdb.create_machine(tx, uuid.uuid4()))
         assert scrape_all(server.url, 3) == bodies[:3]  # cached: the tenth is not counted
-    with start_server(ServerConfig(bmdb_url=db_url, metrics_cache=0.5), db=db) as server:
+    settings = Settings(bmdb_url=db_url, serve_listen="127.0.0.1:0", metrics_cache=0.5)
+    with serve(settings, db=db) as server:
         first = scrape_all(server.url, 1)[0]
         assert value(parse(first), "shepherd_fleet_machines") == 10
-        wait_for(lambda: scrape_all(server.url, 1)[0] != first, timeout=20,
+        wait_until(lambda: scrape_all(server.url, 1)[0] != first, timeout=20,
                  what="a new computation once the cached one is 0.5 s old")
 
 
@@ -272,9 +273,9 @@ def test_scrapes_blocked_in_the_bmdb_never_make_healthz_fail(pg_url: str) -> Non
     db = bmdb.connect(pg_url)
     with db.start_session("test", interval=2) as session:
         seed_fleet(db, session)
-    config = ServerConfig(bmdb_url=pg_url, metrics_cache=0)
+    settings = Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0", metrics_cache=0)
     locker = sa.create_engine(pg_url)
-    with start_server(config, db=db) as server, locker.connect() as conn, \
+    with serve(settings, db=db) as server, locker.connect() as conn, \
             ThreadPoolExecutor(20) as pool:
         conn.begin()
         conn.exec_driver_sql("LOCK TABLE machines IN ACCESS EXCLUSIVE MODE")
@@ -282,7 +283,7 @@ def test_scrapes_blocked_in_the_bmdb_never_make_healthz_fail(pg_url: str) -> Non
         waiting = sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
                           "'Lock' AND query ILIKE :machines")
         with locker.connect().execution_options(isolation_level="AUTOCOMMIT") as watcher:
-            wait_for(lambda: watcher.execute(waiting, {"machines": "%machines%"}).scalar(),
+            wait_until(lambda: watcher.execute(waiting, {"machines": "%machines%"}).scalar(),
                      timeout=30, what="a scrape to wait for the lock")
         with requests.Session() as client:
             client.trust_env = False
@@ -309,7 +310,7 @@ def test_serve_computes_metrics_as_often_as_configured(pg_url: str, tmp_path: Pa
         wait_for_port("127.0.0.1", port, timeout=30)
         url = f"http://127.0.0.1:{port}"
         assert value(parse(scrape_all(url, 1)[0]), "shepherd_fleet_machines") == 0
-        db.read(lambda tx: bmdb.tags.create_machine(tx, uuid.uuid4()))
+        db.read(lambda tx: bmdb.create_machine(tx, uuid.uuid4()))
         assert value(parse(scrape_all(url, 1)[0]), "shepherd_fleet_machines") == 1
     finally:
         server.terminate()

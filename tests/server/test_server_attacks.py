@@ -42,15 +42,15 @@ from shepherd.agent.protocol import (
     HEADER_TIMESTAMP,
     HEARTBEAT_PATH,
 )
-from shepherd.server.answers import AnswerKey, verify_answer
+from shepherd.answer_key import AnswerKey, verify_answer
 from tests.support.agent_fixtures import (
     add_machine,
     heartbeat_body,
     new_key,
     signed_headers,
-    wait_for,
 )
 from tests.support.servers import free_port, self_signed, wait_for_port
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -417,7 +417,7 @@ def test_a_huge_timestamp_header_is_clipped_in_the_log(server: Served) -> None:
     assert answer.status_code == 401
     assert server.signed(401, answer.content, answer.headers[HEADER_ANSWER_SIGNATURE],
                          {**headers, HEADER_TIMESTAMP: marker})
-    wait_for(lambda: "heartbeat refused" in server.log_text(mark), what="the refusal's log line")
+    wait_until(lambda: "heartbeat refused" in server.log_text(mark), what="the refusal's log line")
     huge = head(HEARTBEAT_PATH, "POST", f"{HEADER_TIMESTAMP}: " + "8" * (5 << 20),
                 "Content-Length: 0")
     assert status_of(exchange(server, huge)) == 431
@@ -455,7 +455,7 @@ def assert_400_with_one_short_line(server: Served, request: bytes) -> None:
         answer = read_answer(sock, SLACK)
     assert status_of(answer) == 400
     server.honest(1)
-    lines = wait_for(lambda: log_lines_about(server, port, mark),
+    lines = wait_until(lambda: log_lines_about(server, port, mark),
                      what="the refusal's log line")
     assert len(lines) == 1 and len(lines[0]) < 200, lines
     assert "Traceback" not in server.log_text()

@@ -7,6 +7,7 @@ and dumps the DOM, which the tests read with the standard library's HTML parser.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -16,19 +17,24 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
+import sqlalchemy as sa
 
 import bmdb
-from shepherd import runtime
 from shepherd.config import Settings
-from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.runtime import Runtime
+from shepherd.server import RunningServer, ServeOptions, serve, start_server
+from shepherd.server.options import COMPONENT
 from shepherd.workflows.guard import GuardLimits
 from tests.support.operator_fixtures import Fleet, seed_fleet
 from tests.support.servers import free_port
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
@@ -47,12 +53,24 @@ def chromium() -> str:
     return path
 
 
+def loopback(url: str, **settings: Any) -> Settings:
+    """A server's settings: this BMDB, any free port on loopback, and ``settings``."""
+    return Settings(bmdb_url=url, serve_listen="127.0.0.1:0", **settings)
+
+
+def serve_guarded(db: bmdb.BMDB, url: str, guard: GuardLimits) -> RunningServer:
+    """A server whose web view and metrics use ``guard``, whatever the settings say."""
+    settings = loopback(url)
+    options = dataclasses.replace(ServeOptions.from_settings(settings), guard=guard)
+    return start_server(Runtime(settings, COMPONENT, db=db), options)
+
+
 @pytest.fixture
 def web(sqlite_url: str) -> Iterator[tuple[RunningServer, bmdb.BMDB, Fleet]]:
     db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
     with db.start_session("test", interval=2) as session:
         fleet = seed_fleet(db, session)
-        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db) as server:
+        with serve(loopback(sqlite_url), db=db) as server:
             yield server, db, fleet
     db.close()
 
@@ -234,7 +252,7 @@ def test_machine_page_shows_work_backoffs_and_history(web, browse) -> None:
     session = db.start_session("more", interval=2)
     try:
         work = session.claim_machine(bmdb.Process.AGENT_START, fleet.new)
-        work.finish(lambda tx: bmdb.tags.set_agent_started(tx, fleet.new, b"\x03" * 32))
+        work.finish(lambda tx: bmdb.set_agent_started(tx, fleet.new, b"\x03" * 32))
     finally:
         session.close()
     new = browse(f"{server.url}/machines/{fleet.new}")
@@ -255,10 +273,11 @@ def test_a_paused_recovery_is_not_shown_as_claimable(web, browse) -> None:
     assert "claimable" in new.classes_of("data-explain", "ShepherdAgentStart")
 
 
-def limits_from_env() -> GuardLimits:
-    """The guard limits ``shepherd serve`` builds from its settings (``Settings`` is the
-    only reader of the environment; ``start_server`` is given what it builds)."""
-    return runtime.guard_limits(Settings.from_env(), interactive=True)
+def settings_from_env(url: str, port: int = 0) -> Settings:
+    """The settings ``shepherd serve`` reads (``Settings`` is the only reader of the
+    environment), on this test's BMDB and a loopback port."""
+    return dataclasses.replace(Settings.from_env(), bmdb_url=url,
+                               serve_listen=f"127.0.0.1:{port}")
 
 
 def test_the_machine_page_asks_the_callback_server_like_the_guard(
@@ -269,17 +288,15 @@ def test_the_machine_page_asks_the_callback_server_like_the_guard(
     monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1.0")
     with db.start_session("test", interval=2) as session:
         fleet = seed_fleet(db, session)
-        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{free_port()}")
-        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db,
-                          limits=limits_from_env()) as server:
+        monkeypatch.setenv("SHEPHERD_CALLBACK_URL", f"http://127.0.0.1:{free_port()}")
+        with serve(settings_from_env(sqlite_url), db=db) as server:
             page = browse(f"{server.url}/machines/{fleet.silent}")
         explain = {a["data-explain"]: t for a, t in page.rows_with("data-explain")}
         assert "PAUSED" in explain["ShepherdRecovery"]
         assert "callback server" in explain["ShepherdRecovery"]
         port = free_port()
-        monkeypatch.setenv("SHEPHERD_BMAAS_ENDPOINT", f"http://127.0.0.1:{port}")
-        with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, port=port,
-                          limits=limits_from_env()) as server:
+        monkeypatch.setenv("SHEPHERD_CALLBACK_URL", f"http://127.0.0.1:{port}")
+        with serve(settings_from_env(sqlite_url, port), db=db) as server:
             page = browse(f"{server.url}/machines/{fleet.silent}")  # its own /healthz: 200
         assert "claimable" in page.classes_of("data-explain", "ShepherdRecovery")
     db.close()
@@ -292,11 +309,11 @@ def test_holds_gone_machines_and_refusals_are_shown(web, browse) -> None:
     server, db, fleet = web
 
     def changes(tx: bmdb.Tx) -> None:
-        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "replacing a DIMM", "alice")
-        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE,
+        bmdb.put_hold(tx, fleet.new, bmdb.MAINTENANCE, "replacing a DIMM", "alice")
+        bmdb.put_hold(tx, fleet.silent, bmdb.QUARANTINE,
                        "the reboot ladder was exhausted 3 times in a row", "shepherd recovery")
-        bmdb.tags.set_provider_status(tx, [fleet.stopped], bmdb.ProviderStatus.MISSING)
-        bmdb.refusals.record(tx, "equinix", "FLEET MISMATCH: 2 at the provider but not in "
+        bmdb.set_provider_status(tx, [fleet.stopped], bmdb.ProviderStatus.MISSING)
+        bmdb.record_refusal(tx, "equinix", "FLEET MISMATCH: 2 at the provider but not in "
                                             "the BMDB; set SHEPHERD_ASSIMILATE=true")
 
     db.read(changes)
@@ -352,8 +369,8 @@ def test_sessions_page(web, browse) -> None:
 
 def test_the_web_view_can_have_a_listener_of_its_own(sqlite_url: str) -> None:
     """Agents reach one socket, operators another: the fleet inventory is only on theirs."""
-    config = ServerConfig(bmdb_url=sqlite_url)
-    with start_server(config, operator_listen=("127.0.0.1", free_port())) as server:
+    settings = loopback(sqlite_url, serve_operator_listen=f"127.0.0.1:{free_port()}")
+    with serve(settings) as server:
         assert server.operator_url and server.operator_url != server.url
         assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
         assert requests.get(f"{server.operator_url}/machines", timeout=10).status_code == 200
@@ -372,7 +389,7 @@ def test_agents_listener_off_loopback_keeps_only_heartbeats_and_healthz(sqlite_u
                                                                         ) -> None:
     """Bound where machines reach it, with no operator listener: no view, no metrics
     (and a warning says where they should go); heartbeats and /healthz stay."""
-    with start_server(ServerConfig(bmdb_url=sqlite_url), host="0.0.0.0") as server:
+    with serve(Settings(bmdb_url=sqlite_url, serve_listen="0.0.0.0:0")) as server:
         local = f"http://127.0.0.1:{server.port}"
         assert server.operator_url is None and server.metrics_url is None
         for path in ("/machines", "/metrics", "/sessions", "/"):
@@ -383,8 +400,9 @@ def test_agents_listener_off_loopback_keeps_only_heartbeats_and_healthz(sqlite_u
 
 def test_with_the_view_off_the_operator_listener_still_serves_metrics(sqlite_url: str
                                                                        ) -> None:
-    config = ServerConfig(bmdb_url=sqlite_url, operator_views=False)
-    with start_server(config, operator_listen=("127.0.0.1", free_port())) as server:
+    settings = loopback(sqlite_url, serve_operator_views=False,
+                        serve_operator_listen=f"127.0.0.1:{free_port()}")
+    with serve(settings) as server:
         assert server.operator_url is None and server.metrics_url is not None
         operators = server.metrics_url.removesuffix("/metrics")
         assert requests.get(f"{operators}/machines", timeout=10).status_code == 404
@@ -401,15 +419,43 @@ def test_the_agents_listener_serves_the_view_only_on_loopback(
         sqlite_url: str, host: str, operator_listen, expected: bool) -> None:
     from shepherd.server.serve import views_on_agent_listener
 
-    config = ServerConfig(bmdb_url=sqlite_url)
-    assert views_on_agent_listener(config, host, operator_listen) is expected
+    options = dataclasses.replace(ServeOptions.from_settings(loopback(sqlite_url)),
+                                  listen=(host, 8470), operator_listen=operator_listen)
+    assert views_on_agent_listener(options) is expected
 
 
 def test_operator_views_can_be_turned_off(sqlite_url: str) -> None:
-    config = ServerConfig(bmdb_url=sqlite_url, operator_views=False)
-    with start_server(config) as server:
+    with serve(loopback(sqlite_url, serve_operator_views=False)) as server:
         assert requests.get(f"{server.url}/machines", timeout=10).status_code == 404
         assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_pages_stuck_in_the_bmdb_never_hold_up_the_event_loop(pg_url: str) -> None:
+    """Eight page loads (twice the view's threads) stuck behind a lock on the machines
+    table: /healthz and the stylesheet, served by the same event loop, still answer at
+    once, and the pages answer once the lock goes."""
+    db = bmdb.connect(pg_url)
+    with db.start_session("test", interval=2) as session:
+        seed_fleet(db, session)
+    locker = sa.create_engine(pg_url)
+    with serve(loopback(pg_url), db=db) as server, locker.connect() as conn, \
+            ThreadPoolExecutor(8) as pool:
+        conn.begin()
+        conn.exec_driver_sql("LOCK TABLE machines IN ACCESS EXCLUSIVE MODE")
+        pages = [pool.submit(requests.get, f"{server.url}/machines", timeout=60)
+                 for _ in range(8)]
+        waiting = sa.text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                          "'Lock' AND query ILIKE :machines")
+        with locker.connect().execution_options(isolation_level="AUTOCOMMIT") as watcher:
+            wait_until(lambda: watcher.execute(waiting, {"machines": "%machines%"}).scalar(),
+                       timeout=30, what="a page to wait for the lock")
+        for path in ("/healthz", "/web-static/shepherd.css"):
+            assert requests.get(f"{server.url}{path}", timeout=5).status_code == 200, path
+        conn.rollback()
+        assert [page.result(timeout=60).status_code for page in pages] == [200] * 8
+    locker.dispose()
+    db.close()
 
 
 # -- operator comfort: columns, hardware tables, provider, refresh, banner, CSP ----------
@@ -555,7 +601,7 @@ def test_pages_render_under_the_policy_with_their_styles(web, devtools: Devtools
     the stylesheet is applied (the header's colours, a late heartbeat's red), and
     no page has an inline style or script the policy would refuse."""
     server, db, fleet = web
-    db.read(lambda tx: bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "DIMM", "alice"))
+    db.read(lambda tx: bmdb.put_hold(tx, fleet.new, bmdb.MAINTENANCE, "DIMM", "alice"))
     for path in ("/machines", "/machines?refresh=30", f"/machines/{fleet.quiet}",
                  f"/machines/{fleet.new}", "/sessions", "/machines?limit=ten",
                  "/machines/not-a-uuid"):
@@ -585,11 +631,11 @@ def test_the_list_shows_hostname_heartbeat_age_and_power(web, browse) -> None:
     server, db, fleet = web
 
     def seed(tx: bmdb.Tx) -> None:
-        bmdb.tags.set_hardware_report(tx, fleet.healthy, {"hostname": "rack1-u07",
+        bmdb.set_hardware_report(tx, fleet.healthy, {"hostname": "rack1-u07",
                                                           "cpu": {"cores": 8}})
-        bmdb.tags.set_hardware_report(tx, fleet.quiet, {"hostname": ["not", "a", "name"]})
-        bmdb.power_states.record_observed(tx, fleet.healthy, "On", "redfish http://bmc")
-        bmdb.power_states.record_observed(tx, fleet.silent, "Off", "redfish http://bmc")
+        bmdb.set_hardware_report(tx, fleet.quiet, {"hostname": ["not", "a", "name"]})
+        bmdb.record_power_observed(tx, fleet.healthy, "On", "redfish http://bmc")
+        bmdb.record_power_observed(tx, fleet.silent, "Off", "redfish http://bmc")
 
     db.read(seed)
     page = browse(f"{server.url}/machines")
@@ -627,8 +673,8 @@ def test_simulated_and_api_machines_name_their_provider_and_its_power(web, brows
     def seed(tx: bmdb.Tx) -> tuple:
         made = []
         for provider, status in (("simulator", "Running"), ("equinix", "Stopped")):
-            machine = bmdb.tags.create_machine(tx)
-            bmdb.tags.upsert_provided(tx, machine, provider=provider,
+            machine = bmdb.create_machine(tx)
+            bmdb.upsert_provided(tx, machine, provider=provider,
                                       provider_id=f"{provider}-1", provider_status=status,
                                       address="127.0.0.1")
             made.append(machine)
@@ -665,7 +711,7 @@ def test_the_hardware_report_is_tables_and_hostile_text_stays_text(web, browse) 
         "tpm": "2.0",
         HOSTILE: "a key too",
     }
-    db.read(lambda tx: bmdb.tags.set_hardware_report(tx, fleet.healthy, report))
+    db.read(lambda tx: bmdb.set_hardware_report(tx, fleet.healthy, report))
     page = browse(f"{server.url}/machines/{fleet.healthy}")
     assert page.title.startswith("Machine")  # the injected script never ran
     assert page.by_id["hardware-cpu-title"] == "CPU"
@@ -694,7 +740,7 @@ def test_the_hardware_report_is_tables_and_hostile_text_stays_text(web, browse) 
 
 def test_a_report_that_is_not_an_object_is_shown_not_failed(web, browse) -> None:
     server, db, fleet = web
-    db.read(lambda tx: bmdb.tags.set_hardware_report(tx, fleet.quiet, {}))
+    db.read(lambda tx: bmdb.set_hardware_report(tx, fleet.quiet, {}))
     page = browse(f"{server.url}/machines/{fleet.quiet}")
     assert "hardware" in page.by_id and page.by_id["hostname"] == "—"
 
@@ -744,7 +790,7 @@ def test_the_banner_names_every_problem_on_every_page(web, browse) -> None:
     """The fixture's fleet has a dead session holding work and a guard pausing Recovery
     (3 of 5 silent); a refusal is added: each is on every page, error pages too."""
     server, db, fleet = web
-    db.read(lambda tx: bmdb.refusals.record(tx, "simulator", "FLEET MISMATCH: 1 at the "
+    db.read(lambda tx: bmdb.record_refusal(tx, "simulator", "FLEET MISMATCH: 1 at the "
                                                              "provider but not in the BMDB"))
     for path in ("/machines", f"/machines/{fleet.new}", "/sessions", "/machines/nope"):
         page = browse(f"{server.url}{path}")
@@ -756,7 +802,7 @@ def test_the_banner_names_every_problem_on_every_page(web, browse) -> None:
         assert paused.startswith("RECOVERY PAUSED : "), path
         assert "3 of 5 started agents are silent (60% > 10%)" in paused, path
     db.sweep()
-    db.read(lambda tx: bmdb.refusals.clear(tx, "simulator"))
+    db.read(lambda tx: bmdb.clear_refusal(tx, "simulator"))
     page = browse(f"{server.url}/sessions")
     assert "problem-dead-sessions" not in page.by_id and "refusal-simulator" not in page.by_id
     assert "problem-recovery-paused" in page.by_id
@@ -765,12 +811,12 @@ def test_the_banner_names_every_problem_on_every_page(web, browse) -> None:
 def test_a_quiet_fleet_has_no_banner_and_an_unhealthy_callback_server_is_named(
         sqlite_url: str, browse) -> None:
     db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
-    with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, limits=GuardLimits()) as server:
+    with serve_guarded(db, sqlite_url, GuardLimits()) as server:
         page = browse(f"{server.url}/machines")
         assert "problems" not in page.by_id and page.title.startswith("Machines")
     nowhere = f"http://127.0.0.1:{free_port()}/healthz"
     limits = GuardLimits(healthz_url=nowhere, healthz_timeout=2.0)
-    with start_server(ServerConfig(bmdb_url=sqlite_url), db=db, limits=limits) as server:
+    with serve_guarded(db, sqlite_url, limits) as server:
         page = browse(f"{server.url}/sessions")
     assert page.by_id["problem-callback"].startswith(
         f"CALLBACK SERVER UNHEALTHY : callback server {nowhere} unreachable")
@@ -782,8 +828,8 @@ def test_holds_are_a_state_on_both_pages(web, browse) -> None:
     server, db, fleet = web
 
     def hold(tx: bmdb.Tx) -> None:
-        bmdb.holds.put(tx, fleet.new, bmdb.holds.MAINTENANCE, "replacing a <DIMM>", "alice")
-        bmdb.holds.put(tx, fleet.silent, bmdb.holds.QUARANTINE, "ladder exhausted", "shepherd")
+        bmdb.put_hold(tx, fleet.new, bmdb.MAINTENANCE, "replacing a <DIMM>", "alice")
+        bmdb.put_hold(tx, fleet.silent, bmdb.QUARANTINE, "ladder exhausted", "shepherd")
 
     db.read(hold)
     page = browse(f"{server.url}/machines")

@@ -1,7 +1,7 @@
 """Shared pieces for the agent and callback-server tests: a real server, a real agent.
 
-Import explicitly: ``from tests.support.agent_fixtures import ...`` (fixtures need importing
-into the test module's namespace to be found by pytest).
+The fixtures (``callback_server``, ``http``, ``answer_key``, ``agents``) are registered
+for every test by ``tests/conftest.py``; test modules import only the helpers they call.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import requests
@@ -40,9 +40,9 @@ from shepherd.agent.protocol import (
     parse_takeover_response,
     signing_payload,
 )
-from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.config import Settings
+from shepherd.server import RunningServer, serve
 
-T = TypeVar("T")
 MAX_BODY = 4096
 CLOCK_WINDOW = 30.0
 AGENT_INTERVAL = 0.3
@@ -52,9 +52,9 @@ PYTHON = sys.executable  # the venv's python3, which has cryptography
 @pytest.fixture
 def callback_server(db: bmdb.BMDB) -> Iterator[RunningServer]:
     """The real callback server on a free loopback port, on the test's BMDB."""
-    config = ServerConfig(bmdb_url=db.url, max_body=MAX_BODY, clock_window=CLOCK_WINDOW,
-                          session_interval=2)
-    with start_server(config, db=db, threads=8) as running:
+    settings = Settings(bmdb_url=db.url, serve_listen="127.0.0.1:0", serve_max_body=MAX_BODY,
+                        serve_clock_window=CLOCK_WINDOW, session_interval=2, serve_threads=8)
+    with serve(settings, db=db) as running:
         yield running
 
 
@@ -85,7 +85,7 @@ def add_machine(session: bmdb.Session, public_key: bytes | None,
     machine_id = uuid.uuid4()
 
     def body(tx: bmdb.Tx) -> None:
-        bmdb.tags.create_machine(tx, machine_id)
+        bmdb.create_machine(tx, machine_id)
 
     session.transact(body)
     if public_key is not None:
@@ -98,7 +98,7 @@ def record_takeover(session: bmdb.Session, machine_id: uuid.UUID, public_key: by
     """AgentStarted for ``public_key`` with a takeover nonce (a new one unless given), as
     the initializer records it; returns the nonce (also kept in ``NONCES``)."""
     nonce = nonce or new_nonce()
-    session.transact(lambda tx: bmdb.tags.set_agent_started(tx, machine_id, public_key, nonce))
+    session.transact(lambda tx: bmdb.set_agent_started(tx, machine_id, public_key, nonce))
     NONCES[str(machine_id)] = nonce
     return nonce
 
@@ -144,7 +144,7 @@ def bmdb_rows(db: bmdb.BMDB) -> dict[str, list[tuple[Any, ...]]]:
 
     def read(tx: bmdb.Tx) -> dict[str, list[tuple[Any, ...]]]:
         return {table.name: stable_rows(tx, table)
-                for table in bmdb.schema.metadata.sorted_tables}
+                for table in bmdb._schema.metadata.sorted_tables}
 
     return db.read(read)
 
@@ -157,18 +157,7 @@ def stable_rows(tx: bmdb.Tx, table: sa.Table) -> list[tuple[Any, ...]]:
 
 
 def tags_of(db: bmdb.BMDB, machine_id: uuid.UUID) -> dict[str, dict[str, Any]]:
-    return db.read(lambda tx: bmdb.queries.machine_tags(tx, machine_id))
-
-
-def wait_for(probe: Callable[[], T | None], timeout: float = 10.0, what: str = "") -> T:
-    """Poll ``probe`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or probe}")
+    return db.read(lambda tx: bmdb.machine_tags(tx, machine_id))
 
 
 @dataclass
@@ -264,7 +253,7 @@ def takeover_init(machine_id: uuid.UUID, endpoint: str, ca: str | None = None, *
 @pytest.fixture
 def answer_key(db: bmdb.BMDB) -> str:
     """The public half of the test BMDB's answer key, which its servers sign with."""
-    from shepherd.server.answers import AnswerKey
+    from shepherd.answer_key import AnswerKey
 
     return AnswerKey.from_bmdb(db).public_b64
 
@@ -290,7 +279,7 @@ def start_agent(agents: AgentLauncher, session: bmdb.Session, endpoint: str,
                 **kwargs: Any) -> tuple[uuid.UUID, TakeoverResponse, AgentRun]:
     """Takeover, then record AgentStarted with the agent's key and the nonce it was
     given, as the initializer does."""
-    machine = session.transact(lambda tx: bmdb.tags.create_machine(tx))
+    machine = session.transact(lambda tx: bmdb.create_machine(tx))
     response, run = take_over(agents, machine, endpoint, ca, answer_key=answer_key, **kwargs)
     assert response.ok, response.error
     assert response.key is not None and response.init_message is not None

@@ -1,6 +1,4 @@
-"""BMCs no one here wrote, on loopback: import the fixtures explicitly.
-
-    from tests.support.bmc_fixtures import redfish_bmc, ipmi_bmc  # noqa: F401
+"""BMCs no one here wrote, on loopback (fixtures registered by ``tests/conftest.py``).
 
 * ``redfish_bmc``: one ``sushy-emulator`` (fake driver, Basic auth) with one system,
   ``node-1``, powered On. Its power changes land 1 to 11 s after the reset.
@@ -17,18 +15,18 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
+from shepherd.bmc import BmcSpec
 from shepherd.os_processes import stop_process
-from shepherd.power.spec import BmcSpec
 from shepherd.simulator.redfish import RedfishEmulator
+from tests.support.servers import free_port
+from tests.support.waiting import wait_until
 
 IPMI_HINT = "apt-get install -y openipmi ipmitool"
 USERNAME = "admin"
@@ -50,17 +48,6 @@ def new_password(size: int = 12) -> str:
 def ipmi_password() -> str:
     """15 characters: IPMI 1.5 allows 16, IPMI 2.0 20 (ipmi_sim refuses longer ones)."""
     return new_password(6)
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds passed; its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 # -- Redfish ---------------------------------------------------------------------------
@@ -159,12 +146,6 @@ mc_enable 0x20
 """
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class IpmiBmc:
     """One ``ipmi_sim`` on ``127.0.0.1:port`` (UDP), its chassis power in a file."""
 
@@ -193,7 +174,7 @@ class IpmiBmc:
 
     def start(self) -> IpmiBmc:
         for _ in range(3):  # a UDP port picked by bind-and-close can be taken meanwhile
-            self.port = _free_udp_port()
+            self.port = free_port(udp=True)
             conf = self.directory / "lan.conf"
             # ipmi_sim reads the password from this file: it stays in the test's directory.
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -210,12 +191,21 @@ class IpmiBmc:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
             log.close()
-            if wait_until(lambda: self.process.poll() is not None or
-                          self.ipmitool("chassis", "power", "status").returncode == 0,
-                          timeout=10, interval=0.1) and self.process.poll() is None:
+            if self._answers_or_exits() and self.process.poll() is None:
                 return self
             self.stop()
         raise RuntimeError(f"ipmi_sim did not start; see {self.directory / 'ipmi_sim.log'}")
+
+    def _answers_or_exits(self, timeout: float = 10.0) -> bool:
+        """Whether ipmi_sim answered within ``timeout`` (or exited, e.g. on a port taken
+        meanwhile: then the caller tries another)."""
+        process = self.process
+        assert process is not None
+        with contextlib.suppress(AssertionError):
+            return wait_until(lambda: process.poll() is not None or
+                              self.ipmitool("chassis", "power", "status").returncode == 0,
+                              timeout, "ipmi_sim answering")
+        return False
 
     def stop(self) -> None:
         process, self.process = self.process, None

@@ -2,9 +2,7 @@
 real ``celery worker`` / ``celery beat`` (/ ``celery flower``) subprocesses on a real
 Redis and PostgreSQL, all on loopback.
 
-    from tests.support.celery_fixtures import control_plane  # noqa: F401
-
-    def test_x(control_plane):
+    def test_x(control_plane):  # the fixture is registered by tests/conftest.py
         cp = control_plane(reservations=5)
         cp.start_worker("w1"); cp.start_beat()
         cp.wait_for(lambda c: c.agent_started == 5, timeout=60, what="agents")
@@ -36,23 +34,19 @@ from celery import Celery
 
 import bmdb
 from shepherd.config import Settings
-from shepherd.runtime import Runtime
-from shepherd.server import RunningServer, ServerConfig, start_server
+from shepherd.server import RunningServer, serve
 from shepherd.simulator import Simulator
-from tests.support.servers import free_port, wait_for_port
+from tests.support import workers
+from tests.support.servers import free_port, redis_db_url, wait_for_port
+from tests.support.waiting import wait_until
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).with_name("celery"))
 TOKEN = "sim-e2e-token-0123456789"
-#: Per-test Redis databases (1..15; 0 is left to whoever else uses the server).
-_REDIS_DBS = itertools.cycle(range(1, 16))
+#: Per-test Redis databases: none is ``redis_url``'s own, nor another xdist worker's.
+_REDIS_DBS = itertools.cycle(workers.redis_test_databases())
 LOG_PROBLEMS = ("ERROR", "CRITICAL", "Traceback")
-
-
-def redis_db_url(url: str, db: int) -> str:
-    base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
-    return f"{base}/{db}"
 
 
 class ControlPlane:
@@ -88,7 +82,7 @@ class ControlPlane:
             "SHEPHERD_DEVICE_PREFIX": "shepherd-e2e-",
             "SHEPHERD_SSH_KEY_LABEL": "shepherd-e2e",
             "SHEPHERD_SSH_KEY_PATH": str(tmp / "ssh" / "shepherd_ed25519"),
-            "SHEPHERD_BMAAS_ENDPOINT": f"http://127.0.0.1:{self.server_port}",
+            "SHEPHERD_CALLBACK_URL": f"http://127.0.0.1:{self.server_port}",
             "SHEPHERD_RECONCILE_INTERVAL": "1",
             "SHEPHERD_UPDATE_INTERVAL": "0.5",
             "SHEPHERD_SOURCE_INTERVAL": "0.5",
@@ -191,14 +185,12 @@ class ControlPlane:
     def start_callback_server(self) -> None:
         """The server as ``shepherd serve`` builds it: from the control plane's settings
         (so with the workers' thresholds and session interval)."""
-        settings = Settings.from_env(self.env)
-        config = ServerConfig.from_settings(settings)
+        settings = Settings.from_env(
+            {**self.env, "SHEPHERD_SERVE_LISTEN": f"127.0.0.1:{self.server_port}"})
         deadline = time.monotonic() + 10
         while True:
             try:
-                runtime = Runtime(settings, config.component)
-                self.server = start_server(config, port=self.server_port, threads=16,
-                                           runtime=runtime)
+                self.server = serve(settings)
                 return
             except OSError:  # the old socket lingering after a stop
                 if time.monotonic() > deadline:
@@ -212,20 +204,14 @@ class ControlPlane:
 
     # -- reading the BMDB and the broker ----------------------------------
 
-    def counts(self) -> bmdb.fleet.FleetCounts:
-        return self.db.read(lambda tx: bmdb.fleet.fleet_counts(tx, self.thresholds))
+    def counts(self) -> bmdb.FleetCounts:
+        return self.db.read(lambda tx: bmdb.fleet_counts(tx, self.thresholds))
 
-    def wait_for(self, check: Callable[[bmdb.fleet.FleetCounts], T], timeout: float,
+    def wait_for(self, check: Callable[[bmdb.FleetCounts], T], timeout: float,
                  what: str) -> T:
-        deadline = time.monotonic() + timeout
-        counts = None
-        while time.monotonic() < deadline:
-            counts = self.counts()
-            if value := check(counts):
-                return value
-            self.assert_running()
-            time.sleep(0.25)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {counts}")
+        """``check(counts)``'s first truthy value, while every process keeps running."""
+        return wait_until(lambda: check(self.counts()), timeout,
+                          lambda: f"{what}; last: {self.counts()}", self, every=0.25)
 
     def assert_running(self) -> None:
         for name, process in self.processes.items():
@@ -233,16 +219,16 @@ class ControlPlane:
                 self.log(name)[-3000:]
 
     def history(self) -> list[dict[str, Any]]:
-        h = bmdb.schema.history
+        h = bmdb._schema.history
         return self.db.read(lambda tx: [dict(r._mapping) for r in
                                         tx.execute(sa.select(h).order_by(h.c.id))])
 
     def machine_ids(self) -> list[uuid.UUID]:
-        m = bmdb.schema.machines
+        m = bmdb._schema.machines
         return self.db.read(lambda tx: list(tx.execute(sa.select(m.c.id)).scalars()))
 
     def tags(self, machine_id: uuid.UUID) -> dict[str, dict[str, Any]]:
-        return self.db.read(lambda tx: bmdb.queries.machine_tags(tx, machine_id))
+        return self.db.read(lambda tx: bmdb.machine_tags(tx, machine_id))
 
     def provider_id(self, machine_id: uuid.UUID) -> str:
         return str(self.tags(machine_id)["Provided"]["provider_id"])
@@ -333,16 +319,3 @@ def overlapping_work(history: list[dict[str, Any]]) -> list[str]:
 
 def dump(value: Any) -> str:
     return json.dumps(value, default=str, indent=1)
-
-
-def wait_until(probe: Callable[[], Any], timeout: float, what: str,
-               cp: ControlPlane | None = None, every: float = 0.25) -> Any:
-    """``probe()``'s first truthy value; fails the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := probe():
-            return value
-        if cp is not None:
-            cp.assert_running()
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

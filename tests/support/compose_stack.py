@@ -22,19 +22,15 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from tests.support.container_images import podman
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_TIMEOUT = 600.0
 HEALTH_TICK = 2.0
 SERVICE_IDLE_EXIT = 900  # seconds; bounds a podman service a killed test run left behind
-
-T = TypeVar("T")
 
 
 class PodmanService:
@@ -51,7 +47,7 @@ class PodmanService:
             self.process = subprocess.Popen(
                 ["podman", "system", "service", f"--time={SERVICE_IDLE_EXIT}", self.url],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        wait(lambda: self.socket.exists() or None, 30, "podman's API socket")
+        wait_until(lambda: self.socket.exists(), 30, "podman's API socket", every=0.5)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -177,18 +173,3 @@ class ComposeStack:
         self.compose("--profile", "demo", "rm", "--stop", "--force", "demo-worker")
         self.compose("--profile", "demo", "--profile", "fleet", "down", "--volumes",
                      "--remove-orphans", "--timeout", "10")
-
-
-def wait(probe: Callable[[], T | None], timeout: float, what: str | Callable[[], str],
-         every: float = 0.5) -> T:
-    """``probe``'s first true answer within ``timeout`` seconds; else fail saying
-    ``what`` (or what it returns then: the state worth seeing in a failed run)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = probe()
-        if answer:
-            return answer
-        if time.monotonic() > deadline:
-            said = what if isinstance(what, str) else what()
-            raise AssertionError(f"within {timeout:.0f}s: {said}")
-        time.sleep(every)

@@ -3,16 +3,15 @@ on its own throw-away PostgreSQL / Redis (so a scenario may restart them without
 touching the servers other tests share), and ONE invariant check every scenario ends
 with (``assert_invariants``).
 
-    from tests.support.fault_fixtures import fault_plane  # noqa: F401
-
-    def test_x(fault_plane):
+    def test_x(fault_plane):  # the fixture is registered by tests/conftest.py
         cp = fault_plane(reservations=4, own_redis=True)
         ...inject one fault...
         report = assert_invariants(cp, machines=4)
         record_recovery("what happened", took, report)
 
 ``record_recovery`` keeps each scenario's recovery time and invariant summary for the
-table ``tests/conftest.py`` prints at the end of the run (``fault_summary``).
+table printed at the end of the run (``pytest_terminal_summary`` below). It travels on
+the test's report, so the table is whole when the tests ran in pytest-xdist workers.
 """
 
 from __future__ import annotations
@@ -25,17 +24,18 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 
 import bmdb
-from tests.support.celery_fixtures import ENDS, ControlPlane, dump, overlapping_work, wait_until
+from tests.support.celery_fixtures import ENDS, ControlPlane, dump, overlapping_work
 from tests.support.servers import PostgresServer, RedisServer
+from tests.support.waiting import wait_until
 
 #: Short enough for bounded tests on 2 cores, long enough that nothing under test is
 #: silent by accident: heartbeat thresholds are far above every fault's length, so
@@ -56,19 +56,19 @@ PER_MACHINE = ("shepherd.agent_start", "shepherd.recovery")
 SWEEP_SLACK = 3.0
 
 #: ``python -c HOLD_RECORDER -A tasks worker ...``: the ``celery`` command, with
-#: ``bmdb.singletons.hold`` wrapped so that every hold a task *acquired* is written to
+#: ``bmdb.hold_singleton`` wrapped so that every hold a task *acquired* is written to
 #: ``$FAULTS_HOLD_LOG`` ("<monotonic> <pid> acquired|releasing <name>", one short
 #: O_APPEND write each, so lines of concurrent processes do not mix), and every refusal
 #: too. Nothing else changes: "acquired" is written after the acquiring transaction
 #: committed, "releasing" before the releasing one starts, so each recorded interval
 #: lies inside the real hold and two recorded intervals of one name overlap only if
 #: two holders really held it at once. Pool processes are forked from the patched
-#: main process, and the product calls ``bmdb.singletons.hold(...)`` by attribute.
+#: main process, and the product calls ``bmdb.hold_singleton(...)`` by attribute.
 HOLD_RECORDER = """
 import contextlib, os, sys, time
-import bmdb.singletons
+import bmdb
 
-_hold, _path = bmdb.singletons.hold, os.environ["FAULTS_HOLD_LOG"]
+_hold, _path = bmdb.hold_singleton, os.environ["FAULTS_HOLD_LOG"]
 
 def _note(event, name):
     fd = os.open(_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -87,7 +87,7 @@ def hold(session, name):
             if held:
                 _note("releasing", name)
 
-bmdb.singletons.hold = hold
+bmdb.hold_singleton = hold
 from celery.__main__ import main
 sys.argv[0] = "celery"
 main()
@@ -102,7 +102,7 @@ class DeadSessionWatch:
     session's deadline. Nobody can sweep while the database is down, and the workers
     find it again only at their next transaction retry, so after a database outage
     ages count from when the watch reached it again plus ``reconnect`` (the longest
-    wait between BMDB transaction retries, ``bmdb.database.run_transaction``). Its own
+    wait between BMDB transaction retries, ``bmdb._database.run_transaction``). Its own
     connection per look (no pool to go stale, no retries that would hide an outage).
     """
 
@@ -147,9 +147,9 @@ class DeadSessionWatch:
                 self._back_at = None
 
     def look(self) -> None:
-        w, s = bmdb.schema.work, bmdb.schema.sessions
+        w, s = bmdb._schema.work, bmdb._schema.sessions
         with self.engine.connect() as conn:
-            now = bmdb.database.read_clock(conn)
+            now = bmdb.read_clock(conn)
             rows = conn.execute(sa.select(w.c.id, w.c.session_id, s.c.deadline)
                                 .join(s, s.c.id == w.c.session_id)
                                 .where(s.c.deadline <= now)).all()
@@ -217,12 +217,12 @@ class FaultPlane(ControlPlane):
                    str(self.tmp / "beat2-schedule"), "--loglevel=INFO")
 
     def work_rows(self) -> list[dict[str, Any]]:
-        w = bmdb.schema.work
+        w = bmdb._schema.work
         return self.db.read(lambda tx: [dict(r._mapping) for r in tx.execute(sa.select(w))])
 
     def session_holders(self) -> dict[uuid.UUID, int]:
         """session id -> pid of the process holding it."""
-        s = bmdb.schema.sessions
+        s = bmdb._schema.sessions
         return self.db.read(lambda tx: {r.id: int(r.holder.rsplit(":", 1)[1])
                                         for r in tx.execute(sa.select(s.c.id, s.c.holder))})
 
@@ -324,7 +324,7 @@ class InvariantReport:
 def dead_session_work(db: bmdb.BMDB, older_than: float = 0.0) -> list[dict[str, Any]]:
     """Work rows whose session is missing, or past its deadline by more than
     ``older_than`` seconds (by the database's clock)."""
-    w, s = bmdb.schema.work, bmdb.schema.sessions
+    w, s = bmdb._schema.work, bmdb._schema.sessions
 
     def read(tx: bmdb.Tx) -> list[dict[str, Any]]:
         limit = tx.now - dt.timedelta(seconds=older_than)
@@ -350,7 +350,7 @@ def check_dead_session_work(cp: FaultPlane, report: InvariantReport) -> None:
     report.dead_work_limit = cp.watch.limit
     stale = dead_session_work(cp.db, older_than=cp.sweep_interval + SWEEP_SLACK)
     assert stale == [], f"work of dead sessions, not swept: {dump(stale)}"
-    s = bmdb.schema.sessions
+    s = bmdb._schema.sessions
     report.work_checked = len(cp.work_rows())
     report.sessions_dead = cp.db.read(lambda tx: int(tx.execute(
         sa.select(sa.func.count()).select_from(s).where(s.c.deadline <= tx.now)
@@ -512,16 +512,13 @@ def assert_invariants(cp: FaultPlane, *, machines: int,
     return report
 
 
-@dataclass
-class Recovery:
-    """One scenario's line in the end-of-run table."""
-
-    scenario: str
-    took: float
-    report: InvariantReport
-    notes: list[str] = field(default_factory=list)
-
-
+#: A scenario's line in the end-of-run table: column -> text, and its notes. Plain
+#: strings only, since the line travels from an xdist worker on the test's report.
+Recovery = dict[str, Any]
+#: The report's user property that carries a ``Recovery``.
+RECOVERY_PROPERTY = "fault_recovery"
+#: Scenarios recorded by the test now running, not yet put on its report.
+_RECORDED: list[Recovery] = []
 #: Every scenario that passed its checks in this run, in order (``fault_summary``).
 RECOVERIES: list[Recovery] = []
 
@@ -529,20 +526,43 @@ RECOVERIES: list[Recovery] = []
 def record_recovery(name: str, took: float, report: InvariantReport, *notes: str) -> None:
     """Keep how long recovery took since the fault ended and what the invariants saw,
     for the table at the end of the run (and say it now, for ``pytest -s``)."""
-    RECOVERIES.append(Recovery(name, took, report, list(notes)))
+    _RECORDED.append({"columns": {"scenario": name, "recovered": f"{took:.1f}s",
+                                  **report.columns()}, "notes": list(notes)})
     extra = "".join(f"; {note}" for note in notes)
     print(f"\n[faults] {name}: recovered {took:.1f}s after the fault ended; invariants "
           f"hold: {report}{extra}")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if call.when == "call":
+        report.user_properties.extend((RECOVERY_PROPERTY, r) for r in _RECORDED)
+        _RECORDED.clear()
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    RECOVERIES.extend(cast(Recovery, value) for name, value in report.user_properties
+                      if name == RECOVERY_PROPERTY)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
+    """The fault scenarios' recovery times and invariant summaries, as a short table
+    (in the process that reports: not in an xdist worker)."""
+    if RECOVERIES and not hasattr(config, "workerinput"):
+        terminalreporter.write_sep("=", "fault scenarios: recovery after the fault ended")
+        fault_summary(terminalreporter.write_line)
+
+
 def fault_summary(write_line: Callable[[str], None]) -> None:
-    """The table ``pytest_terminal_summary`` (``tests/conftest.py``) prints: one line per
-    scenario that passed, its notes under it."""
-    rows = [{"scenario": r.scenario, "recovered": f"{r.took:.1f}s", **r.report.columns()}
-            for r in RECOVERIES]
+    """One line per scenario that passed, its notes under it."""
+    rows = [r["columns"] for r in RECOVERIES]
     widths = {k: max(len(k), *(len(row[k]) for row in rows)) for k in rows[0]}
     write_line("  ".join(f"{k:<{w}}" for k, w in widths.items()).rstrip())
     for r, row in zip(RECOVERIES, rows, strict=True):
         write_line("  ".join(f"{row[k]:<{w}}" for k, w in widths.items()).rstrip())
-        for note in r.notes:
+        for note in r["notes"]:
             write_line(f"{'':<{widths['scenario']}}  {note}")

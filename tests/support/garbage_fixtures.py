@@ -51,9 +51,9 @@ GARBAGE = [
 ]
 
 #: Tag -> its document column.
-DOCUMENTS = {"HardwareReport": (bmdb.schema.hardware_report, "report"),
-             "OSInstallationRequest": (bmdb.schema.os_installation_request, "request"),
-             "OSInstallationReport": (bmdb.schema.os_installation_report, "result")}
+DOCUMENTS = {"HardwareReport": (bmdb._schema.hardware_report, "report"),
+             "OSInstallationRequest": (bmdb._schema.os_installation_request, "request"),
+             "OSInstallationReport": (bmdb._schema.os_installation_report, "result")}
 
 
 def applicable(db: bmdb.BMDB) -> list[Garbage]:
@@ -65,10 +65,10 @@ def machine_with(session: bmdb.Session, garbage: Garbage) -> uuid.UUID:
     """A machine whose every document column holds ``garbage``."""
 
     def write(tx: bmdb.Tx) -> uuid.UUID:
-        machine_id = bmdb.tags.create_machine(tx)
-        bmdb.tags.set_hardware_report(tx, machine_id, {})
-        bmdb.tags.set_os_installation_request(tx, machine_id, 1, {})
-        bmdb.tags.set_os_installation_report(tx, machine_id, 1, {})
+        machine_id = bmdb.create_machine(tx)
+        bmdb.set_hardware_report(tx, machine_id, {})
+        bmdb.set_os_installation_request(tx, machine_id, 1, {})
+        bmdb.set_os_installation_report(tx, machine_id, 1, {})
         kind = sa.LargeBinary if isinstance(garbage.raw, bytes) else sa.Text
         for table, column in DOCUMENTS.values():
             tx.execute(sa.update(table).where(table.c.machine_id == machine_id)

@@ -60,11 +60,11 @@ def seed_fleet(db: bmdb.BMDB, session: bmdb.Session) -> Fleet:
     def agents(tx: bmdb.Tx) -> None:
         long_ago = tx.now - dt.timedelta(hours=2)
         for machine_id in (healthy, quiet, orphaned, silent):
-            bmdb.tags.set_agent_started(tx, machine_id, KEY, started_at=long_ago)
-        bmdb.tags.set_agent_started(tx, fresh_agent, KEY)
+            bmdb.set_agent_started(tx, machine_id, KEY, started_at=long_ago)
+        bmdb.set_agent_started(tx, fresh_agent, KEY)
         for machine_id in (healthy, quiet):
-            bmdb.tags.record_heartbeat(tx, machine_id, tx.now)
-        h = bmdb.schema.agent_heartbeat
+            bmdb.record_heartbeat(tx, machine_id, tx.now)
+        h = bmdb._schema.agent_heartbeat
         tx.execute(sa.update(h).where(h.c.machine_id == quiet)
                    .values(last_heartbeat_at=tx.now - dt.timedelta(minutes=10)))
 
@@ -72,7 +72,7 @@ def seed_fleet(db: bmdb.BMDB, session: bmdb.Session) -> Fleet:
 
     # Healthy: a Recovery failure whose backoff has expired since.
     _claim(session, bmdb.Process.RECOVERY, healthy).fail("reboot: API 500")
-    b = bmdb.schema.backoff
+    b = bmdb._schema.backoff
     session.transact(lambda tx: tx.execute(
         sa.update(b).where(b.c.machine_id == healthy)
         .values(until=tx.now - dt.timedelta(minutes=5))))
@@ -98,7 +98,7 @@ class _Healthz(http.server.BaseHTTPRequestHandler):
 @contextmanager
 def healthy_callback_server() -> Iterator[str]:
     """A loopback server whose ``GET /healthz`` answers 200; yields its base URL (what
-    ``SHEPHERD_BMAAS_ENDPOINT`` holds), so the guard's health check passes for real."""
+    ``SHEPHERD_CALLBACK_URL`` holds), so the guard's health check passes for real."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthz)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -26,6 +26,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tests.support.waiting import wait_until
+
 INSTALL_HINT = "apt-get install -y postgresql redis-server"
 
 
@@ -33,21 +35,26 @@ class MissingServer(RuntimeError):
     pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+def free_port(host: str = "127.0.0.1", *, udp: bool = False) -> int:
+    """A port nothing holds now (TCP, or UDP for ``udp``); whoever binds it next may
+    still lose a race for it, so servers that can retry on another one do."""
+    kind = socket.SOCK_DGRAM if udp else socket.SOCK_STREAM
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def wait_for_port(host: str, port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+    wait_until(lambda: listening(host, port), timeout, f"a listener on {host}:{port}",
+               every=0.05)
 
 
 def self_signed(directory: Path, name: str = "server") -> tuple[str, str]:
@@ -130,6 +137,12 @@ class PostgresServer:
         with contextlib.suppress(subprocess.CalledProcessError):
             self.stop(mode="immediate")
         shutil.rmtree(self.datadir, ignore_errors=True)
+
+
+def redis_db_url(url: str, db: int) -> str:
+    """``url`` (a Redis server's, with or without a database) naming database ``db``."""
+    base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
+    return f"{base}/{db}"
 
 
 class RedisServer:

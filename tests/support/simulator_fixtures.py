@@ -1,7 +1,6 @@
-"""Fixtures for tests that talk to the simulator: import them explicitly.
-
-    from tests.support.simulator_fixtures import simulator, client, provider, ssh_key  # noqa: F401
-"""
+"""Fixtures for tests that talk to the simulator (``simulator``, ``client``,
+``provider``, ``ssh_key``; registered for every test by ``tests/conftest.py``), and
+the helpers those tests call."""
 
 from __future__ import annotations
 
@@ -15,14 +14,9 @@ import pytest
 from shepherd.providers import CallObserver, no_observer, ssh_keys
 from shepherd.providers.equinix import ClientConfig, EquinixClient, EquinixProvider, ProviderConfig
 from shepherd.simulator import Simulator
+from tests.support.servers import free_port
 
 TOKEN = "sim-secret-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fast_client(sim: Simulator, *, observer: CallObserver = no_observer,

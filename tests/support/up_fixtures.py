@@ -10,17 +10,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import pytest
-
 import bmdb
 from shepherd.os_processes import kill_marked, marked_processes
 from shepherd.up import RUN_MARKER, SIM_SANDBOX
+from tests.support.waiting import wait_until
 
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=60, heartbeat=10)
 #: Short intervals, so a run converges in seconds (what the demo's defaults would be on
@@ -61,15 +59,12 @@ class UpRun:
     def wait_for(self, probe: Callable[[], Any], what: str, timeout: float = 150) -> Any:
         """``probe()``'s first true value, polled while ``up`` runs; fails (with the
         output and the logs) when ``up`` exits or ``timeout`` passes first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, \
-                f"shepherd up exited {self.process.returncode}:\n{self.text()}"
-            found = probe()
-            if found:
-                return found
-            time.sleep(0.5)
-        pytest.fail(f"{what}: not within {timeout:g} s\n{self.text()}\n{self.logs()}")
+        return wait_until(probe, timeout, lambda: f"{what}\n{self.text()}\n{self.logs()}",
+                          self, every=0.5)
+
+    def assert_running(self) -> None:
+        assert self.process.poll() is None, \
+            f"shepherd up exited {self.process.returncode}:\n{self.text()}"
 
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
@@ -89,16 +84,16 @@ class UpRun:
             db.close()
 
     def heartbeating(self) -> int:
-        counts = self.read(lambda tx: bmdb.fleet.fleet_counts(tx, THRESHOLDS))
+        counts = self.read(lambda tx: bmdb.fleet_counts(tx, THRESHOLDS))
         return 0 if counts is None else counts.heartbeating
 
     def machines(self, provider: str = "simulator") -> dict[str, str]:
         """The provider's id -> machine id, of every machine ``provider`` provided."""
-        rows = self.read(lambda tx: bmdb.queries.provided_by_provider_id(tx, provider))
+        rows = self.read(lambda tx: bmdb.provided_by_provider_id(tx, provider))
         return {} if rows is None else {key: str(value) for key, value in rows.items()}
 
     def history(self, machine_id: str) -> list[dict[str, Any]]:
-        return self.read(lambda tx: bmdb.queries.history(tx, uuid.UUID(machine_id))) or []
+        return self.read(lambda tx: bmdb.machine_history(tx, uuid.UUID(machine_id))) or []
 
     def children(self, argv_part: str) -> list[int]:
         """Process group leaders of this run whose command line has ``argv_part``."""

@@ -14,9 +14,9 @@ import pytest
 from shepherd.power import PowerAction, PowerState
 from shepherd.simulator import Simulator
 from shepherd.workflows.ladder import Endpoint, LadderSettings, RungOutcome, Watch, climb
-from tests.support.simulator_fixtures import simulator
+from tests.support.workers import RACK_DEVICES
 
-__all__ = ["simulator"]
+pytestmark = RACK_DEVICES
 
 SETTINGS = LadderSettings(rung_timeout=2.0, boot_wait=2.0, poll_interval=0.1,
                           banner_timeout=0.5)

@@ -1,8 +1,5 @@
 """Reconcile against the simulator (real HTTP) and a real BMDB (PostgreSQL and SQLite)."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import contextlib
@@ -41,7 +38,7 @@ from shepherd.workflows.provisioner import (
     ReconcileResult,
     reconcile,
 )
-from tests.support.simulator_fixtures import client, fast_client, provider, simulator, ssh_key
+from tests.support.simulator_fixtures import fast_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +52,7 @@ def settings(**overrides: Any) -> ProvisionerSettings:
 
 
 def known(session: bmdb.Session, provider: EquinixProvider) -> dict[str, Any]:
-    return session.transact(lambda tx: bmdb.queries.provided_by_provider_id(tx, provider.name))
+    return session.transact(lambda tx: bmdb.provided_by_provider_id(tx, provider.name))
 
 
 def ours(sim: Simulator) -> list[Any]:
@@ -105,7 +102,7 @@ def test_registers_what_the_provider_reports(session, provider, simulator):
     (device_id,) = result.created
     device = simulator.devices[device_id]
     machine_id = known(session, provider)[device_id]
-    tag = session.transact(lambda tx: bmdb.queries.machine_tags(tx, machine_id))["Provided"]
+    tag = session.transact(lambda tx: bmdb.machine_tags(tx, machine_id))["Provided"]
     assert tag["reservation_id"] == device.reservation_id
     assert tag["address"] == device.address and tag["location"] == device.facility
     assert tag["provider_status"] == bmdb.ProviderStatus.PROVISIONING
@@ -146,7 +143,7 @@ def _interrupted_creation(session, provider, simulator, record: bool = True) -> 
     intent (committed first) and the device carrying its witness, nothing registered."""
     capacity = provider.list_capacity()[0]
     if record:
-        session.transact(lambda tx: bmdb.capacity.record_intent(
+        session.transact(lambda tx: bmdb.record_intent(
             tx, provider.name, capacity.reservation_id, capacity.request_id))
     device = provider.client.create_device(
         capacity.reservation_id,
@@ -165,7 +162,7 @@ def test_an_interrupted_creation_is_registered_not_a_mismatch(session, provider,
     assert result.recovered == 1 and orphan in known(session, provider)
     assert any("interrupted" in r.getMessage() and orphan in r.getMessage()
                for r in caplog.records)
-    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+    assert session.transact(lambda tx: bmdb.pending_intents(tx, provider.name)) == {}
     assert len(result.created) == 3 and len(ours(simulator)) == 4  # and it went on
 
 
@@ -190,14 +187,14 @@ def test_intents_are_recorded_first_and_forgotten_with_the_outcome(session, prov
 
         def create_machine(self, capacity):
             seen.append(session.transact(
-                lambda tx: bmdb.capacity.pending_intents(tx, provider.name)))
+                lambda tx: bmdb.pending_intents(tx, provider.name)))
             return provider.create_machine(capacity)
 
     simulator.faults.fail_next(1, 422, method="POST")  # one definite failure
     result = reconcile(session, Watching(), settings())
     assert len(result.created) == 2 and len(result.failed) == 1
     assert [len(pending) for pending in seen] == [1, 1, 1]  # each one's own, committed
-    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+    assert session.transact(lambda tx: bmdb.pending_intents(tx, provider.name)) == {}
 
 
 class Killed(BaseException):
@@ -217,13 +214,13 @@ def test_a_crash_between_create_and_register_is_registered_next_run(
         reconcile(session, provider, settings())
     (orphan,) = [d.id for d in ours(simulator)]
     assert known(session, provider) == {}
-    pending = session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name))
+    pending = session.transact(lambda tx: bmdb.pending_intents(tx, provider.name))
     assert list(pending.values()) == [simulator.devices[orphan].reservation_id]
 
     monkeypatch.undo()
     result = reconcile(session, provider, settings())
     assert result.recovered == 1 and orphan in known(session, provider)
-    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, provider.name)) == {}
+    assert session.transact(lambda tx: bmdb.pending_intents(tx, provider.name)) == {}
     assert len(result.created) == 3 and len(ours(simulator)) == 4
     assert len({d.reservation_id for d in ours(simulator)}) == 4  # nothing made twice
 
@@ -301,13 +298,13 @@ def test_no_bmdb_transaction_is_open_during_any_provider_call(db, session, provi
 
 
 def test_an_intent_whose_device_never_came_is_dropped_after_a_day(session, provider):
-    session.transact(lambda tx: bmdb.capacity.record_intent(tx, "equinix", "r-1", "w-1"))
-    i = bmdb.schema.creation_intents
-    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, "equinix")) == {
+    session.transact(lambda tx: bmdb.record_intent(tx, "equinix", "r-1", "w-1"))
+    i = bmdb._schema.creation_intents
+    assert session.transact(lambda tx: bmdb.pending_intents(tx, "equinix")) == {
         "w-1": "r-1"}
     session.transact(lambda tx: tx.execute(sa.update(i).values(
-        created_at=tx.now - bmdb.capacity.INTENT_LIFETIME - dt.timedelta(seconds=1))))
-    assert session.transact(lambda tx: bmdb.capacity.pending_intents(tx, "equinix")) == {}
+        created_at=tx.now - bmdb.INTENT_LIFETIME - dt.timedelta(seconds=1))))
+    assert session.transact(lambda tx: bmdb.pending_intents(tx, "equinix")) == {}
 
 
 def test_bmdb_only_machine_stops_the_run(session, provider, simulator):
@@ -373,7 +370,7 @@ def test_lost_race_cools_down_and_is_skipped(session, provider, simulator):
     stolen = racing.stolen.reservation_id
     assert list(first.failed) == [stolen] and "RaceLost" in first.failed[stolen]
     assert len(first.created) == 2  # the failed attempt counts against the chunk
-    cooling = session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name))
+    cooling = session.transact(lambda tx: bmdb.cooling(tx, provider.name))
     assert "RaceLost" in cooling[stolen]
     second = reconcile(session, racing, settings())
     assert second.skipped_cooling == 1 and second.failed == {}
@@ -411,7 +408,7 @@ def test_api_errors_propagate_and_nothing_is_written(session, provider, simulato
     with pytest.raises(TransientExhausted):
         reconcile(session, provider, settings())
     assert known(session, provider) == {}
-    assert session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name)) == {}
+    assert session.transact(lambda tx: bmdb.cooling(tx, provider.name)) == {}
     assert simulator.devices == {}
 
 
@@ -429,7 +426,7 @@ def test_outage_during_creation_stops_the_run(session, provider, simulator):
     assert "TransientExhausted" in next(iter(result.failed.values()))
     assert simulator.devices == {}
     # An outage says nothing about the reservation tried: it must not sit out an hour.
-    assert session.transact(lambda tx: bmdb.capacity.cooling(tx, provider.name)) == {}
+    assert session.transact(lambda tx: bmdb.cooling(tx, provider.name)) == {}
     simulator.faults.clear()
     assert len(reconcile(session, provider, settings()).created) > 0
 
@@ -437,12 +434,13 @@ def test_outage_during_creation_stops_the_run(session, provider, simulator):
 # -- guards ---------------------------------------------------------------------
 
 
-def test_one_reconcile_per_provider_at_a_time(db, session, provider, simulator):
+def test_one_reconcile_at_a_time_fleet_wide(db, session, provider, simulator):
     with db.start_session("other", interval=2) as other, \
-            bmdb.singletons.hold(other, f"reconcile:{provider.name}") as held:
+            bmdb.hold_singleton(other, provisioner.RECONCILE_HOLD) as held:
         assert held
         result = reconcile(session, provider, settings())
     assert result.busy and result.created == () and simulator.devices == {}
+    assert result.to_json() == {"skipped": "reconcile already running"}
     assert len(reconcile(session, provider, settings()).created) == 3
 
 

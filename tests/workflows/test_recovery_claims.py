@@ -33,7 +33,7 @@ def fleet(db: bmdb.BMDB, session: bmdb.Session) -> Fleet:
 
 
 def recovery_work(db: bmdb.BMDB) -> int:
-    return db.read(lambda tx: bmdb.queries.active_work(tx, bmdb.Process.RECOVERY))
+    return db.read(lambda tx: bmdb.active_work(tx, bmdb.Process.RECOVERY))
 
 
 # -- one guard evaluation ---------------------------------------------------------------
@@ -54,7 +54,7 @@ def test_decide_in_a_callers_transaction_is_evaluate(db: bmdb.BMDB, fleet: Fleet
 
         def read(tx: bmdb.Tx) -> tuple[GuardDecision, bool]:
             decided = guard.decide(tx, db.thresholds, limits, callback, budget=budget)
-            return decided, bmdb.queries.machine_exists(tx, fleet.silent)
+            return decided, bmdb.machine_exists(tx, fleet.silent)
 
         decided, exists = db.read(read)
     assert exists
@@ -104,7 +104,7 @@ def test_paused_claims_nothing(db: bmdb.BMDB, session: bmdb.Session, fleet: Flee
     assert seen == [paused.value.decision]
     assert asked == [] and recovery_work(db) == before
     # The hold was given back: the next claimer gets it at once.
-    with bmdb.singletons.hold(session, RECOVERY_CLAIMS) as held:
+    with bmdb.hold_singleton(session, RECOVERY_CLAIMS) as held:
         assert held
 
 
@@ -129,14 +129,14 @@ def holder_of(tx: bmdb.Tx, name: str) -> uuid.UUID | None:
     """The session holding ``name``, read straight from the table (asking through
     ``try_acquire`` would take it)."""
     return tx.execute(
-        bmdb.schema.singletons.select().with_only_columns(bmdb.schema.singletons.c.session_id)
-        .where(bmdb.schema.singletons.c.name == name)).scalar_one_or_none()
+        bmdb._schema.singletons.select().with_only_columns(bmdb._schema.singletons.c.session_id)
+        .where(bmdb._schema.singletons.c.name == name)).scalar_one_or_none()
 
 
 def test_a_busy_hold_raises_claims_busy_after_waiting(db: bmdb.BMDB, session: bmdb.Session,
                                                      fleet: Fleet) -> None:
     with db.start_session("other-claimer", interval=2) as other, \
-            bmdb.singletons.hold(other, RECOVERY_CLAIMS) as held:
+            bmdb.hold_singleton(other, RECOVERY_CLAIMS) as held:
         assert held
 
         def claim(allowed: int) -> list[bmdb.Work]:
@@ -156,7 +156,7 @@ def test_a_waiting_claimer_gets_the_hold_once_released(db: bmdb.BMDB, session: b
     released = threading.Event()
 
     def hold_briefly() -> None:
-        with bmdb.singletons.hold(other, RECOVERY_CLAIMS):
+        with bmdb.hold_singleton(other, RECOVERY_CLAIMS):
             released.wait(5)
 
     holder = threading.Thread(target=hold_briefly)

@@ -13,10 +13,10 @@ import pytest
 
 import bmdb
 from shepherd import runtime
+from shepherd.bmc import BmcSpec
 from shepherd.config import Settings, SettingsError
 from shepherd.operations import explain
 from shepherd.power import ExclusivePower
-from shepherd.power.spec import BmcSpec
 from shepherd.providers.base import ProviderMachine
 from shepherd.workflows import guard
 from tests.support.bmdb_helpers import seed_provided
@@ -30,7 +30,7 @@ def silent_agents(session: bmdb.Session, count: int) -> list[uuid.UUID]:
 
     def body(tx: bmdb.Tx) -> None:
         for machine in machines:
-            bmdb.tags.set_agent_started(tx, machine, b"k" * 32,
+            bmdb.set_agent_started(tx, machine, b"k" * 32,
                                         started_at=tx.now - dt.timedelta(hours=2))
 
     session.transact(body)
@@ -38,7 +38,7 @@ def silent_agents(session: bmdb.Session, count: int) -> list[uuid.UUID]:
 
 
 def backlog_ids(session: bmdb.Session, process: bmdb.Process) -> set[uuid.UUID]:
-    backlog = bmdb.backlog.retriever(process, NOW_SILENT)
+    backlog = bmdb.retriever(process, NOW_SILENT)
     return set(session.transact(lambda tx: list(tx.execute(backlog(tx)).scalars())))
 
 
@@ -49,9 +49,9 @@ def test_held_machines_are_in_no_backlog_and_out_of_the_share(session: bmdb.Sess
     assert backlog_ids(session, bmdb.Process.AGENT_START) == set(waiting)
 
     def hold(tx: bmdb.Tx) -> None:
-        assert bmdb.holds.put(tx, silent[0], bmdb.holds.MAINTENANCE, "disk swap", "alice")
-        assert bmdb.holds.put(tx, waiting[0], bmdb.holds.QUARANTINE, "test", "bob")
-        assert not bmdb.holds.put(tx, silent[0], bmdb.holds.MAINTENANCE, "again", "alice")
+        assert bmdb.put_hold(tx, silent[0], bmdb.MAINTENANCE, "disk swap", "alice")
+        assert bmdb.put_hold(tx, waiting[0], bmdb.QUARANTINE, "test", "bob")
+        assert not bmdb.put_hold(tx, silent[0], bmdb.MAINTENANCE, "again", "alice")
 
     session.transact(hold)
     assert backlog_ids(session, bmdb.Process.RECOVERY) == set(silent[1:])
@@ -61,12 +61,12 @@ def test_held_machines_are_in_no_backlog_and_out_of_the_share(session: bmdb.Sess
     # A claim by name is refused too, with the backlog's reason.
     with pytest.raises(bmdb.NotInBacklog):
         session.claim_machine(bmdb.Process.RECOVERY, silent[0])
-    counts = session.transact(lambda tx: bmdb.fleet.held_counts(tx))
+    counts = session.transact(lambda tx: bmdb.held_counts(tx))
     assert counts == {"maintenance": 1, "quarantine": 1}
 
-    assert session.transact(lambda tx: bmdb.holds.lift(tx, silent[0], "maintenance", "alice"))
+    assert session.transact(lambda tx: bmdb.lift_hold(tx, silent[0], "maintenance", "alice"))
     assert silent[0] in backlog_ids(session, bmdb.Process.RECOVERY)
-    history = session.transact(lambda tx: bmdb.queries.history(tx, silent[0]))
+    history = session.transact(lambda tx: bmdb.machine_history(tx, silent[0]))
     assert [(h["process"], h["event"], h["cause"]) for h in history] == [
         ("Maintenance", "Released", "by alice"),
         ("Maintenance", "Held", "by alice: disk swap"),
@@ -87,14 +87,14 @@ def test_one_silent_machine_of_a_one_machine_rack_is_recovered(session: bmdb.Ses
 
 
 def exhaust(session: bmdb.Session, machine: uuid.UUID, limit: int,
-            cause: str = bmdb.holds.LADDER_EXHAUSTED + ": test") -> bool:
+            cause: str = bmdb.LADDER_EXHAUSTED + ": test") -> bool:
     """One Recovery of ``machine`` that fails with ``cause``; whether it quarantined."""
     work = session.claim_machine(bmdb.Process.RECOVERY, machine)
     quarantined: list[bool] = []
     work.fail(cause, bmdb.Backoff(initial=1),
               then=lambda tx: quarantined.append(
-                  bmdb.holds.quarantine_if_due(tx, machine, limit, "test")))
-    session.transact(lambda tx: bmdb.work.clear_backoff(tx, machine, bmdb.Process.RECOVERY))
+                  bmdb.quarantine_if_due(tx, machine, limit, "test")))
+    session.transact(lambda tx: bmdb.clear_backoff(tx, machine, bmdb.Process.RECOVERY))
     return quarantined[-1]
 
 
@@ -109,10 +109,10 @@ def test_quarantine_after_n_exhausted_ladders_in_a_row(session: bmdb.Session) ->
     assert machine in backlog_ids(session, bmdb.Process.RECOVERY)
     assert exhaust(session, machine, 3)
     assert machine not in backlog_ids(session, bmdb.Process.RECOVERY)
-    [held] = session.transact(lambda tx: bmdb.holds.holds_of(tx, machine))
+    [held] = session.transact(lambda tx: bmdb.holds_of(tx, machine))
     assert held.kind == "quarantine" and "3 times in a row" in held.reason
     # Let out by an operator: a fresh start, not quarantined again at the next failure.
-    assert session.transact(lambda tx: bmdb.holds.lift(tx, machine, "quarantine", "carol"))
+    assert session.transact(lambda tx: bmdb.lift_hold(tx, machine, "quarantine", "carol"))
     assert not exhaust(session, machine, 3)
     assert not exhaust(session, machine, 3)
     assert exhaust(session, machine, 3)
@@ -120,7 +120,7 @@ def test_quarantine_after_n_exhausted_ladders_in_a_row(session: bmdb.Session) ->
 
 def test_a_machine_gone_from_the_provider_is_left_alone(session: bmdb.Session) -> None:
     gone, present = silent_agents(session, 2)
-    session.transact(lambda tx: bmdb.tags.set_provider_status(
+    session.transact(lambda tx: bmdb.set_provider_status(
         tx, [gone], bmdb.ProviderStatus.MISSING))
     assert backlog_ids(session, bmdb.Process.RECOVERY) == {present}
     with pytest.raises(bmdb.NotInBacklog):

@@ -1,8 +1,5 @@
 """Fabric (through shepherd.remote) against the simulator's real per-device SSH servers."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import os
@@ -30,7 +27,7 @@ from shepherd.remote import (
 )
 from shepherd.simulator import Simulator
 from shepherd.simulator.ssh import MARKER
-from tests.support.simulator_fixtures import client, provider, simulator, ssh_key
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,7 +141,7 @@ def test_long_command_times_out_on_exec(provider: EquinixProvider, simulator: Si
             remote.run("sleep 30")
         elapsed = time.monotonic() - started
     assert 0.6 <= elapsed < 3.0, elapsed
-    _wait_until(lambda: not find_processes(MARKER, device), "sleep was not killed")
+    wait_until(lambda: not find_processes(MARKER, device), 5, "sleep was not killed")
 
 
 def _outcome(action: Callable[[], object], within: float) -> BaseException | None:
@@ -217,7 +214,7 @@ def test_captured_output_is_capped_per_stream(provider: EquinixProvider, device:
 def test_refused_ssh(provider: EquinixProvider, simulator: Simulator, device: str,
                      ssh_key: Path) -> None:
     simulator.faults.set(device_id=device, ssh_refused=True)
-    _wait_until(lambda: _refused(provider, device, ssh_key), "SSH kept accepting")
+    wait_until(lambda: _refused(provider, device, ssh_key), 5, "SSH kept accepting")
     simulator.faults.set(device_id=device, ssh_refused=False)
     simulator.wait_for_ssh(device, timeout=3)
     with _remote(provider, device, ssh_key, connect_timeout=3) as remote:
@@ -244,7 +241,7 @@ def test_reboot_kills_detached_processes_and_ssh_comes_back(
         provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path) -> None:
     with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as remote:
         assert remote.run(DETACH).stdout == "started\n"
-    _wait_until(lambda: find_processes(MARKER, device), "detached process not running")
+    wait_until(lambda: find_processes(MARKER, device), 5, "detached process not running")
     # Long enough that a loaded machine still finds SSH down when it looks.
     simulator.state.reboot_delay = 3.0
     provider.reboot(device)
@@ -261,13 +258,14 @@ def test_agent_killed_fault(provider: EquinixProvider, simulator: Simulator, dev
                             ssh_key: Path) -> None:
     with _remote(provider, device, ssh_key, connect_timeout=3, exec_timeout=5) as remote:
         remote.run(DETACH)
-    _wait_until(lambda: find_processes(MARKER, device), "detached process not running")
+    wait_until(lambda: find_processes(MARKER, device), 5, "detached process not running")
     assert simulator.kill_agent(device) >= 1
     assert find_processes(MARKER, device) == []
 
 
 def test_simulator_stop_leaves_no_processes(tmp_path: Path, ssh_key: Path) -> None:
-    from tests.support.simulator_fixtures import fast_client, free_port
+    from tests.support.servers import free_port
+    from tests.support.simulator_fixtures import fast_client
 
     sim = Simulator(reservations=1, ssh_port=free_port(), provision_delay=0.0,
                     workdir=tmp_path / "s").start()
@@ -282,15 +280,7 @@ def test_simulator_stop_leaves_no_processes(tmp_path: Path, ssh_key: Path) -> No
         sim.wait_for_ssh(dev, timeout=5)
         with Remote(sim.devices[dev].address, sim.ssh_port, ssh_key, connect_timeout=3) as r:
             r.run(DETACH)
-        _wait_until(lambda: find_processes(MARKER, dev), "detached process not running")
+        wait_until(lambda: find_processes(MARKER, dev), 5, "detached process not running")
     finally:
         sim.stop()
     assert find_processes(MARKER, dev) == []
-
-
-def _wait_until(predicate: Callable[[], object], message: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(message)
-        time.sleep(0.05)

@@ -1,8 +1,5 @@
 """Update against the simulator (real HTTP) and a real BMDB (PostgreSQL and SQLite)."""
 
-# Fixtures imported from tests.support.simulator_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from bmdb.database import run_transaction
+from bmdb._database import run_transaction
 from shepherd.providers.base import (
     Capacity,
     ProviderMachine,
@@ -26,7 +23,6 @@ from shepherd.providers.equinix import EquinixProvider
 from shepherd.simulator import Simulator
 from shepherd.workflows.provisioner import ProvisionerSettings, reconcile
 from shepherd.workflows.updater import UpdaterSettings, listed_views, update
-from tests.support.simulator_fixtures import client, provider, simulator, ssh_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,7 +40,7 @@ def fleet(session: bmdb.Session, provider: EquinixProvider, simulator: Simulator
 
 def tags(session: bmdb.Session, provider: str = "equinix") -> dict[str, dict[str, Any]]:
     """provider id -> Provided row."""
-    p = bmdb.schema.provided
+    p = bmdb._schema.provided
     rows = session.transact(lambda tx: tx.execute(sa.select(p).where(p.c.provider == provider))
                             .mappings().all())
     return {row["provider_id"]: dict(row) for row in rows}
@@ -139,7 +135,7 @@ def test_other_providers_and_unregistered_devices_are_not_touched(session, provi
 
 def test_deleted_machine_is_skipped_not_recreated(session, provider, simulator, fleet):
     machine_id = session.transact(
-        lambda tx: bmdb.queries.provided_by_provider_id(tx, provider.name))[fleet[0]]
+        lambda tx: bmdb.provided_by_provider_id(tx, provider.name))[fleet[0]]
     activate(simulator, fleet[0])
 
     class DeletesDuringListing:
@@ -148,13 +144,13 @@ def test_deleted_machine_is_skipped_not_recreated(session, provider, simulator, 
         name = provider.name
 
         def list_machines(self) -> Iterable[ProviderMachine]:
-            session.transact(lambda tx: bmdb.tags.delete_machine(tx, machine_id))
+            session.transact(lambda tx: bmdb.delete_machine(tx, machine_id))
             return provider.list_machines()
 
     result = update(session, DeletesDuringListing())  # type: ignore[arg-type]
     assert result.updated == 0
     assert fleet[0] not in tags(session)
-    assert not session.transact(lambda tx: bmdb.queries.machine_exists(tx, machine_id))
+    assert not session.transact(lambda tx: bmdb.machine_exists(tx, machine_id))
 
 
 def test_api_down_propagates_and_nothing_is_written(session, provider, simulator, fleet):
@@ -172,7 +168,7 @@ def test_api_down_propagates_and_nothing_is_written(session, provider, simulator
 def test_one_update_per_provider_at_a_time(db, session, provider, simulator, fleet):
     activate(simulator, fleet[0])
     with db.start_session("other", interval=2) as other, \
-            bmdb.singletons.hold(other, f"update:{provider.name}"):
+            bmdb.hold_singleton(other, f"update:{provider.name}"):
         assert update(session, provider).busy
     assert update(session, provider).updated == 1
 
@@ -284,21 +280,21 @@ def test_machine_registered_during_the_listing_is_not_marked_missing(session):
 def test_machine_deleted_before_its_batch_is_skipped(session):
     machine_ids = register(session, machine("a"), machine("b"))
     moved = [machine("a", address="198.51.100.1"), machine("b", address="198.51.100.2")]
-    with bmdb.listing.open_listing(session, RACK) as listing:
+    with bmdb.open_listing(session, RACK) as listing:
         listing.load(listed_views(moved))
         seen = listing.compare()
-        session.transact(lambda tx: bmdb.tags.delete_machine(tx, machine_ids["a"]))
+        session.transact(lambda tx: bmdb.delete_machine(tx, machine_ids["a"]))
         done = listing.apply(batch_size=10)
     assert (seen.changed, done.updated) == (2, 1)
     assert set(tags(session, RACK)) == {"b"}
-    assert not session.transact(lambda tx: bmdb.queries.machine_exists(tx, machine_ids["a"]))
+    assert not session.transact(lambda tx: bmdb.machine_exists(tx, machine_ids["a"]))
 
 
 def test_tag_rewritten_after_the_listing_began_is_left_to_the_next_run(session):
     """A tag written since the watermark (reconcile registering the machine again) may
     be newer than the listing: neither its change nor its absence is written."""
     register(session, machine("a"), machine("b"))
-    with bmdb.listing.open_listing(session, RACK) as listing:
+    with bmdb.open_listing(session, RACK) as listing:
         listing.load(listed_views([machine("a", address="198.51.100.1")]))  # b not listed
         seen = listing.compare()
         register(session, machine("a", address="198.51.100.77"), machine("b", location="x"))
@@ -316,7 +312,7 @@ def test_writes_are_batched(session, monkeypatch):
     register(session, *machines)
     listed = [dataclasses.replace(m, status=Status.STOPPED) for m in machines[:4]]
     per_transaction: list[int] = []
-    refresh, mark = bmdb.tags.refresh_provided, bmdb.tags.mark_provided_missing
+    refresh, mark = bmdb.refresh_provided, bmdb.mark_provided_missing
 
     def counted_refresh(*args: Any, **kwargs: Any) -> int:
         per_transaction.append(refresh(*args, **kwargs))
@@ -345,7 +341,7 @@ def test_no_transaction_is_open_while_the_provider_lists(db, session, monkeypatc
     def slow_listing() -> Iterator[ProviderMachine]:
         yield from machines[:2]  # the first chunk is loaded by now
         with db.start_session("initializer", interval=2) as other:
-            other.transact(lambda tx: bmdb.tags.set_agent_started(
+            other.transact(lambda tx: bmdb.set_agent_started(
                 tx, machine_ids["b"], bytes(32)), give_up_after=1)
         yield machines[2]
 
@@ -409,6 +405,7 @@ def test_a_pinned_transaction_whose_connection_is_lost_is_not_retried(db):
         raise sa.exc.OperationalError("SELECT 1", {}, Exception("server closed the connection"),
                                       connection_invalidated=True)
 
-    with db.engine.connect() as pinned, pytest.raises(sa.exc.OperationalError):
+    with db.engine.connect() as pinned, pytest.raises(bmdb.Unavailable) as raised:
         run_transaction(db.engine, body, connection=pinned)
     assert ran_on == [pinned]
+    assert isinstance(raised.value.__cause__, sa.exc.OperationalError)

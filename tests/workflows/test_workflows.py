@@ -1,9 +1,6 @@
 """AgentStart and Recovery end to end on real parts: simulator devices over SSH, the real
 agent, the real callback server, a real BMDB (PostgreSQL; the guard runs on both)."""
 
-# Fixtures imported from tests.support.simulator_fixtures / agent_fixtures, used as arguments:
-# ruff: noqa: F401, F811
-
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +30,8 @@ from shepherd.workflows import (
 )
 from shepherd.workflows.ladder import LadderSettings
 from shepherd.workflows.recoverer import PowerFor
-from tests.support.agent_fixtures import add_machine, callback_server, tags_of, wait_for
-from tests.support.simulator_fixtures import client, provider, simulator, ssh_key
+from tests.support.agent_fixtures import add_machine, tags_of
+from tests.support.waiting import wait_until
 
 THRESHOLDS = bmdb.Thresholds(first_heartbeat=3, heartbeat=1)
 
@@ -80,7 +77,7 @@ def start_agent(session: bmdb.Session, provider: EquinixProvider, simulator: Sim
     assert work.machine_id == machine_id
     result = initialize(work, provider, settings)
     assert result.ok, result.cause
-    wait_for(lambda: "AgentHeartbeat" in tags_of(db, machine_id), timeout=8, what="heartbeat")
+    wait_until(lambda: "AgentHeartbeat" in tags_of(db, machine_id), timeout=8, what="heartbeat")
     return machine_id, provider_id
 
 
@@ -95,7 +92,7 @@ def refuses(simulator: Simulator, provider_id: str) -> bool:
 
 
 def history(db: bmdb.BMDB, machine_id: uuid.UUID) -> list[dict]:
-    return db.read(lambda tx: bmdb.queries.history(tx, machine_id))
+    return db.read(lambda tx: bmdb.machine_history(tx, machine_id))
 
 
 def test_initialize_starts_an_agent_that_heartbeats(
@@ -107,7 +104,7 @@ def test_initialize_starts_an_agent_that_heartbeats(
     assert (simulator.sandbox(provider_id) / settings.agent_target).stat().st_mode & 0o777 == 0o755
     assert [h["event"] for h in history(db, machine_id)][:3] == ["Finished", "Pinned", "Started"]
     # Trust on first use: the host key the machine presented is now required.
-    assert db.read(lambda tx: bmdb.host_keys.pinned(tx, machine_id)) == \
+    assert db.read(lambda tx: bmdb.pinned_host_key(tx, machine_id)) == \
         simulator.host_key_line(provider_id)
     assert session.held_work() == []
     assert session.claim_backlog(bmdb.Process.AGENT_START, 5) == []
@@ -152,7 +149,7 @@ def test_refused_ssh_fails_the_work_into_backoff(
         simulator: Simulator, settings: InitializerSettings) -> None:
     machine_id, provider_id = provision(session, provider, simulator)
     simulator.faults.set(device_id=provider_id, ssh_refused=True)
-    wait_for(lambda: refuses(simulator, provider_id), timeout=3, what="SSH refusing")
+    wait_until(lambda: refuses(simulator, provider_id), timeout=3, what="SSH refusing")
     result = initialize(claim_one(session, bmdb.Process.AGENT_START), provider, settings)
     assert result.outcome == "failed" and "ConnectionRefused" in (result.cause or "")
     assert result.backoff_seconds == 300  # the AgentStart default
@@ -208,7 +205,7 @@ def test_recovery_reboots_and_returns_the_machine_to_agent_start(
     machine_id, provider_id = start_agent(session, provider, simulator, settings, db)
     first_key = tags_of(db, machine_id)["AgentStarted"]["public_key"]
     assert simulator.kill_agent(provider_id) >= 1
-    work = wait_for(lambda: session.claim_backlog(bmdb.Process.RECOVERY, 1), timeout=5,
+    work = wait_until(lambda: session.claim_backlog(bmdb.Process.RECOVERY, 1), timeout=5,
                     what="the silent machine in the Recovery backlog")[0]
     assert work.machine_id == machine_id
 
@@ -230,7 +227,7 @@ def test_recovery_reboots_and_returns_the_machine_to_agent_start(
     assert initialize(again, provider, settings).ok
     # Every takeover makes a fresh key: the new one is recorded, and heard.
     assert tags_of(db, machine_id)["AgentStarted"]["public_key"] != first_key
-    wait_for(lambda: "AgentHeartbeat" in tags_of(db, machine_id), timeout=8,
+    wait_until(lambda: "AgentHeartbeat" in tags_of(db, machine_id), timeout=8,
              what="a heartbeat from the restarted agent")
 
 
@@ -242,7 +239,7 @@ def test_recovery_of_an_unknown_device_fails(
 
     def body(tx: bmdb.Tx) -> uuid.UUID:
         machine_id = register_provided(tx, provider.name, ghost)
-        bmdb.tags.set_agent_started(tx, machine_id, b"k" * 32)
+        bmdb.set_agent_started(tx, machine_id, b"k" * 32)
         return machine_id
 
     machine_id = session.transact(body)
@@ -266,7 +263,7 @@ def test_recovery_guard_pauses_on_a_fleet_wide_silence(
 
             def heard(tx: bmdb.Tx) -> None:
                 for m in machines[:17]:
-                    bmdb.tags.record_heartbeat(tx, m, now)
+                    bmdb.record_heartbeat(tx, m, now)
 
             session.transact(heard)
         lenient = bmdb.Thresholds(first_heartbeat=3600, heartbeat=3600)

@@ -44,7 +44,7 @@ def upgrade() -> None:
     processes = sa.table(
         'processes', sa.column('name', sa.String), sa.column('exclusion_group', sa.String)
     )
-    # Frozen copy of bmdb.processes.EXCLUSION_GROUPS at this revision.
+    # Frozen copy of bmdb.vocabulary.EXCLUSION_GROUPS at this revision.
     op.bulk_insert(processes, [
         {'name': 'ShepherdAgentStart', 'exclusion_group': 'ShepherdAgent'},
         {'name': 'ShepherdRecovery', 'exclusion_group': 'ShepherdAgent'},

@@ -5,7 +5,7 @@ Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01 22:40:00
 
-The triggers are those of ``bmdb.counters`` (its docstring states their invariants).
+The triggers are those of ``bmdb._counters`` (its docstring states their invariants).
 This revision fills ``machines.tag_bits`` and both counter tables from the tables as
 they are (``counters.recount``), then installs the triggers, all in one transaction
 on PostgreSQL. A later change to the triggers comes with a revision of its own that
@@ -17,8 +17,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from bmdb import counters
-from bmdb.database import Tx, read_clock
+from bmdb import _counters as counters
+from bmdb._database import Tx, read_clock
 
 revision = '0006'
 down_revision = '0005'

@@ -8,7 +8,7 @@ Create Date: 2026-12-02 14:00:00
 A new table only (``bmdb.power_states`` says why it exists): every machine starts
 with no row, which the web view shows as "—" until Recovery or ``shepherd power``
 next reads or changes its power. Machines rows are not touched, so the triggers of
-``bmdb.counters`` are unaffected.
+``bmdb._counters`` are unaffected.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Why a snapshot read in one transaction: every figure on one screen must describe
 the same moment, or a newcomer sees "20 heartbeating, 3 in backoff" of 20 machines
 and wonders which is true. Why bounded reads only: ``shepherd up`` may watch a BMDB of
 a million machines, every few seconds; the counts are the counters'
-(``bmdb.fleet.fleet_counts``), the failure causes the newest history rows through an
-index (``bmdb.problems``), the guard's figures the guard's own (``guard.decide``).
+(``bmdb.fleet_counts``), the failure causes the newest history rows through an
+index (``bmdb.fleet``), the guard's figures the guard's own (``guard.decide``).
 
 Why lines for changes, said once: a refused reconcile, a paused Recovery or the
 moment every machine heartbeats are what a person scrolling back (or grepping a CI

@@ -13,7 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from bmdb.fleet import FleetCounts
+from bmdb import FleetCounts
 from shepherd.up.progress.changes import Changes
 from shepherd.up.progress.snapshot import BackoffSummary, Snapshot
 from shepherd.up.progress.wording import dead_line, one_line, printable, refusal_line

@@ -7,9 +7,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import bmdb
-from bmdb.fleet import FleetCounts
-from bmdb.problems import DeadSessions
-from bmdb.refusals import Refusal
+from bmdb import DeadSessions, FleetCounts, Refusal
 from shepherd.up.progress.wording import guard_figures, one_line, pause_text, short
 from shepherd.workflows import guard
 from shepherd.workflows.guard import CallbackCheck, GuardLimits
@@ -84,17 +82,17 @@ def _check_callback(limits: GuardLimits) -> CallbackCheck | None:
 
 def _read(tx: bmdb.Tx, thresholds: bmdb.Thresholds, limits: GuardLimits,
           callback: CallbackCheck | None) -> Snapshot:
-    counts = bmdb.fleet.fleet_counts(tx, thresholds)
+    counts = bmdb.fleet_counts(tx, thresholds)
     decision = guard.decide(tx, thresholds, limits, callback)
     return Snapshot(
         counts=counts,
         in_flight={short(process): n for process, n in counts.active_work.items()},
         backoffs=[_backoff(tx, process, n)
                   for process, n in counts.active_backoffs.items() if n],
-        refusals=bmdb.refusals.current(tx),
+        refusals=bmdb.current_refusals(tx),
         guard=pause_text(decision.paused),
         guard_figures=guard_figures(decision),
-        dead=bmdb.problems.dead_sessions(tx),
+        dead=bmdb.dead_sessions(tx),
     )
 
 
@@ -102,7 +100,7 @@ def _backoff(tx: bmdb.Tx, process: str, machines: int) -> BackoffSummary:
     """The newest distinct causes: a thousand machines failing alike show one cause,
     not the same line three times."""
     causes: list[str] = []
-    for failure in bmdb.problems.latest_failures(tx, process, FAILURE_WINDOW):
+    for failure in bmdb.latest_failures(tx, process, FAILURE_WINDOW):
         cause = one_line(failure.cause) or "(no cause recorded)"
         if cause not in causes:
             causes.append(cause)

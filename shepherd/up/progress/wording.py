@@ -10,8 +10,7 @@ import datetime as dt
 import re
 import time
 
-from bmdb.problems import DeadSessions
-from bmdb.refusals import Refusal
+from bmdb import DeadSessions, Refusal
 from shepherd.workflows.guard import PAUSED_PREFIX, GuardDecision
 
 #: A failure cause is cut to this many characters.

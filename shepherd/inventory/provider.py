@@ -1,7 +1,9 @@
-"""Static inventory: machines listed in a file, for racks with no provider API.
+"""The inventory as a ``Provider``: machines listed in a file, for racks with no API.
 
 The file's format and its checks live in ``shepherd.inventory.file`` (also used by
-``shepherd inventory check``); this module only serves it as a ``Provider``.
+``shepherd inventory check``); this module only serves it. It lives with the
+inventory, not among the providers, because it knows the file: the provider layer
+defines the protocol and must not depend on one of its users.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from sqlalchemy import (
     false,
 )
 
-from bmdb.types import UTCDateTime
+from bmdb._types import UTCDateTime
 
 metadata = MetaData(
     naming_convention={

@@ -3,6 +3,11 @@
 The password is never part of a spec: only where to read it (``password_file`` or
 ``password_env``), read at the moment of a call (``read_password``). So a spec can
 be logged, shown, put in a task result or compared without leaking anything.
+
+Why apart from ``shepherd.power``: a provider's machine carries its spec
+(``ProviderMachine.bmc``) and the power drivers act on it, so it lies below both.
+So do the two errors reading a password can raise; the rest of the power errors
+derive from ``PowerError`` in ``shepherd.power.base``.
 """
 
 from __future__ import annotations
@@ -12,11 +17,18 @@ from pathlib import Path
 from typing import Literal
 
 from shepherd import config
-from shepherd.power.base import BmcAuthFailed
 
 Driver = Literal["redfish", "ipmi"]
 DRIVERS: tuple[Driver, ...] = ("redfish", "ipmi")
 IPMI_PORT = 623
+
+
+class PowerError(Exception):
+    """Base of every power failure; the message names the BMC, never its password."""
+
+
+class BmcAuthFailed(PowerError):
+    """The BMC refused our credentials (or the password could not be read)."""
 
 
 @dataclass(frozen=True)

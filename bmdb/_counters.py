@@ -34,9 +34,9 @@ from collections.abc import Iterator, Mapping
 
 import sqlalchemy as sa
 
-from bmdb import schema
-from bmdb.database import Tx
-from bmdb.holds import HOLD_KINDS
+from bmdb import _schema as schema
+from bmdb._database import Tx
+from bmdb.vocabulary import HOLD_KINDS
 
 #: Tag table -> its bit in ``machines.tag_bits`` (never renumber: stored values).
 TAG_BITS: Mapping[str, int] = {

@@ -13,7 +13,7 @@ import datetime as dt
 import functools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,24 +21,18 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 import tenacity
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from bmdb.errors import BMDBError
-from bmdb.types import AnyResult, db_now, sqlite_utcnow
+from bmdb._types import AnyResult, db_now, sqlite_utcnow
+from bmdb.errors import BMDBError, CommitOutcomeUnknown, Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: SQLSTATEs after which running the whole transaction again is the cure.
 _RETRYABLE_SQLSTATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03"}
-
-
-class CommitOutcomeUnknown(BMDBError):
-    """The connection dropped during COMMIT: the transaction may or may not have landed.
-
-    Never retried blindly (a claim could land twice). Sessions end on it, so that
-    whatever the lost commit did is released by the sweep.
-    """
+#: SQLSTATEs of a schema that is not (yet) migrated: undefined table, undefined column.
+_UNMIGRATED_SQLSTATES = {"42P01", "42703"}
 
 
 @dataclass
@@ -59,6 +53,8 @@ class Tx:
 
 def is_transient(error: BaseException) -> bool:
     """True for errors after which the same transaction may simply run again."""
+    if isinstance(error, BMDBError):  # said on purpose (a lost COMMIT is never retried)
+        return False
     if isinstance(error, DBAPIError):
         if error.connection_invalidated:
             return True
@@ -82,6 +78,33 @@ def is_transient(error: BaseException) -> bool:
                 )
             )
     return False
+
+
+@contextlib.contextmanager
+def available() -> Iterator[None]:
+    """Raise ``Unavailable`` for SQLAlchemy's errors that mean the BMDB cannot be used now,
+    so no caller outside this package needs SQLAlchemy's exceptions. The rest (a
+    constraint the database enforced, a statement it refused) pass unchanged: they are
+    answers, or bugs, not an outage."""
+    try:
+        yield
+    except BMDBError:
+        raise
+    except (OperationalError, InterfaceError, sa.exc.TimeoutError) as error:
+        raise Unavailable(_first_line(error)) from error
+    except DBAPIError as error:
+        if error.connection_invalidated or _sqlstate(error) in _UNMIGRATED_SQLSTATES:
+            raise Unavailable(_first_line(error)) from error
+        raise
+
+
+def _sqlstate(error: DBAPIError) -> str | None:
+    return getattr(error.orig, "pgcode", None)
+
+
+def _first_line(error: sa.exc.SQLAlchemyError) -> str:
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def create_engine(url: str, pool_size: int = 5) -> Engine:
@@ -157,7 +180,8 @@ def run_transaction(
         before_sleep=_log_retry,
         reraise=True,
     )
-    result: T = retrying(_attempt, engine, body, opener, connection)
+    with available():
+        result: T = retrying(_attempt, engine, body, opener, connection)
     return result
 
 
@@ -194,8 +218,8 @@ def _plain_start(conn: Connection) -> Tx:
 
 
 def ping(engine: Engine) -> None:
-    """One round trip to the database (its clock); raises when it does not answer."""
-    with engine.connect() as conn:
+    """One round trip to the database (its clock); ``Unavailable`` when it does not answer."""
+    with available(), engine.connect() as conn:
         read_clock(conn)
 
 

@@ -1,0 +1,110 @@
+"""The BMDB's words: processes and their exclusion groups, history events and topics, hold
+kinds, tag names, provider statuses and the one span of time the rules share.
+
+Why a module of its own, at the bottom: every other module of ``bmdb`` needs some of
+these words, and a word defined beside the code that first used it pulled that code's
+imports along (the guard's hour lived with the fleet's counts, the hold kinds with the
+holds, which write history, which needs the hour): a circle of imports. This module
+imports nothing of ``bmdb``, so no module here has to import another for a constant.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from typing import Literal
+
+
+class Process(enum.StrEnum):
+    """A kind of long-running work on one machine."""
+
+    AGENT_START = "ShepherdAgentStart"
+    RECOVERY = "ShepherdRecovery"
+    # An operator's power command (``shepherd power on|off|cycle``): in the agent
+    # group, so it never runs while AgentStart or Recovery works on the machine.
+    POWER = "ShepherdPower"
+    # Operator-requested OS (re)installation; outside the agent group because it
+    # runs through the agent rather than around it.
+    OS_INSTALL = "ShepherdOSInstall"
+
+
+#: Process -> exclusion group: processes of one group never run on the same machine
+#: at once. The database enforces it (``_schema.work``): the ``processes`` table maps
+#: each process to its group, work rows carry both and a foreign key keeps them
+#: consistent, and a unique index on (machine, group) admits one work item per machine
+#: and group. Changing this needs a migration (the table is seeded).
+EXCLUSION_GROUPS: dict[Process, str] = {
+    Process.AGENT_START: "ShepherdAgent",
+    Process.RECOVERY: "ShepherdAgent",
+    Process.POWER: "ShepherdAgent",
+    Process.OS_INSTALL: "ShepherdOSInstall",
+}
+
+
+def exclusion_group(process: Process | str) -> str:
+    return EXCLUSION_GROUPS[Process(process)]
+
+
+class Event(enum.StrEnum):
+    """The ``event`` of a history row (at most 16 characters: the column's width)."""
+
+    # A work item's own: its start and its four endings.
+    STARTED = "Started"
+    FINISHED = "Finished"
+    FAILED = "Failed"
+    CANCELED = "Canceled"
+    ABANDONED = "Abandoned"
+    # What a workflow observed while it held the machine (each reboot rung), and
+    # operators' changes (holds, host keys).
+    RUNG = "Rung"
+    HELD = "Held"
+    RELEASED = "Released"
+    PINNED = "Pinned"
+    FORGOTTEN = "Forgotten"
+
+
+#: History events that end a work item (what ``task_outcomes`` reports besides Started).
+ENDINGS: tuple[Event, ...] = (Event.FINISHED, Event.FAILED, Event.CANCELED, Event.ABANDONED)
+
+
+class Topic(enum.StrEnum):
+    """The ``process`` column of history rows that no work item wrote."""
+
+    MAINTENANCE = "Maintenance"
+    QUARANTINE = "Quarantine"
+    HOST_KEY = "HostKey"
+    #: A machine's agent, e.g. ``shepherd up`` resuming forgets every agent.
+    AGENT = "Agent"
+
+
+HoldKind = Literal["maintenance", "quarantine"]
+#: An operator's hold (``shepherd maintenance on|off``).
+MAINTENANCE: HoldKind = "maintenance"
+#: Recovery's hold, after the reboot ladder was exhausted too often in a row; lifted
+#: only by an operator (``shepherd quarantine clear``).
+QUARANTINE: HoldKind = "quarantine"
+HOLD_KINDS: tuple[HoldKind, ...] = (MAINTENANCE, QUARANTINE)
+#: How a Recovery failure that exhausted the reboot ladder begins its cause: what the
+#: quarantine's streak counts.
+LADDER_EXHAUSTED = "ladder exhausted"
+
+#: The tag names, in the order of a machine's life (Provided first): what callers
+#: outside the BMDB name tags by, without the tables behind them.
+TAG_NAMES: tuple[str, ...] = ("Provided", "AgentStarted", "AgentHeartbeat", "HardwareReport",
+                              "OSInstallationRequest", "OSInstallationReport")
+
+
+class ProviderStatus(enum.StrEnum):
+    """A machine's state at its provider, as far as the shepherd cares."""
+
+    UNKNOWN = "Unknown"
+    PROVISIONING = "Provisioning"
+    RUNNING = "Running"
+    STOPPED = "Stopped"
+    FAILED = "Failed"
+    MISSING = "Missing"
+
+
+#: The blast-radius guard's window: its reboot budget counts the last hour of Recovery
+#: starts, so a history prune never deletes the last hour.
+HOUR = dt.timedelta(hours=1)
