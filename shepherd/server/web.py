@@ -28,7 +28,7 @@ heartbeats share, and never in the heartbeats' pool.
 
 The list shows, per machine, its hostname (from the stored hardware report), its
 agent's heartbeat age (late past the BMDB's thresholds) and its power as last
-observed by Recovery or ``shepherd power`` (``bmdb.power_states``): nothing on a
+observed by Recovery or ``shepherd power`` (``bmdb.power_of``): nothing on a
 page calls a BMC or the provider, so a page costs the same at any fleet size.
 
 Read-only: nothing here changes the BMDB (the CLI does that), so the pages need no

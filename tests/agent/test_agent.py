@@ -443,7 +443,7 @@ GOOD_INIT = takeover_init(uuid.uuid4(), "http://127.0.0.1:1").to_json()
      "no usable Ed25519: cryptography_ed25519 is not usable here: ModuleNotFoundError("),
     ("python3 3.8", json.dumps(GOOD_INIT).encode(), "python3.8",
      "python3 3.8.10 is too old: the Shepherd agent needs 3.9 or newer"),
-])
+], ids=lambda value: "stdin" if isinstance(value, bytes) else None)  # same ids in every worker
 def test_takeover_failures_answer_an_error_and_leave_nothing_running(
     case: str, stdin: bytes, argv_kind: str, expected: str, agents: AgentLauncher,
     tmp_path: Path,
@@ -666,7 +666,7 @@ def test_protocol_accepts_success_and_error() -> None:
     assert TakeoverInit.from_json(json.loads(INIT.encode())) == INIT
 
 
-@pytest.mark.parametrize("raw", [
+GARBAGE_ANSWERS = [
     "", "not json", "[]", "{}", '{"success": {}, "error": {"message": "x"}}',
     '{"error": {"message": 1}}', '{"other": 1}',
     success(init_message={**INIT.to_json(), "machine_id": str(uuid.uuid4())}),
@@ -677,7 +677,13 @@ def test_protocol_accepts_success_and_error() -> None:
     success(key=base64.b64encode(bytes(31)).decode()),
     success(key=base64.b64encode(bytes(33)).decode()),
     success(key="%%%"), success(key=None), success(warnings="w"), success(extra=1),
-])
+]
+
+
+# Numbered: the answers hold this run's random ids, and every xdist worker must
+# collect the same test ids.
+@pytest.mark.parametrize("raw", GARBAGE_ANSWERS,
+                         ids=[f"answer{n}" for n in range(len(GARBAGE_ANSWERS))])
 def test_protocol_rejects_garbage(raw: str) -> None:
     with pytest.raises(ProtocolError):
         parse_takeover_response(raw, INIT)
