@@ -125,7 +125,9 @@ def db(db_url: str) -> Iterator[bmdb.BMDB]:
 
 @pytest.fixture
 def session(db: bmdb.BMDB) -> Iterator[bmdb.Session]:
-    with db.start_session("test", interval=2) as handle:
+    """The test's own BMDB session. Its lease is long enough to outlast a keep-alive
+    thread starved by four workers on two cores; tests of expiry make their own."""
+    with db.start_session("test", interval=10) as handle:
         yield handle
 
 

@@ -61,7 +61,7 @@ from tests.support.agent_fixtures import (
 )
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
-from tests.support.workers import UNUSED_UID
+from tests.support.workers import HOST_NETWORK, UNUSED_UID
 
 #: The wire format the shepherd imports, which the bundle must carry as it is.
 WIRE_PATH = Path(protocol.__file__)
@@ -80,6 +80,7 @@ def parent_of(pid: int) -> int:
 SIGNING = {"cryptography": [], "ecdsa (pure Python)": ["-S"]}
 
 
+@HOST_NETWORK  # its report names this host's network interfaces
 @pytest.mark.parametrize("signing", SIGNING)
 def test_takeover_answers_detaches_and_heartbeats_land(
     db: bmdb.BMDB, session: bmdb.Session, callback_server: RunningServer,

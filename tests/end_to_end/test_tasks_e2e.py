@@ -665,12 +665,18 @@ def test_the_overlap_check_sees_two_holders() -> None:
 
 
 def test_reconcile_runs_once_at_a_time_fleet_wide(state) -> None:
+    """Beat's reconcile skips at once; one by hand waits for the running one first."""
     from tasks import control
 
     with state.db.start_session("other-host", interval=2) as other, \
             bmdb.hold_singleton(other, "reconcile") as held:
         assert held
-        assert control.reconcile.run() == {"skipped": "reconcile already running"}
+        assert control.reconcile.run(wait_for_running=0) == {
+            "skipped": "reconcile already running"}
+        started = time.monotonic()
+        assert control.reconcile.run(wait_for_running=1.0) == {
+            "skipped": "reconcile already running"}
+        assert time.monotonic() - started >= 1.0
 
 
 def _refused_worker(tmp_path, redis_url, as_nobody: bool = False, **env: str) -> str:

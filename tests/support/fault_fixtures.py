@@ -78,8 +78,8 @@ def _note(event, name):
         os.close(fd)
 
 @contextlib.contextmanager
-def hold(session, name):
-    with _hold(session, name) as held:
+def hold(session, name, **waiting):
+    with _hold(session, name, **waiting) as held:
         _note("acquired" if held else "refused", name)
         try:
             yield held

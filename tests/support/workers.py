@@ -38,11 +38,13 @@ def redis_test_databases() -> list[int]:
 #: finds a device's processes by that name machine-wide (to kill them at power-off,
 #: and tests count them), so another worker's ``rack1-u01`` would be taken for its own.
 RACK_DEVICES = pytest.mark.xdist_group("rack_devices")
-#: docker/compose.yaml under podman: its fixed published ports (8080, 8081, 5555)
-#: and its compose project.
-COMPOSE_STACK = pytest.mark.xdist_group("compose_stack")
-#: Debootstrapped machines: chroots, mounts and namespaces as root, CPU-heavy.
-STOCK_MACHINES = pytest.mark.xdist_group("stock_machines")
+#: The host's network interfaces: the compose stack's containers add and remove
+#: some (podman's bridge and veth pairs), and an agent's hardware report read on
+#: this host (the agent's tests, the stock machines, which share its network) is
+#: compared with them. So these never run beside each other; the compose stack has
+#: fixed published ports (8080, 8081, 5555) too, and the stock machines are chroots.
+HOST_NETWORK = pytest.mark.xdist_group("host_network")
+COMPOSE_STACK = STOCK_MACHINES = HOST_NETWORK
 #: The agent under a process limit, as the first user id no process runs as: two at
 #: once would pick the same user and count each other's processes.
 UNUSED_UID = pytest.mark.xdist_group("unused_uid")
