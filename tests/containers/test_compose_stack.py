@@ -23,10 +23,10 @@ import requests
 from tests.support.compose_stack import ComposeStack, HealthChecks, PodmanService
 from tests.support.container_images import build_all, podman, require_podman
 from tests.support.waiting import wait_until
-from tests.support.workers import COMPOSE_STACK
+from tests.support.workers import HOST_NETWORK
 
 pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(900),
-              COMPOSE_STACK]
+              HOST_NETWORK]
 
 PROJECT = "shepherd-compose-test"
 MACHINES = 20  # the demo's `shepherd simulator --reservations 20`

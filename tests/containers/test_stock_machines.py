@@ -38,9 +38,9 @@ from tests.support.minimal_systems import (
     stock_machine,
 )
 from tests.support.waiting import wait_until
-from tests.support.workers import STOCK_MACHINES
+from tests.support.workers import HOST_NETWORK
 
-pytestmark = [pytest.mark.slow, pytest.mark.stock_machines, STOCK_MACHINES,
+pytestmark = [pytest.mark.slow, pytest.mark.stock_machines, HOST_NETWORK,
               # A first run builds the root filesystems (about a minute each).
               pytest.mark.timeout(900)]
 

@@ -23,7 +23,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.source import CODE, absolute, module_name, parse, python_files, relative
+from tests.support.source import (
+    CODE,
+    absolute,
+    libraries_imported,
+    module_name,
+    parse,
+    python_files,
+    relative,
+)
 
 #: Lowest first. A part is a package (all its modules) or a module; ``shepherd`` itself
 #: (its ``__init__``) and the packages not named stand apart (see ``part_of``).
@@ -152,19 +160,8 @@ def celery_imports(tree: ast.AST, types_only_allowed: bool = False) -> list[int]
         allowed = {id(inner) for node in ast.walk(tree)
                    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                    for inner in ast.walk(node)}
-    lines = []
-    for node in ast.walk(tree):
-        if id(node) in allowed:
-            continue
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            names = [node.module or ""]
-        else:
-            continue
-        if any(name.split(".")[0] in CELERY for name in names):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node, names in libraries_imported(tree)
+            if id(node) not in allowed and names & set(CELERY)]
 
 
 def test_only_the_glue_knows_celery() -> None:

@@ -21,7 +21,16 @@ from typing import TypeGuard
 
 import pytest
 
-from tests.support.source import CODE, ROOT, absolute, module_name, parse, python_files, relative
+from tests.support.source import (
+    CODE,
+    ROOT,
+    absolute,
+    libraries_imported,
+    module_name,
+    parse,
+    python_files,
+    relative,
+)
 
 #: Outside the BMDB: what may use its face only.
 OUTSIDE_BMDB = ("shepherd", "tasks", "celeryconfig.py")
@@ -67,17 +76,8 @@ BMDB_LIBRARIES = ("sqlalchemy", "alembic")
 
 def database_library_imports(tree: ast.AST) -> list[int]:
     """Lines that import SQLAlchemy or Alembic, at module level or lazily."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            names = [node.module or ""]
-        else:
-            continue
-        if any(name.split(".")[0] in BMDB_LIBRARIES for name in names):
-            found.append(node.lineno)
-    return found
+    return [node.lineno for node, names in libraries_imported(tree)
+            if names & set(BMDB_LIBRARIES)]
 
 
 def test_only_bmdb_imports_sqlalchemy() -> None:

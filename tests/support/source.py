@@ -39,3 +39,13 @@ def absolute(node: ast.ImportFrom, name: str, is_package: bool) -> str:
     package = name.split(".") if is_package else name.split(".")[:-1]
     base = package[: len(package) - node.level + 1]
     return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def libraries_imported(tree: ast.AST) -> Iterator[tuple[ast.stmt, set[str]]]:
+    """Each import statement (at module level or lazily) with the top-level names of
+    the absolute modules it imports: ``import a.b, c`` -> {"a", "c"}."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield node, {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node, {(node.module or "").split(".")[0]}

@@ -44,7 +44,6 @@ RACK_DEVICES = pytest.mark.xdist_group("rack_devices")
 #: compared with them. So these never run beside each other; the compose stack has
 #: fixed published ports (8080, 8081, 5555) too, and the stock machines are chroots.
 HOST_NETWORK = pytest.mark.xdist_group("host_network")
-COMPOSE_STACK = STOCK_MACHINES = HOST_NETWORK
 #: The agent under a process limit, as the first user id no process runs as: two at
 #: once would pick the same user and count each other's processes.
 UNUSED_UID = pytest.mark.xdist_group("unused_uid")
