@@ -32,22 +32,27 @@ from kombu import Exchange, Queue
 from bmdb import Process
 from shepherd import task_api
 from shepherd.config import Settings
-from shepherd.task_api import AGENT_START, RECOVERY, TaskCall
+from shepherd.task_api import AGENT_START, INSTALL, RECOVERY, TaskCall
 
 CONTROL_QUEUE = "shepherd.control"
 MACHINES_QUEUE = "shepherd.machines"
+#: Installations wait minutes on their agents: a queue and a worker of their own, so
+#: they never take the places AgentStart and Recovery need (``shepherd up`` starts it).
+INSTALLATIONS_QUEUE = "shepherd.installations"
+#: Each per-machine task's queue.
+MACHINE_QUEUES = {AGENT_START.name: MACHINES_QUEUE, RECOVERY.name: MACHINES_QUEUE,
+                  INSTALL.name: INSTALLATIONS_QUEUE}
 
 #: Control work (reconcile, update, sourcing, sweep, pruning history) never waits behind
 #: slow SSH work.
 ROUTING: dict[str, Any] = {
     "task_queues": tuple(Queue(name, Exchange(name, type="direct"), routing_key=name)
-                         for name in (CONTROL_QUEUE, MACHINES_QUEUE)),
+                         for name in (CONTROL_QUEUE, MACHINES_QUEUE, INSTALLATIONS_QUEUE)),
     "task_default_queue": CONTROL_QUEUE,
     "task_default_exchange": CONTROL_QUEUE,
     "task_default_routing_key": CONTROL_QUEUE,
     "task_routes": {
-        AGENT_START.name: {"queue": MACHINES_QUEUE},
-        RECOVERY.name: {"queue": MACHINES_QUEUE},
+        **{name: {"queue": queue} for name, queue in MACHINE_QUEUES.items()},
         "shepherd.*": {"queue": CONTROL_QUEUE},
     },
 }
@@ -62,6 +67,9 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
     """Celery's configuration keys for ``settings``."""
     machine_task_limits = {"time_limit": settings.machine_task_time_limit,
                            "soft_time_limit": settings.machine_task_soft_time_limit}
+    # The workflow bounds an installation by its deadline; the limits are the backstop.
+    install_limits = {"time_limit": settings.install_task_time_limit,
+                      "soft_time_limit": settings.install_task_time_limit - 60.0}
     return {
         "broker_url": settings.broker_url,
         "result_backend": settings.result_backend,
@@ -82,7 +90,8 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         # message fails to adopt its claim and ends as "gone" (see above).
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_annotations": {AGENT_START.name: machine_task_limits,
-                             RECOVERY.name: machine_task_limits},
+                             RECOVERY.name: machine_task_limits,
+                             INSTALL.name: install_limits},
         # Flower shows every task with its name, arguments and result (which never
         # carry secrets).
         "worker_send_task_events": True,
@@ -120,6 +129,8 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
                                task_api.SOURCE.bind(Process.AGENT_START.value)),
         "source-recovery": (settings.source_interval,
                             task_api.SOURCE.bind(Process.RECOVERY.value)),
+        "source-install": (settings.source_interval,
+                           task_api.SOURCE.bind(Process.OS_INSTALL.value)),
         "sweep": (settings.sweep_interval, task_api.SWEEP.bind()),
         # Nothing to prune when history is kept for ever.
         "prune-history": (settings.history_prune_interval if settings.history_keep else 0,

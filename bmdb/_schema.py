@@ -149,9 +149,41 @@ hardware_report = Table(
 os_installation_request = Table(
     "os_installation_request",
     metadata,
+    # The installation in flight (``installations.py``): what heartbeat answers carry
+    # to the agent until it reports on this generation, and what it said of its progress.
     _machine_key(),
     Column("generation", Integer, nullable=False),
     Column("request", JSON, nullable=False),
+    Column("dispatched_at", UTCDateTime),
+    Column("progress", JSON),
+    Column("progress_at", UTCDateTime),
+)
+
+os_wanted = Table(
+    "os_wanted",
+    metadata,
+    # The installation a machine should have (``installations.py``): an inventory's
+    # ``os`` entry or an operator's ``shepherd install``. ``generation`` counts the
+    # installations dispatched for the machine, so a new one never reuses a number
+    # an agent has seen; ``settled_at`` is set once one of them was verified
+    # (``outcome`` installed) or an operator withdrew it (canceled), and while it is
+    # NULL the machine is in the installations' backlog.
+    _machine_key(),
+    Column("image", String(64), nullable=False),
+    Column("disk", String(256), nullable=False),
+    Column("origin", String(16), nullable=False),
+    Column("requested_by", String(128), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("wanted_at", UTCDateTime, nullable=False),
+    Column("generation", Integer, nullable=False, server_default="0"),
+    Column("settled_at", UTCDateTime),
+    Column("outcome", String(16)),
+    Index(
+        "ix_os_wanted_pending",
+        "machine_id",
+        postgresql_where=sa.text("settled_at IS NULL"),
+        sqlite_where=sa.text("settled_at IS NULL"),
+    ),
 )
 
 os_installation_report = Table(

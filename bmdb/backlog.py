@@ -132,6 +132,26 @@ def recovery_backlog(thresholds: Thresholds) -> Backlog:
     return Backlog(RECOVERY, lambda tx: recovery_cutoffs(tx, thresholds))
 
 
+def _installations_statement() -> AnySelect:
+    """An installation wanted and not settled, an agent heard from lately (it writes the
+    image), not held, still listed by its provider."""
+    w, h = schema.os_wanted, schema.agent_heartbeat
+    return (sa.select(w.c.machine_id)
+            .join(h, h.c.machine_id == w.c.machine_id)
+            .where(w.c.settled_at.is_(None), h.c.last_heartbeat_at >= sa.bindparam("heard_after"),
+                   not_held(w.c.machine_id), not_gone(w.c.machine_id)))
+
+
+INSTALLATIONS = _installations_statement()
+
+
+@functools.cache
+def installations_backlog(thresholds: Thresholds) -> Backlog:
+    """Machines whose wanted installation can be dispatched to their agent now."""
+    return Backlog(INSTALLATIONS, lambda tx: {
+        "heard_after": tx.now - dt.timedelta(seconds=thresholds.heartbeat)})
+
+
 #: Every Provided machine, held or not: an operator's power command is what one
 #: does to a machine in maintenance. Claimed only by name (``claim_machine``).
 any_provided = Backlog(sa.select(schema.provided.c.machine_id), _no_values)
@@ -146,4 +166,6 @@ def retriever(process: Process, thresholds: Thresholds) -> Backlog:
         return any_provided
     if process is Process.RECOVERY:
         return recovery_backlog(thresholds)
+    if process is Process.OS_INSTALL:
+        return installations_backlog(thresholds)
     raise ValueError(f"{process} has no backlog query; claim it with a retriever of your own")

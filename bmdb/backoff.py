@@ -62,10 +62,14 @@ def _ceil_seconds(seconds: float) -> int:
 #: Defaults from the design; workflows may pick another for a particular failure.
 AGENT_START_BACKOFF = Backoff(initial=5 * 60, maximum=4 * 3600, exponent=1.2)
 RECOVERY_BACKOFF = Backoff(initial=60, maximum=3600, exponent=1.2)
+#: A failed installation is tried again after minutes, not seconds: the disk was (most
+#: likely) written in vain, and the cause (an image, a disk) usually needs a person.
+INSTALL_BACKOFF = Backoff(initial=10 * 60, maximum=6 * 3600, exponent=2.0)
 OTHER_BACKOFF = Backoff(initial=60, maximum=3600, exponent=1.2)
 
 
 def default_backoff(process: Process | str) -> Backoff:
     """The backoff a failure of ``process`` gets when the workflow names none."""
-    defaults = {Process.AGENT_START: AGENT_START_BACKOFF, Process.RECOVERY: RECOVERY_BACKOFF}
+    defaults = {Process.AGENT_START: AGENT_START_BACKOFF, Process.RECOVERY: RECOVERY_BACKOFF,
+                Process.OS_INSTALL: INSTALL_BACKOFF}
     return defaults.get(Process(process), OTHER_BACKOFF)

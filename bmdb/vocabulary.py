@@ -23,8 +23,9 @@ class Process(enum.StrEnum):
     # An operator's power command (``shepherd power on|off|cycle``): in the agent
     # group, so it never runs while AgentStart or Recovery works on the machine.
     POWER = "ShepherdPower"
-    # Operator-requested OS (re)installation; outside the agent group because it
-    # runs through the agent rather than around it.
+    # An OS (re)installation, written to disk by the agent: in the agent group, since
+    # it replaces the system the agent runs on (no AgentStart, Recovery or power
+    # command beside it).
     OS_INSTALL = "ShepherdOSInstall"
 
 
@@ -37,7 +38,7 @@ EXCLUSION_GROUPS: dict[Process, str] = {
     Process.AGENT_START: "ShepherdAgent",
     Process.RECOVERY: "ShepherdAgent",
     Process.POWER: "ShepherdAgent",
-    Process.OS_INSTALL: "ShepherdOSInstall",
+    Process.OS_INSTALL: "ShepherdAgent",
 }
 
 
@@ -61,6 +62,11 @@ class Event(enum.StrEnum):
     RELEASED = "Released"
     PINNED = "Pinned"
     FORGOTTEN = "Forgotten"
+    # An installation's own: what is wanted, withdrawn, and each step it took.
+    WANTED = "Wanted"
+    WITHDRAWN = "Withdrawn"
+    DISPATCHED = "Dispatched"
+    VERIFIED = "Verified"
 
 
 #: History events that end a work item (what ``task_outcomes`` reports besides Started).

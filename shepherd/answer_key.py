@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidSignature
@@ -64,6 +66,23 @@ class AnswerKey:
     def from_bmdb(cls, db: bmdb.BMDB) -> AnswerKey:
         """The fleet's key, in a transaction of its own (see ``from_tx``)."""
         return db.read(cls.from_tx)
+
+    def fetch_token(self, machine_id: str, generation: int, image: str) -> str:
+        """The token that lets one machine fetch one image for one installation
+        (``shepherd.server.images``): a MAC under this key of the three, so it is never
+        stored, dies with its installation (the route accepts only the generation in
+        flight), and no other machine, image or generation has the same."""
+        message = f"shepherd-image-fetch\n{machine_id}\n{generation}\n{image}".encode()
+        secret = self.private.private_bytes(serialization.Encoding.Raw,
+                                            serialization.PrivateFormat.Raw,
+                                            serialization.NoEncryption())
+        digest = hmac.new(secret, message, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def fetch_allowed(self, token: str, machine_id: str, generation: int, image: str) -> bool:
+        """Whether ``token`` is ``fetch_token``'s, compared in constant time."""
+        return hmac.compare_digest(token.encode(),
+                                   self.fetch_token(machine_id, generation, image).encode())
 
     def sign(self, machine: str, timestamp: str, status: int, body: bytes) -> str:
         """The base64 signature of one answer (the answer signature header's value)."""

@@ -171,6 +171,23 @@ class Settings:
         "(seconds, seconds, factor)")
     recovery_backoff: bmdb.Backoff = setting(
         bmdb.RECOVERY_BACKOFF, "Recovery's backoff: initial,maximum,exponent")
+    # Installing operating systems (``shepherd install``, README "Installing an
+    # operating system").
+    image_dir: Path = setting(Path("var/images"), "Shepherd's image directory: the "
+                              "catalog (catalog.toml) and the image files `shepherd "
+                              "serve` serves to agents")
+    install_in_flight_cap: int = setting(20, "installations in flight fleet-wide, at most",
+                                         minimum=1)
+    install_stall_timeout: float = setting(300.0, "seconds an installing agent may go "
+                                           "without reporting progress", minimum=1.0)
+    install_deadline: float = setting(1800.0, "seconds an installation may take (below "
+                                      "the visibility timeout)", minimum=1.0)
+    install_fetch_retries: int = setting(5, "times an agent resumes a broken image "
+                                         "download")
+    install_fetch_stall: float = setting(30.0, "seconds an image download may go without "
+                                         "a byte before it is resumed", minimum=0.1)
+    install_backoff: bmdb.Backoff = setting(
+        bmdb.INSTALL_BACKOFF, "a failed installation's backoff: initial,maximum,exponent")
     # The callback server (``shepherd serve``; its flags override these).
     serve_listen: str = setting("127.0.0.1:8470", "the agents' listener (host:port)",
                                 kind=listen)
@@ -233,6 +250,12 @@ class Settings:
         (``Abandoned``, no backoff) and the same stuck machine is claimed again at once.
         """
         return self.machine_task_time_limit - 30.0
+
+    @property
+    def install_task_time_limit(self) -> float:
+        """Hard limit of an installation task: the workflow ends it at its deadline; this
+        is the backstop, with room to fail the work with its cause first."""
+        return self.install_deadline + 300.0
 
     @property
     def agent_interval(self) -> float:

@@ -292,6 +292,25 @@ def count_recovery_pause(causes: Iterable[str]) -> None:
         RECOVERY_PAUSES.labels(reason=cause).inc()
 
 
+# -- installations ---------------------------------------------------------------
+# In flight: ``shepherd_fleet_active_work{process="ShepherdOSInstall"}``; ended, by
+# outcome: ``shepherd_machine_task_outcomes`` (both from the BMDB, fleet-wide).
+
+INSTALLATION_SECONDS = Histogram(
+    "shepherd_installation_seconds", "Installations this process watched, from the claim "
+    "to the outcome, by outcome.", ["outcome"],
+    buckets=(30, 60, 120, 300, 600, 900, 1200, 1800, 3600, float("inf")))
+INSTALLATION_FAILURES = Counter(
+    "shepherd_installation_failures", "Installations that failed, by cause (the agent's "
+    "cause kind: digest, read_back, fetch, stall, refused, agent_silent...).", ["cause"])
+
+
+def count_installation(outcome: str, seconds: float, cause: str | None) -> None:
+    INSTALLATION_SECONDS.labels(outcome=outcome).observe(seconds)
+    if outcome == "failed":
+        INSTALLATION_FAILURES.labels(cause=cause or "other").inc()
+
+
 def guard_metrics(db: bmdb.BMDB, thresholds: bmdb.Thresholds,
                   limits: GuardLimits) -> Iterator[Metric]:
     """What ``guard.evaluate`` decides now, as gauges; nothing when it cannot be read.

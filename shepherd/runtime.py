@@ -33,6 +33,7 @@ from shepherd.workflows.guard import GuardLimits
 if TYPE_CHECKING:
     from shepherd.power import PowerControl
     from shepherd.workflows.initializer import InitializerSettings
+    from shepherd.workflows.installation import InstallationSettings
     from shepherd.workflows.provisioner import ProvisionerSettings
     from shepherd.workflows.recoverer import RecovererSettings
     from shepherd.workflows.retention import RetentionSettings
@@ -121,6 +122,9 @@ class Runtime:
     def recoverer_settings(self) -> RecovererSettings:
         return recoverer_settings(self.settings)
 
+    def installation_settings(self) -> InstallationSettings:
+        return installation_settings(self.settings)
+
     def forget_inherited(self, component: str | None = None) -> None:
         """After a fork: drop the parent's objects without touching what they share with it.
 
@@ -170,7 +174,8 @@ def backoffs(settings: Settings) -> dict[bmdb.Process, bmdb.Backoff]:
     """The configured backoffs (``SHEPHERD_<PROCESS>_BACKOFF``), which the BMDB gives a
     failure that names none: so the workflows never carry them."""
     return {bmdb.Process.AGENT_START: settings.agent_start_backoff,
-            bmdb.Process.RECOVERY: settings.recovery_backoff}
+            bmdb.Process.RECOVERY: settings.recovery_backoff,
+            bmdb.Process.OS_INSTALL: settings.install_backoff}
 
 
 def check_bmdb_url(url: str) -> None:
@@ -211,6 +216,11 @@ def check_settings(settings: Settings) -> None:
             f"machine task's time limit, {settings.machine_task_time_limit:g}s (from the SSH "
             "timeouts and the reboot ladder: SHEPHERD_RUNG_TIMEOUT, SHEPHERD_BOOT_WAIT, "
             "SHEPHERD_BMC_TIMEOUT/ATTEMPTS/LOCK_WAIT)")
+    if settings.visibility_timeout <= settings.install_task_time_limit:
+        raise SettingsError(
+            f"SHEPHERD_VISIBILITY_TIMEOUT={settings.visibility_timeout:g} must exceed an "
+            f"installation task's time limit, {settings.install_task_time_limit:g}s "
+            "(SHEPHERD_INSTALL_DEADLINE and 300 s)")
 
 
 def check_writable_directory(name: str, path: str) -> None:
@@ -291,6 +301,15 @@ def recoverer_settings(settings: Settings) -> RecovererSettings:
     )
 
 
+def installation_settings(settings: Settings) -> InstallationSettings:
+    from shepherd.workflows.installation import InstallationSettings
+
+    return InstallationSettings(
+        callback_url=settings.callback_url, image_dir=settings.image_dir,
+        stall_timeout=settings.install_stall_timeout, deadline=settings.install_deadline,
+        fetch_retries=settings.install_fetch_retries, fetch_stall=settings.install_fetch_stall)
+
+
 def power_for(settings: Settings, provider: Provider, session: bmdb.Session,
               machine: ProviderMachine) -> PowerControl | None:
     """The machine's power control: its BMC from the inventory (every call under the
@@ -338,11 +357,15 @@ def provisioner_settings(settings: Settings) -> ProvisionerSettings:
     )
 
 
-def sourcing_settings(settings: Settings) -> SourcingSettings:
+def sourcing_settings(settings: Settings,
+                      process: bmdb.Process = bmdb.Process.AGENT_START) -> SourcingSettings:
+    """Sourcing's settings for ``process``: installations have a cap of their own."""
     from shepherd.workflows.sourcing import SourcingSettings
 
+    cap = (settings.install_in_flight_cap if process is bmdb.Process.OS_INSTALL
+           else settings.in_flight_cap)
     return SourcingSettings(batch_size=settings.batch_size,
-                            in_flight_cap=settings.in_flight_cap,
+                            in_flight_cap=cap,
                             dispatch_ttl=settings.dispatch_ttl)
 
 

@@ -114,6 +114,7 @@ def _source(process: str) -> Outcome:
 
 AGENT_START = TaskDef("shepherd.agent_start", _machine_task)
 RECOVERY = TaskDef("shepherd.recovery", _machine_task)
+INSTALL = TaskDef("shepherd.install", _machine_task)
 RECONCILE = TaskDef("shepherd.reconcile", _reconcile)
 UPDATE = TaskDef("shepherd.update", _control_task)
 SOURCE = TaskDef("shepherd.source", _source)
@@ -122,8 +123,9 @@ PRUNE_HISTORY = TaskDef("shepherd.prune_history", _control_task)
 RECOVERY_GUARD = TaskDef("shepherd.recovery_guard", _control_task)
 
 #: The per-machine task of each process (what sourcing and ``shepherd start`` send).
-MACHINE_TASKS = {Process.AGENT_START: AGENT_START, Process.RECOVERY: RECOVERY}
+MACHINE_TASKS = {Process.AGENT_START: AGENT_START, Process.RECOVERY: RECOVERY,
+                 Process.OS_INSTALL: INSTALL}
 
 #: Every task the workers register.
 ALL: tuple[TaskDef[..., Outcome], ...] = (
-    AGENT_START, RECOVERY, RECONCILE, UPDATE, SOURCE, SWEEP, PRUNE_HISTORY, RECOVERY_GUARD)
+    AGENT_START, RECOVERY, INSTALL, RECONCILE, UPDATE, SOURCE, SWEEP, PRUNE_HISTORY, RECOVERY_GUARD)

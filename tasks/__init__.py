@@ -17,6 +17,7 @@ shepherd.recovery_guard ()                              shepherd.control
 shepherd.prune_history ()                               shepherd.control
 shepherd.agent_start   (machine_id: str, work_id=None)  shepherd.machines
 shepherd.recovery      (machine_id: str, work_id=None)  shepherd.machines
+shepherd.install       (machine_id: str, work_id=None)  shepherd.installations
 =====================  ===============================  ===================
 
 By hand::
@@ -40,11 +41,12 @@ from tasks.control import (
     sweep,
     update,
 )
-from tasks.machines import agent_start, recovery
+from tasks.machines import agent_start, install, recovery
 
 __all__ = [
     "agent_start",
     "app",
+    "install",
     "prune_history",
     "reconcile",
     "recovery",

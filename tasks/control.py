@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 import bmdb
-from celeryconfig import MACHINES_QUEUE
+from celeryconfig import MACHINE_QUEUES
 from shepherd import runtime, task_api
 from shepherd.workflows import guard, retention, sourcing
 from tasks.celery_app import app
@@ -89,11 +89,11 @@ def source(process: str) -> dict[str, Any]:
     if task is None:
         raise ValueError(f"no per-machine task for process {process!r}")
     rt = app.runtime
-    settings = runtime.sourcing_settings(rt.settings)
+    settings = runtime.sourcing_settings(rt.settings, chosen)
 
     def dispatch(work: bmdb.Work) -> None:
         task.bind(str(work.machine_id), str(work.id)).send(
-            app, expires=settings.dispatch_ttl, queue=MACHINES_QUEUE)
+            app, expires=settings.dispatch_ttl, queue=MACHINE_QUEUES[task.name])
 
     return sourcing.source(rt.session, chosen, settings, rt.guard_limits(), dispatch,
                            on_decision=count_pauses)

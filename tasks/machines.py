@@ -1,4 +1,4 @@
-"""Per-machine tasks: ``shepherd.agent_start`` and ``shepherd.recovery``.
+"""Per-machine tasks: ``shepherd.agent_start``, ``shepherd.recovery`` and ``shepherd.install``.
 
 Each takes ``(machine_id, work_id=None)`` as strings and runs the machine's work
 (``shepherd.workflows.machine_work``: adopt or claim by hand, the guard, the workflow,
@@ -9,12 +9,13 @@ claim by hand is raised in words a caller of ``celery call`` reads.
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 import bmdb
 from shepherd import metrics, task_api
-from shepherd.workflows import guard, recovery_claims
+from shepherd.workflows import guard, installation, recovery_claims
 from shepherd.workflows.machine_work import run_machine_work
 from tasks.celery_app import app
 from tasks.errors import (
@@ -33,6 +34,7 @@ def count_pauses(decision: guard.GuardDecision) -> None:
 
 def run(process: bmdb.Process, machine_id: str, work_id: str | None) -> dict[str, Any]:
     """``run_machine_work`` in this worker's runtime, its outcome as Celery's."""
+    started = time.monotonic()
     try:
         result = run_machine_work(app.runtime, process, uuid.UUID(machine_id),
                                   None if work_id is None else uuid.UUID(work_id),
@@ -41,6 +43,9 @@ def run(process: bmdb.Process, machine_id: str, work_id: str | None) -> dict[str
         raise MachineNotClaimable(str(refused)) from None
     except recovery_claims.RecoveryPaused as paused:
         raise RecoveryPaused(f"machine {machine_id} not rebooted: {paused}") from None
+    if process is bmdb.Process.OS_INSTALL:
+        metrics.count_installation(result.outcome, time.monotonic() - started,
+                                   installation.cause_kind(result.cause))
     if result.outcome == "failed":
         raise MachineWorkFailed(f"{process.value} failed on machine {machine_id}: "
                                 f"{result.cause} (backoff {result.backoff_seconds}s)")
@@ -59,3 +64,9 @@ def agent_start(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
 def recovery(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
     """Reboot one silent machine and send it back to AgentStart (Recovery)."""
     return run(bmdb.Process.RECOVERY, machine_id, work_id)
+
+
+@task_api.INSTALL.implement(app, throws=(ShepherdTaskError,))
+def install(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
+    """Have the machine's agent write and verify its wanted OS image (OSInstall)."""
+    return run(bmdb.Process.OS_INSTALL, machine_id, work_id)

@@ -22,9 +22,9 @@ server's signature (X-Shepherd-Answer-Signature) made with the init's
 ``answer_key`` over this request's machine and timestamp, the status and the body:
 an unsigned or badly signed answer is logged with why, counts as a failed
 heartbeat, and nothing in it is acted on (no installation, no dropped report).
-Signed answers carry OS installation requests. A report the server refuses with a
-signed 4xx other than 401 or 429 (a body over its size limit, say) is dropped with
-a warning, so that plain heartbeats still go through.
+Signed answers carry OS installation requests (``Installations``). A report the
+server refuses with a signed 4xx other than 401 or 429 (a body over its size limit,
+say) is dropped with a warning, so that plain heartbeats still go through.
 
 Kept to Python 3.9's syntax and standard library, as ``protocol`` is: it runs on
 whatever python3 the machine has. Every machine-side assumption it makes is checked
@@ -63,8 +63,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING or __package__:  # shepherd.agent.agent, in the shepherd package
-    from . import protocol
-else:  # the bundle's shepherd_agent, or agent.py run alone: protocol.py lies beside it
+    from . import installer, protocol
+else:  # the bundle's shepherd_agent, or agent.py run alone: its modules lie beside it
+    import installer
     import protocol
 
 PID_FILE = "agent.pid"
@@ -72,6 +73,9 @@ LOG_FILE = "agent.log"
 #: Where agents before protocol v2 kept their key: removed at takeover.
 OLD_KEY_FILE = "agent_key.pem"
 REQUEST_TIMEOUT = 10.0
+#: Seconds between heartbeats at most while an installation runs: its progress is what
+#: operators watch, and twenty installations in flight add four requests a second.
+INSTALLING_INTERVAL = 5.0
 MAX_ANSWER = 1 << 20
 
 log = logging.getLogger("shepherd-agent")
@@ -463,12 +467,18 @@ class Heartbeater:
         hardware = hardware_report(args.sys_root)
         self.hardware: dict[str, Any] | None = hardware  # None once delivered
         self.hardware_warnings: list[str] = hardware["warnings"]
+        #: Set to end a wait between heartbeats early: a stop, or an installation's end.
+        self.wake = threading.Event()
+        self.installations = Installations(args.sys_root, context, self.wake.set)
         self.installation_report: protocol.InstallationReport | None = None
-        self.reported_generation: int | None = None
         handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
         if context is not None:
             handlers.append(urllib.request.HTTPSHandler(context=context))
         self.opener = urllib.request.build_opener(*handlers)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.wake.set()
 
     def run(self, pid_path: str) -> None:
         failures = 0
@@ -482,13 +492,18 @@ class Heartbeater:
             except Exception as error:  # any failure: log, back off, try again
                 failures += 1
                 log.warning("heartbeat failed (%d in a row): %s", failures, error)
+            if self.installation_report is None:
+                self.installation_report = self.installations.take_report()
             if self.installation_report is not None and failures == 0:
                 continue  # report at once, not one interval later
-            self.stop.wait(self.delay(failures))
+            self.wake.wait(self.delay(failures))
+            self.wake.clear()
         log.info("agent stopping (superseded=%s)", superseded(pid_path))
 
     def delay(self, failures: int) -> float:
         interval: float = self.args.interval
+        if self.installations.running():
+            interval = min(interval, INSTALLING_INTERVAL)
         if failures == 0:
             return interval
         backoff: float = self.args.max_backoff
@@ -505,8 +520,10 @@ class Heartbeater:
         self.handle(request)
 
     def body(self) -> protocol.Heartbeat:
-        """The heartbeat, with whichever optional reports are still to be delivered."""
-        return protocol.Heartbeat(self.machine_id, self.hardware, self.installation_report)
+        """The heartbeat, with whichever optional reports are still to be delivered, and
+        the progress of an installation under way."""
+        return protocol.Heartbeat(self.machine_id, self.hardware, self.installation_report,
+                                  self.installations.progress())
 
     def delivered(self) -> None:
         """The server has the reports just sent: stop sending them."""
@@ -514,8 +531,7 @@ class Heartbeater:
             log.info("hardware report delivered")
             self.hardware = None
         if self.installation_report is not None:
-            self.reported_generation = self.installation_report.generation
-            log.info("installation report %d delivered", self.reported_generation)
+            log.info("installation report %d delivered", self.installation_report.generation)
             self.installation_report = None
 
     def drop_reports(self, error: Refused) -> None:
@@ -524,24 +540,20 @@ class Heartbeater:
         The server would refuse the same body every time (too large, say), and
         resending it forever would fail every heartbeat until Recovery reboots the
         machine: plain heartbeats matter more than the reports. A dropped
-        installation report still counts as reported, so that the same
-        installation is not run again when the server repeats its request.
+        installation report still counts as reported: no generation runs twice
+        (``Installations``), whatever the server repeats.
         """
         if self.hardware is not None:
             log.warning("dropping the hardware report from the heartbeats: %s", error)
             self.hardware = None
         if self.installation_report is not None:
-            self.reported_generation = self.installation_report.generation
             log.warning("dropping installation report %s from the heartbeats: %s",
-                        self.reported_generation, error)
+                        self.installation_report.generation, error)
             self.installation_report = None
 
     def handle(self, request: protocol.InstallationRequest | None) -> None:
-        if request is None or request.generation == self.reported_generation:
-            return
-        log.info("OS installation request %s: %s", request.generation, request.request)
-        self.installation_report = protocol.InstallationReport(request.generation,
-                                                               install_os(request.request))
+        """Act on a signed answer's installation request (or its absence)."""
+        self.installations.answer(request)
 
     def post(self, body: bytes) -> protocol.InstallationRequest | None:
         """Send one signed heartbeat; the answer's installation request, if any, once
@@ -598,11 +610,94 @@ def refuses_the_body(code: int) -> bool:
     return 400 <= code < 500 and code not in (401, 429)
 
 
-def install_os(request: Any) -> dict[str, Any]:
-    """First version: no installation kind is supported yet; say so in the report."""
-    kind = request.get("kind", "unspecified") if isinstance(request, dict) else "unspecified"
-    return {"status": "error",
-            "message": f"installation kind {kind!r} is not supported by this agent"}
+class Installations:
+    """The installation this agent runs, in a thread of its own beside the heartbeats.
+
+    Invariants (the server's side: ``bmdb.installations``):
+
+    * a generation runs at most once, and never one older than the newest this agent
+      has started: a repeated answer (the server asks until it has the report) or an
+      old one cannot start a second write;
+    * a newer generation cancels the one under way (its report is dropped: the server
+      asks about the newer one only); an answer without a request cancels it too (an
+      operator withdrew it, or the server gave up on it), and that report is sent;
+    * only a signed answer reaches ``answer`` (``Heartbeater.post`` checks it first).
+    """
+
+    def __init__(self, sys_root: str, context: ssl.SSLContext | None,
+                 finished: Callable[[], None]) -> None:
+        self.sys_root = sys_root
+        #: The callback server's TLS context: an image Shepherd serves comes from it.
+        self.context = context
+        self.newest = 0
+        #: Called when an installation ends, so its report goes out without waiting.
+        self.finished = finished
+        self._lock = threading.Lock()
+        self._running: tuple[int, threading.Event] | None = None
+        self._progress: dict[str, Any] | None = None
+        self._report: protocol.InstallationReport | None = None
+
+    def answer(self, request: protocol.InstallationRequest | None) -> None:
+        if request is None:
+            self._cancel("the server no longer asks for it")
+            return
+        if request.generation <= self.newest:
+            return
+        self._cancel(f"generation {request.generation} supersedes it")
+        self.newest = request.generation
+        log.info("OS installation %d: %s", request.generation, redacted(request.request))
+        cancelled = threading.Event()
+        with self._lock:
+            self._running, self._progress = (request.generation, cancelled), None
+        threading.Thread(target=self._run, args=(request, cancelled),
+                         name=f"install-{request.generation}", daemon=True).start()
+
+    def _cancel(self, why: str) -> None:
+        with self._lock:
+            running = self._running
+        if running is not None and not running[1].is_set():
+            log.warning("cancelling OS installation %d: %s", running[0], why)
+            running[1].set()
+
+    def _run(self, request: protocol.InstallationRequest, cancelled: threading.Event) -> None:
+        def progress(update: dict[str, Any]) -> None:
+            with self._lock:
+                self._progress = dict(update)
+
+        result = installer.install(request.request, progress=progress, cancelled=cancelled,
+                                   sys_root=self.sys_root, context=self.context)
+        log.info("OS installation %d: %s %s", request.generation, result.get("status"),
+                 result.get("cause") or "")
+        with self._lock:
+            if self._running is not None and self._running[0] == request.generation:
+                self._running, self._progress = None, None
+            if request.generation == self.newest:
+                self._report = protocol.InstallationReport(request.generation, result)
+        self.finished()
+
+    def running(self) -> bool:
+        with self._lock:
+            return self._running is not None
+
+    def progress(self) -> protocol.InstallationProgress | None:
+        with self._lock:
+            if self._running is None or self._progress is None:
+                return None
+            return protocol.InstallationProgress(self._running[0], dict(self._progress))
+
+    def take_report(self) -> protocol.InstallationReport | None:
+        """The finished installation's report, once (the heartbeats send it until
+        delivered)."""
+        with self._lock:
+            report, self._report = self._report, None
+            return report
+
+
+def redacted(request: Any) -> Any:
+    """The request as logged: its fetch token is a credential."""
+    if isinstance(request, dict) and request.get("authorization"):
+        return {**request, "authorization": "(hidden)"}
+    return request
 
 
 # -- main --------------------------------------------------------------------
@@ -695,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.foreground:
         answer(success(taken, heartbeater.hardware_warnings))
-    signal.signal(signal.SIGTERM, lambda *_: heartbeater.stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: heartbeater.shutdown())
     log.info("agent %d started for machine %s on python %s, heartbeats to %s every %.2fs",
              os.getpid(), taken.init.machine_id, sys.version.split()[0], heartbeater.url,
              args.interval)

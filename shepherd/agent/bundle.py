@@ -11,7 +11,8 @@ carries a pure-Python Ed25519 (``ecdsa``, with ``six``), used only where
   ``__main__.py`` (``zipapp_main.py``, which refuses a python3 older than 3.9 with
   an answer), ``shepherd_agent.py`` (``agent.py``), ``protocol.py`` (the wire
   format, the very module the shepherd imports, beside the agent as it is here),
-  the bundled libraries, and their licences under ``LICENSES/``.
+  ``installer.py`` (the image writer, beside it too), the bundled libraries, and
+  their licences under ``LICENSES/``.
 
 Built from the installed packages, in memory, once per process. Byte for byte the
 same on every build of the same sources (fixed timestamps and member order), so a
@@ -34,6 +35,8 @@ BUNDLE_NAME = "shepherd-agent.pyz"
 #: The wire format (``protocol.py``), in the bundle under its name here: the agent
 #: imports it as ``protocol`` there, and as ``shepherd.agent.protocol`` here.
 WIRE_MODULE = "protocol.py"
+#: The agent's own modules beside it, imported by their names here (``installer``).
+SIBLINGS = (WIRE_MODULE, "installer.py")
 #: The distributions bundled, importable in the zip by their top-level names.
 BUNDLED = ("ecdsa", "six")
 #: zip cannot store earlier dates; one fixed date makes the bytes reproducible.
@@ -56,7 +59,8 @@ def agent_bundle() -> bytes:
 def _members() -> Iterator[tuple[str, bytes]]:
     yield "__main__.py", (HERE / "zipapp_main.py").read_bytes()
     yield "shepherd_agent.py", (HERE / "agent.py").read_bytes()
-    yield WIRE_MODULE, (HERE / WIRE_MODULE).read_bytes()
+    for sibling in SIBLINGS:
+        yield sibling, (HERE / sibling).read_bytes()
     for name in BUNDLED:
         yield from _distribution_members(importlib.metadata.distribution(name))
 

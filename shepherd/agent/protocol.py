@@ -35,10 +35,14 @@ HEARTBEAT_PATH`` with a ``Heartbeat`` body, signed with the agent's key
 the answer key::
 
     {"machine_id": "<uuid>", "hardware_report": {...},
+     "installation_progress": {"generation": 7, "progress": {...}},
      "installation_report": {"generation": 7, "result": {...}}}
     {"os_installation_request": null | {"generation": 7, "request": {...}}}
 
-The reports are optional, and sent until delivered. A running agent outlives an
+The reports are optional, and sent until delivered; the progress of an installation
+under way rides on every heartbeat while it runs. What an installation request, its
+progress and its result hold is ``shepherd.agent.installer``'s (README, "Installing an
+operating system"). A running agent outlives an
 upgrade of the shepherd (it is replaced at the next takeover only), so heartbeat
 bodies and answers ignore fields they do not know; a takeover uploads the agent
 with this module, so its messages know every field.
@@ -63,6 +67,8 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 HEARTBEAT_PATH = "/agent/v1/heartbeat"
+#: Where the callback server serves the catalog's images: this, then the image's name.
+IMAGES_PATH = "/agent/v1/images/"
 HEADER_MACHINE = "X-Shepherd-Machine"
 HEADER_TIMESTAMP = "X-Shepherd-Timestamp"
 HEADER_SIGNATURE = "X-Shepherd-Signature"
@@ -275,6 +281,19 @@ class InstallationReport(NamedTuple):
                    _object(obj.get("result"), "installation_report.result"))
 
 
+class InstallationProgress(NamedTuple):
+    """How far the installation of ``generation`` has come (``installer.Progress``)."""
+
+    generation: int
+    progress: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, value: Any) -> InstallationProgress:
+        obj = _object(value, "installation_progress")
+        return cls(_integer(obj.get("generation"), "installation_progress.generation"),
+                   _object(obj.get("progress"), "installation_progress.progress"))
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """A heartbeat body: which machine, and the reports still to be delivered. Its
@@ -283,12 +302,15 @@ class Heartbeat:
     machine_id: uuid.UUID
     hardware_report: dict[str, Any] | None = None
     installation_report: InstallationReport | None = None
+    installation_progress: InstallationProgress | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The body, without the reports that are not there."""
         body: dict[str, Any] = {"machine_id": str(self.machine_id)}
         if self.hardware_report is not None:
             body["hardware_report"] = self.hardware_report
+        if self.installation_progress is not None:
+            body["installation_progress"] = self.installation_progress._asdict()
         if self.installation_report is not None:
             body["installation_report"] = self.installation_report._asdict()
         return body
@@ -305,9 +327,11 @@ class Heartbeat:
         except ValueError as error:
             raise ProtocolError(f"machine_id is not a UUID: {obj.get('machine_id')!r}") from error
         hardware, installation = obj.get("hardware_report"), obj.get("installation_report")
+        progress = obj.get("installation_progress")
         return cls(machine_id,
                    None if hardware is None else _object(hardware, "hardware_report"),
-                   None if installation is None else InstallationReport.from_json(installation))
+                   None if installation is None else InstallationReport.from_json(installation),
+                   None if progress is None else InstallationProgress.from_json(progress))
 
 
 def heartbeat_timestamp(now: float) -> str:

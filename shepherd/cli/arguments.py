@@ -268,6 +268,26 @@ def _machine_care_commands(commands: _Commands) -> None:
     commands.add("ssh-key", "the fleet's SSH key (created if missing) and the line for "
                  "authorized_keys", actions.ssh_key)
 
+    install = commands.add("install", "have a machine's agent write an OS image from the "
+                           "catalog to its disk and verify it (or withdraw that)", _install)
+    install.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    install.add_argument("image", metavar="IMAGE", nargs="?",
+                         help="an image name from the catalog (SHEPHERD_IMAGE_DIR/catalog.toml)")
+    install.add_argument("--disk", metavar="SELECTOR",
+                         help="serial=S, wwn=W, /dev/disk/by-*/NAME or device=/dev/NAME "
+                              "(default: the inventory's os entry, which wins)")
+    install.add_argument("--cancel", action="store_true",
+                         help="withdraw the machine's pending installation")
+    install.add_argument("--reason", metavar="TEXT",
+                         help="why (required to install; kept in history)")
+    install.add_argument("--by", metavar="NAME", help=BY_HELP)
+
+
+def _install(ctx: Any) -> int:
+    from shepherd.cli.install import install
+
+    return install(ctx)
+
 
 def _power(ctx: Any) -> int:
     from shepherd.cli.power import power

@@ -67,6 +67,9 @@ def show(d: Any) -> str:
         if name == "Provided" and values.get("provider_status") == "Missing":
             lines.append(f"    {operations.status_text('Missing', values.get('provider'))}: "
                          "left alone, never deleted")
+    lines += ["", "INSTALLATION"]
+    i = d.installation
+    lines.append(f"  {i.state}: {i.text}" if i is not None else "  (none wanted)")
     lines += ["", "HOST KEY"]
     lines.append(f"  recorded at the first takeover: {d.host_key_fingerprint}" if d.host_key
                  else "  none recorded (an inventory pin, if any, is in the file; else the "
@@ -221,6 +224,25 @@ def hold_change(c: Any) -> str:
     if c.backoff is not None and c.action != "on":
         lines.append(f"  note: Recovery backoff until {text_tables.when(c.backoff.until)} "
                      f"(`shepherd clear-backoff {m} recovery` to retry sooner)")
+    return "\n".join(lines)
+
+
+def install_change(c: Any) -> str:
+    """What ``install`` or ``install --cancel`` did, and what happens next."""
+    m, wanted = c.machine, c.installation.wanted
+    if c.action == "cancel":
+        if not c.changed:
+            return f"machine {m}: no installation was pending; nothing changed"
+        lines = [f"machine {m}: installation of {wanted.image} withdrawn"]
+        lines += [f"  note: {w.process} work {w.id} holds it now: it stops at its next look, "
+                  "and a disk it began writing is left undefined" for w in c.work]
+        return "\n".join(lines)
+    lines = [f"machine {m}: install {wanted.image} on disk {wanted.disk} (asked by "
+             f"{wanted.requested_by}: {wanted.reason})",
+             "  next: dispatched to its agent once it heartbeats (`shepherd explain "
+             f"{m} os-install` says why it waits)"]
+    lines += [f"  note: {w.process} work {w.id} holds it now; the installation waits for it"
+              for w in c.work]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ TOML (a ``.json`` file holds the same structure)::
     location = "fra1"           # optional
     host_key = "ssh-ed25519 AAAA..."   # optional pin: an OpenSSH public-key line
     bmc = { address = "https://192.0.2.117", verify_tls = false }   # over defaults.bmc
+    os = { image = "debian-12", disk = "serial=S3Z9NB0K123456" }   # optional: install it
 
 Merging: an entry's fields win over ``[defaults]``; the ``bmc`` table is merged key
 by key over ``defaults.bmc``, except that an entry naming its own password source
@@ -40,6 +41,7 @@ from pydantic import AfterValidator, ValidationError
 
 import bmdb
 from shepherd.bmc import BmcSpec
+from shepherd.images import NAME_PATTERN, OsEntry, check_disk
 from shepherd.inventory import bmc as bmc_table
 from shepherd.inventory.fields import (
     Host,
@@ -75,6 +77,27 @@ def _key_line(value: str) -> str:
         raise refuse(str(error)) from None
 
 
+def _image_name(value: str) -> str:
+    if not NAME_PATTERN.match(value):
+        raise refuse(f"{value!r} is not an image name (letters, digits, . _ -, at most 64)")
+    return value
+
+
+def _disk(value: str) -> str:
+    try:
+        return check_disk(value)
+    except ValueError as error:
+        raise refuse(str(error)) from None
+
+
+class Os(Table):
+    """A machine's ``os`` entry: the catalog's image (``shepherd.images``) it should run,
+    and the disk to write it to. Desired state: installed once, again when it changes."""
+
+    image: Annotated[Text, AfterValidator(_image_name)]
+    disk: Annotated[Text, AfterValidator(_disk)]
+
+
 class Machine(Table):
     """One ``[[machines]]`` entry, with ``[defaults]`` merged under it."""
 
@@ -85,6 +108,7 @@ class Machine(Table):
     ssh_user: Annotated[Text, AfterValidator(_user_name)] = SSH_USER
     host_key: Annotated[str, AfterValidator(_key_line)] | None = None
     bmc: bmc_table.Bmc | None = None
+    os: Os | None = None
 
     def provider_machine(self) -> ProviderMachine:
         """As every provider lists its machines: all RUNNING, never failed."""
@@ -93,7 +117,8 @@ class Machine(Table):
                                ssh_port=self.ssh_port, location=self.location,
                                reservation_id=None, status=bmdb.ProviderStatus.RUNNING,
                                failed=False, ssh_user=self.ssh_user, host_key=self.host_key,
-                               bmc=bmc)
+                               bmc=bmc, os=None if self.os is None else OsEntry(
+                                   self.os.image, self.os.disk))
 
 
 FIELDS = set(Machine.model_fields)

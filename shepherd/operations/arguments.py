@@ -21,7 +21,8 @@ SHORT_TAGS: dict[str, str] = {
 }
 TAG_LEGEND = ", ".join(f"{short}={name}" for name, short in SHORT_TAGS.items())
 #: Processes with a backlog query (the ones sourcing claims and ``explain`` covers).
-BACKLOG_PROCESSES: tuple[bmdb.Process, ...] = (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY)
+BACKLOG_PROCESSES: tuple[bmdb.Process, ...] = (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY,
+                                               bmdb.Process.OS_INSTALL)
 
 
 class BadArgument(ValueError):

@@ -15,6 +15,7 @@ from typing import Any
 
 import bmdb
 from shepherd.operations.arguments import BACKLOG_PROCESSES
+from shepherd.operations.installation_views import install_reason
 from shepherd.operations.reads import require_machine
 from shepherd.operations.views import (
     Explanation,
@@ -71,6 +72,11 @@ def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
         reason = held_reason(holds)
     elif process is bmdb.Process.AGENT_START:
         reason = _agent_start_reason(tags)
+    elif process is bmdb.Process.OS_INSTALL:
+        heartbeat = tags.get("AgentHeartbeat")
+        reason = install_reason(bmdb.installation_of(tx, machine_id), tx.now,
+                                heartbeat["last_heartbeat_at"] if heartbeat else None,
+                                thresholds)
     else:
         reason = _recovery_reason(tags, tx.now, thresholds)
     return ProcessExplanation(

@@ -16,6 +16,7 @@ from bmdb import DeadSessions, Glance, MachineFilter, MachineList, Refusal, Sess
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.operations import stored
 from shepherd.operations.arguments import UnknownMachine
+from shepherd.operations.installation_views import installation_view
 from shepherd.operations.views import MachineDetail
 
 
@@ -73,6 +74,7 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
         holds=bmdb.holds_of(tx, machine_id),
         host_key=host_key,
         host_key_fingerprint=key_line_fingerprint(host_key) if host_key else None,
+        installation=installation_view(bmdb.installation_of(tx, machine_id), tx.now),
     )
 
 

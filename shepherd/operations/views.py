@@ -86,6 +86,8 @@ class MachineDetail:
     #: The host key recorded at the first takeover (an inventory pin is not here).
     host_key: str | None = None
     host_key_fingerprint: str | None = None
+    #: What is wanted installed and where it stands (``operations.installs``).
+    installation: Any = None
 
 
 @dataclass(frozen=True)

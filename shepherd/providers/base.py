@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import bmdb
 from shepherd.bmc import BmcSpec
+from shepherd.images import OsEntry
 
 PLACEHOLDERS = frozenset({"", "changeme", "example", "fixme", "todo", "placeholder", "xxx"})
 
@@ -85,6 +86,9 @@ class ProviderMachine:
     #: The machine's own BMC (static inventories), or None: then power goes through
     #: the provider's API reboot, if it has one.
     bmc: BmcSpec | None = None
+    #: The operating system the machine should run (a static inventory's ``os`` entry),
+    #: or None: installations are then only an operator's (``shepherd install``).
+    os: OsEntry | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 Agents' listener (every machine reaches it, so anything on that network can):
   POST /agent/v1/heartbeat   signed heartbeat (``heartbeat.accept``); every answer on
                              this path is signed (``answers.AnswerSigner``)
+  GET  /agent/v1/images/NAME the catalog's images, to machines installing them
+                             (``images.ImageRoute``; HEAD and ranges too)
   GET  /healthz              200 {"status": "ok"} when the BMDB answers, else 503
   while bound to loopback only (one host: ``shepherd up``, tests), also what the
   operators' listener serves.
@@ -17,9 +19,10 @@ Operators' listener (``--operator-listen``):
 Threads: the event loop only parses, reads bodies and writes answers. BMDB work runs
 in thread pools, one per kind of work, so that one kind cannot starve another:
 heartbeats (``serve_threads`` threads), health checks (2), metrics (1, with a BMDB
-connection of its own), the web view's pages (4). A slow scrape therefore never
-delays ``/healthz``, and heartbeats queueing behind a slow BMDB never make the
-health check wait behind them (it then answers what the BMDB says).
+connection of its own), the web view's pages (4), the images' authorizations (2) and
+file reads (8). A slow scrape therefore never delays ``/healthz``, heartbeats
+queueing behind a slow BMDB never make the health check wait behind them (it then
+answers what the BMDB says), and downloads never hold a heartbeat's thread.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import asyncio
 import datetime as dt
 import json
 import logging
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -209,7 +213,8 @@ class AgentAPI:
         try:
             signed = auth.parse_headers(headers)
             auth.check_clock(signed, dt.datetime.now(dt.UTC), self.options.clock_window)
-            answer = self.runtime.transact(lambda tx: accept(tx, signed, method, path, body))
+            answer = self.runtime.transact(
+                lambda tx: accept(tx, signed, method, path, body, self.fetch_token))
             status, payload = 200, answer
         except auth.Unauthorized as error:
             self.refusals(logging.INFO, "heartbeat refused from %s: %s", peer, clip(error, 160))
@@ -224,6 +229,9 @@ class AgentAPI:
             log_internal_error(log, "heartbeat", error)
             status, payload = 500, {"error": "internal error"}
         return self.sign(status, payload, machine, stamp)
+
+    def fetch_token(self, machine_id: uuid.UUID, generation: int, image: str) -> str:
+        return self.signer.key().fetch_token(str(machine_id), generation, image)
 
     async def signed(self, status: int, payload: Any, machine: str | None,
                      stamp: str | None, headers: Mapping[str, str] | None = None) -> Answer:
@@ -333,11 +341,12 @@ class AgentsApp:
             await self.rest(scope, receive, send)
 
 
-def agents_app(api: AgentAPI, health: Health, operators: list[BaseRoute] | None = None
-               ) -> AgentsApp:
-    """The agents' listener; ``operators``: routes it also serves (loopback only)."""
-    return AgentsApp(api, _app(operators or [Route("/healthz", health.check,
-                                                   methods=["GET"])]))
+def agents_app(api: AgentAPI, health: Health, operators: list[BaseRoute] | None = None,
+               agents: Sequence[BaseRoute] = ()) -> AgentsApp:
+    """The agents' listener; ``agents``: its own routes besides the heartbeat (the
+    images), matched first; ``operators``: routes it also serves (loopback only)."""
+    return AgentsApp(api, _app([*agents, *(operators or [Route("/healthz", health.check,
+                                                               methods=["GET"])])]))
 
 
 def operators_app(routes: list[BaseRoute]) -> Starlette:

@@ -319,6 +319,15 @@ class InstallationReport(_Known):
     result: Annotated[dict[Name, FREE_AT_4], Field(max_length=MAX_KEYS)]
 
 
+class InstallationProgressReport(_Known):
+    """How far the installation under way has come; ``progress`` is the installer's
+    (free-form, bounded) object, level 3 of the body, shown as the agent sent it."""
+
+    __pydantic_extra__: dict[Name, FREE_AT_3] = Field(init=False)
+    generation: Annotated[StrictInt, Field(ge=0, le=GENERATION_MAX)]
+    progress: Annotated[dict[Name, FREE_AT_4], Field(max_length=MAX_KEYS)]
+
+
 class Body(_Known):
     """A heartbeat body: which machine, and the reports still to be delivered. Unknown
     fields are checked like the rest, then ignored (nothing stores them)."""
@@ -328,6 +337,7 @@ class Body(_Known):
     machine_id: Annotated[uuid.UUID, Field(strict=False)]
     hardware_report: HardwareReport | None = None
     installation_report: InstallationReport | None = None
+    installation_progress: InstallationProgressReport | None = None
 
 
 # -- the entry point -------------------------------------------------------------------

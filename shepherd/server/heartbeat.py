@@ -12,6 +12,8 @@ writers are serialised there already.
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import bmdb
@@ -32,8 +34,13 @@ def parse_body(body: bytes) -> Heartbeat:
         raise BadRequest(str(error)) from None
 
 
+#: (machine, generation, image) -> the token that fetches a served image
+#: (``AnswerKey.fetch_token``).
+FetchToken = Callable[[uuid.UUID, int, str], str]
+
+
 def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
-           body: bytes) -> dict[str, Any]:
+           body: bytes, fetch_token: FetchToken | None = None) -> dict[str, Any]:
     """Authenticate and record one heartbeat; returns the answer for the agent.
 
     Raises ``Unauthorized`` or ``BadRequest`` before writing anything, so a refused
@@ -58,7 +65,21 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     record(tx, heartbeat, signed, credentials)
     reporting = heartbeat.installation_report[0] if heartbeat.installation_report else None
     pending = credentials.pending_installation(reporting)
-    return heartbeat_answer(None if pending is None else InstallationRequest.from_json(pending))
+    if pending is None:
+        return heartbeat_answer(None)
+    return heartbeat_answer(with_fetch_token(signed.machine_id,
+                                             InstallationRequest.from_json(pending), fetch_token))
+
+
+def with_fetch_token(machine_id: uuid.UUID, pending: InstallationRequest,
+                     fetch_token: FetchToken | None) -> InstallationRequest:
+    """The request as the agent gets it: an image this server serves comes with the token
+    that fetches it (made now, never stored: see ``bmdb.installations``)."""
+    image = pending.request.get("image")
+    if fetch_token is None or not isinstance(image, dict) or image.get("served") is not True:
+        return pending
+    token = fetch_token(machine_id, pending.generation, str(image.get("name")))
+    return pending._replace(request={**pending.request, "authorization": token})
 
 
 def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders,
@@ -67,6 +88,9 @@ def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders,
                                marked=credentials.heartbeat_seen)
     if heartbeat.hardware_report is not None:
         bmdb.set_hardware_report(tx, heartbeat.machine_id, heartbeat.hardware_report)
+    if heartbeat.installation_progress is not None:
+        generation, progress = heartbeat.installation_progress
+        bmdb.record_installation_progress(tx, heartbeat.machine_id, generation, progress)
     if heartbeat.installation_report is not None:
         generation, result = heartbeat.installation_report
         bmdb.set_os_installation_report(tx, heartbeat.machine_id, generation, result)

@@ -10,6 +10,7 @@ should get them checked once, before any socket is bound. The values come from
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from shepherd.config import Settings, parse_listen
 from shepherd.runtime import guard_limits
@@ -52,6 +53,8 @@ class ServeOptions:
     #: The guard's limits, as a person waits for them: the web view and /metrics say
     #: Recovery is paused exactly when a worker would pause it.
     guard: GuardLimits
+    #: The image catalog's directory (``catalog.toml`` and the files it serves).
+    image_dir: Path
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeOptions:
@@ -68,4 +71,5 @@ class ServeOptions:
             clock_window=settings.serve_clock_window,
             operator_views=settings.serve_operator_views,
             metrics_cache=settings.metrics_cache, limits=ServerLimits.from_settings(settings),
-            guard=guard_limits(settings, interactive=True))
+            guard=guard_limits(settings, interactive=True),
+            image_dir=settings.image_dir)

@@ -39,6 +39,7 @@ from shepherd.config import Settings, SettingsError, parse_listen
 from shepherd.runtime import Runtime
 from shepherd.server import asgi
 from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_context
+from shepherd.server.images import ImageRoute, bmdb_authorizer
 from shepherd.server.limits import LogThrottle
 from shepherd.server.options import COMPONENT, ServeOptions
 from shepherd.server.web import WebView
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 #: Threads rendering the web view's pages and checking health.
 VIEW_THREADS = 4
 HEALTH_THREADS = 2
+#: Threads authorizing image downloads (a BMDB read each) and reading image files (one
+#: chunk at a time, never for a whole download: see ``images``).
+IMAGE_CHECK_THREADS = 2
+IMAGE_READ_THREADS = 8
 
 
 @dataclass
@@ -138,12 +143,16 @@ def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], N
     heartbeats = _pool(options.threads, "heartbeat", closers)
     health = asgi.Health(runtime, _pool(HEALTH_THREADS, "healthz", closers), refusals)
     api = asgi.AgentAPI(options, runtime, heartbeats, refusals)
+    images = ImageRoute(options.image_dir, bmdb_authorizer(runtime, api.signer.key),
+                        _pool(IMAGE_CHECK_THREADS, "image-check", closers),
+                        _pool(IMAGE_READ_THREADS, "image-read", closers), refusals)
     operators = None
     if options.operator_listen is not None or metrics_here:
         operators = _operator_routes(runtime, options, health, views_here, closers)
 
-    agents = Listener("agents", asgi.agents_app(api, health, operators if metrics_here else None),
-                      bind(*options.listen, options.limits.backlog), options.limits, tls)
+    app = asgi.agents_app(api, health, operators if metrics_here else None, [images.route()])
+    agents = Listener("agents", app, bind(*options.listen, options.limits.backlog),
+                      options.limits, tls)
     closers.append(agents.sock.close)
     listeners = [agents]
     operator = None
@@ -255,9 +264,9 @@ def apply_flags(settings: Settings, args: argparse.Namespace) -> Settings:
     """``settings`` with the command line's values (their defaults being the settings'
     own): the one ``Settings`` the runtime and the ``ServeOptions`` are built from.
 
-    The BMDB pool keeps at least one connection per heartbeat and health thread
-    (``SHEPHERD_BMDB_POOL_SIZE`` is raised to that): each holds one while it works,
-    and a smaller pool closes and reopens connections at every burst
+    The BMDB pool keeps at least one connection per heartbeat, health and image check
+    thread (``SHEPHERD_BMDB_POOL_SIZE`` is raised to that): each holds one while it
+    works, and a smaller pool closes and reopens connections at every burst
     (bench/heartbeat_ingest.py shows it).
     """
     return dataclasses.replace(
@@ -267,7 +276,8 @@ def apply_flags(settings: Settings, args: argparse.Namespace) -> Settings:
         serve_max_body=args.max_body, serve_clock_window=args.clock_window,
         serve_threads=args.threads, serve_operator_listen=args.operator_listen or "",
         serve_operator_views=args.operator_views,
-        bmdb_pool_size=max(settings.bmdb_pool_size, args.threads + HEALTH_THREADS))
+        bmdb_pool_size=max(settings.bmdb_pool_size,
+                           args.threads + HEALTH_THREADS + IMAGE_CHECK_THREADS))
 
 
 def serve(settings: Settings, *, db: bmdb.BMDB | None = None) -> RunningServer:

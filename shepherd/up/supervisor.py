@@ -132,12 +132,14 @@ class Up:
         self.wait_file("simulator", plan.inventory)
 
     def start_workers(self, plan: Plan) -> None:
-        """Two workers, one per queue, so control work never waits behind SSH work."""
+        """Three workers, one per queue, so control work never waits behind SSH work,
+        nor SSH work behind installations (which wait minutes on their agents)."""
         common = ["--loglevel=INFO", "--without-gossip", "--without-mingle"]
         prom = plan.workdir / "prometheus"
         for name, queue, concurrency in (
                 ("control", "shepherd.control", 2),
-                ("machines", "shepherd.machines", self.options.machine_concurrency)):
+                ("machines", "shepherd.machines", self.options.machine_concurrency),
+                ("installations", "shepherd.installations", 2)):
             multiproc = prom / name
             multiproc.mkdir(parents=True, exist_ok=True)
             metrics_port = free_port()

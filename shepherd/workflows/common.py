@@ -26,7 +26,8 @@ MAX_CAUSE = 1000
 #: Errors that mean the claim is not ours any more: nothing to release, so re-raise.
 NOT_OURS = (bmdb.WorkGone, bmdb.SessionExpired, bmdb.CommitOutcomeUnknown)
 
-Outcome = Literal["finished", "failed"]
+#: "canceled": released without a backoff (an operator withdrew what was asked).
+Outcome = Literal["finished", "failed", "canceled"]
 
 
 class WorkflowFailure(Exception):

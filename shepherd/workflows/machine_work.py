@@ -1,7 +1,7 @@
 """One machine's work, from its claim to its outcome: what every per-machine task runs.
 
-The rules, in one place (the Celery tasks ``shepherd.agent_start`` and
-``shepherd.recovery`` are glue over ``run_machine_work``):
+The rules, in one place (the Celery tasks ``shepherd.agent_start``,
+``shepherd.recovery`` and ``shepherd.install`` are glue over ``run_machine_work``):
 
 * **Dispatched** (a work id, from sourcing or ``shepherd start``): the claim is
   adopted into this process's session. A claim that is gone (adopted already: a
@@ -36,12 +36,13 @@ from shepherd.workflows import guard
 from shepherd.workflows.common import NOT_OURS, WorkflowResult, fail
 from shepherd.workflows.guard import GuardDecision, GuardLimits
 from shepherd.workflows.initializer import InitializerSettings, initialize
+from shepherd.workflows.installation import InstallationSettings, install
 from shepherd.workflows.recoverer import RecovererSettings, recover
 from shepherd.workflows.recovery_claims import RecoveryPaused, claim_one
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["finished", "failed", "gone", "paused", "lost"]
+Outcome = Literal["finished", "failed", "canceled", "gone", "paused", "lost"]
 OnDecision = Callable[[GuardDecision], None]
 
 
@@ -62,6 +63,8 @@ class MachineParts(Protocol):
     def initializer_settings(self) -> InitializerSettings: ...
 
     def recoverer_settings(self) -> RecovererSettings: ...
+
+    def installation_settings(self) -> InstallationSettings: ...
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ def _workflow(parts: MachineParts,
     if process is bmdb.Process.RECOVERY:
         return lambda work: recover(work, parts.provider, parts.power_for,
                                     parts.recoverer_settings())
+    if process is bmdb.Process.OS_INSTALL:
+        return lambda work: install(work, parts.installation_settings())
     raise ValueError(f"no per-machine workflow for process {process.value!r}")
 
 

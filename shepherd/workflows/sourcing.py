@@ -3,7 +3,8 @@
 The rules, in one place (the Celery task ``shepherd.source`` is glue over them):
 
 * at most ``batch_size`` claims per run, and never more than ``in_flight_cap`` work
-  items of the process fleet-wide (unadopted claims included);
+  items of the process fleet-wide (unadopted claims included): for installations,
+  the fleet-wide cap of installations in flight (``SHEPHERD_INSTALL_IN_FLIGHT_CAP``);
 * one sourcing per process at a time fleet-wide (a ``bmdb.singletons`` hold), so the
   caps are exact even when beats pile up or an operator sources by hand;
 * Recovery is claimed through ``recovery_claims.claim_recovery``: under its hold,
@@ -38,7 +39,7 @@ from shepherd.workflows.recovery_claims import ClaimsBusy, RecoveryPaused, claim
 log = logging.getLogger(__name__)
 Dispatch = Callable[[bmdb.Work], None]
 #: The processes sourcing claims for (each has a per-machine task).
-SOURCED = (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY)
+SOURCED = (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY, bmdb.Process.OS_INSTALL)
 SKIPPED = "sourcing already running"
 
 

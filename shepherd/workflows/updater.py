@@ -91,10 +91,14 @@ def update(session: bmdb.Session, provider: Provider,
 
 def _update_held(session: bmdb.Session, provider: Provider,
                  settings: UpdaterSettings) -> UpdateResult:
+    wishes: list[tuple[str, str, str]] = []
     with bmdb.open_listing(session, provider.name) as listing:
-        listing.load(listed_views(provider.list_machines()))
+        listing.load(listed_views(with_os_entries(provider.list_machines(), wishes)))
         seen = listing.compare()
         done = listing.apply(settings.batch_size)
+    if wishes:
+        session.transact(lambda tx: bmdb.sync_inventory_installations(tx, provider.name,
+                                                                      wishes))
     return UpdateResult(
         provider.name,
         updated=done.updated,
@@ -103,6 +107,17 @@ def _update_held(session: bmdb.Session, provider: Provider,
         marked_missing=done.marked_missing,
         unregistered=seen.unregistered,
     )
+
+
+def with_os_entries(machines: Iterable[ProviderMachine],
+                    wishes: list[tuple[str, str, str]]) -> Iterator[ProviderMachine]:
+    """The listing as it comes, noting each machine's ``os`` entry on the way: an
+    inventory's desired installations, applied after the Provided tags (a machine
+    registered this run is then known)."""
+    for machine in machines:
+        if machine.os is not None:
+            wishes.append((machine.provider_id, machine.os.image, machine.os.disk))
+        yield machine
 
 
 def listed_views(machines: Iterable[ProviderMachine]) -> Iterator[bmdb.ListedView]:

@@ -55,11 +55,16 @@ def test_agent_start_and_recovery_exclude_each_other(db, session):
         assert other.claim(Process.RECOVERY, only(machine)) == []
 
 
-def test_process_outside_the_group_does_not_conflict(db, session):
-    (machine,) = seed_provided(session, 1)
+def test_an_installation_and_the_agents_work_exclude_each_other(db, session):
+    """An installation rewrites the disk the agent's system runs from: no AgentStart,
+    Recovery or power command beside it, and none of them under it."""
+    first, second = seed_provided(session, 2)
     with db.start_session("other", interval=2) as other:
-        assert len(session.claim(Process.AGENT_START, only(machine))) == 1
-        assert len(other.claim(Process.OS_INSTALL, only(machine))) == 1
+        assert len(session.claim(Process.AGENT_START, only(first))) == 1
+        assert other.claim(Process.OS_INSTALL, only(first)) == []
+        assert len(session.claim(Process.OS_INSTALL, only(second))) == 1
+        for process in (Process.AGENT_START, Process.RECOVERY, Process.POWER):
+            assert other.claim(process, only(second)) == []
 
 
 def test_database_itself_refuses_a_second_work_item_in_the_group(db, session):

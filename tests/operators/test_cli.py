@@ -268,7 +268,9 @@ def test_start_says_why_not(fleet: Fleet, capsys, monkeypatch) -> None:
     status, _, err = run(capsys, "start", "agent-start", UNKNOWN, workers=workers)
     assert "no machine" in one_line_error(err, status)
     status, _, err = run(capsys, "start", "os-install", str(fleet.new), workers=workers)
-    assert "unknown process 'os-install'" in one_line_error(err, status)
+    assert "not in backlog: no installation wanted" in one_line_error(err, status, expected=1)
+    status, _, err = run(capsys, "start", "os-deploy", str(fleet.new), workers=workers)
+    assert "unknown process 'os-deploy'" in one_line_error(err, status)
 
 
 def test_start_hands_the_claim_to_a_worker_that_adopts_it(fleet: Fleet, db: bmdb.BMDB,
@@ -475,7 +477,8 @@ COMMAND_ARGS = {
     "clear-backoff": [UNKNOWN, "recovery"], "start": ["recovery", UNKNOWN], "reconcile": [],
     "sessions": [], "sweep": [], "up": [], "maintenance": ["on", UNKNOWN],
     "quarantine": ["clear", UNKNOWN], "host-key": ["forget", UNKNOWN],
-    "power": ["status", UNKNOWN], "ssh-key": [], "history": ["prune", "--older-than", "30d"],
+    "power": ["status", UNKNOWN], "install": [UNKNOWN, "debian-12"], "ssh-key": [],
+    "history": ["prune", "--older-than", "30d"],
 }
 #: Commands that never open the BMDB (``inventory check`` reads only its file).
 WITHOUT_BMDB = {"inventory"}

@@ -17,6 +17,7 @@ from shepherd import operations
 from shepherd.agent import agent
 from shepherd.operations.explain import why_not
 from shepherd.workflows import guard
+from tests.support.agent_fixtures import refused_installation
 from tests.support.bmdb_helpers import backlog_ids
 from tests.support.garbage_fixtures import DOCUMENTS, assert_plain, seed_garbage
 from tests.support.operator_fixtures import Fleet, healthy_callback_server, seed_fleet
@@ -62,6 +63,10 @@ def test_explain_agrees_with_what_a_claim_would_take(db: bmdb.BMDB, session: bmd
     guard's ``evaluate``, and by claiming each machine for real."""
     paused = guard.evaluate(db, db.thresholds, limits).paused
     assert (paused is not None) == (limits.max_share < 1)  # both cases are exercised
+    for machine in (fleet.healthy, fleet.silent):  # heartbeating, and not: one claimable
+        session.transact(functools.partial(
+            bmdb.want_installation, machine_id=machine, image="debian-12", disk="serial=S1",
+            origin="operator", by="test", reason="an installation's backlog too"))
     for process in operations.BACKLOG_PROCESSES:
         eligible = backlog_ids(session, process)
         assert eligible  # so that an empty answer cannot pass by accident
@@ -183,7 +188,7 @@ def test_a_held_machine_is_in_no_backlog_and_explain_says_why(
     cleared = operations.clear_quarantine(session, fleet.quiet, "bob")
     assert cleared.changed and cleared.hold is not None
     assert cleared.hold.reason == "ladder exhausted 3 times"
-    for process in operations.BACKLOG_PROCESSES:
+    for process in (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY):
         claimable = claimed_one_by_one(session, process, [fleet.new, fleet.quiet], limits)
         assert claimable == {fleet.new if process is bmdb.Process.AGENT_START else fleet.quiet}
 
@@ -266,7 +271,7 @@ def test_what_garbage_is_shown_as(db: bmdb.BMDB, session: bmdb.Session) -> None:
 
 def test_an_honest_report_is_shown_as_sent(db: bmdb.BMDB, session: bmdb.Session) -> None:
     report = agent.hardware_report()
-    result = agent.install_os({"kind": "debian-12"})
+    result = refused_installation({"kind": "debian-12"})
 
     def store(tx: bmdb.Tx) -> uuid.UUID:
         machine_id = bmdb.create_machine(tx)

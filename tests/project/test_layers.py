@@ -50,8 +50,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # simulator; Celery's configuration, derived from the settings.
     ("shepherd.agent", "shepherd.simulator", "celeryconfig"),
     # What both sides of a boundary need: the fleet's answer key (the server signs,
-    # AgentStart hands it out) and a BMC's spec (providers carry it, power acts on it).
-    ("shepherd.answer_key", "shepherd.bmc"),
+    # AgentStart hands it out), a BMC's spec (providers carry it, power acts on it) and
+    # the image catalog (inventories name its images, the server serves them, the
+    # installation workflow requests them).
+    ("shepherd.answer_key", "shepherd.bmc", "shepherd.images"),
     # The outside world: providers, power controls, the inventory (which serves
     # itself as a provider and names BMCs), SSH.
     ("shepherd.providers",),

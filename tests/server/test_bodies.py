@@ -40,6 +40,7 @@ from tests.support.agent_fixtures import (
     bmdb_rows,
     heartbeat_body,
     new_key,
+    refused_installation,
     signed_headers,
     tags_of,
 )
@@ -101,10 +102,22 @@ def test_a_report_of_nothing_readable_passes_with_its_warnings(tmp_path: Path) -
 
 
 def test_the_agents_installation_report_passes() -> None:
-    result = agent.install_os({"kind": "debian-12"})
+    result = refused_installation({"kind": "debian-12"})
     heartbeat = parse_heartbeat(with_result(result, generation=7))
     assert heartbeat.installation_report == (7, result)
     assert heartbeat.hardware_report is None
+
+
+def test_an_installations_progress_passes_and_reads_back_as_sent() -> None:
+    progress = {"phase": "writing", "bytes_done": 1 << 20, "bytes_total": 1 << 30,
+                "rate": 1.5e8, "eta_seconds": 7.0}
+    sent = protocol.Heartbeat(uuid.UUID(MACHINE),
+                              installation_progress=protocol.InstallationProgress(3, progress))
+    assert parse_heartbeat(sent.encode()) == sent
+    bad = raw({"machine_id": MACHINE,
+               "installation_progress": {"generation": -1, "progress": progress}})
+    with pytest.raises(BadBody, match=r"installation_progress\.generation"):
+        parse_heartbeat(bad)
 
 
 def test_a_plain_heartbeat_passes() -> None:
@@ -117,7 +130,7 @@ def test_a_plain_heartbeat_passes() -> None:
 
 def test_the_agents_heartbeat_as_the_wire_format_encodes_it_reads_back_as_sent() -> None:
     sent = protocol.Heartbeat(uuid.UUID(MACHINE), agent.hardware_report(),
-                              protocol.InstallationReport(7, agent.install_os({"kind": "x"})))
+                              protocol.InstallationReport(7, refused_installation({"kind": "x"})))
     assert parse_heartbeat(sent.encode()) == sent
 
 
@@ -129,6 +142,8 @@ def test_the_schema_types_every_field_of_the_wire_format() -> None:
         each.name for each in dataclasses.fields(protocol.Heartbeat)}
     assert set(bodies.InstallationReport.model_fields) == set(
         protocol.InstallationReport._fields)
+    assert set(bodies.InstallationProgressReport.model_fields) == set(
+        protocol.InstallationProgress._fields)
     report = agent.hardware_report()
     assert set(bodies.HardwareReport.model_fields) == set(report)
     assert set(bodies.Cpu.model_fields) == set(report["cpu"])

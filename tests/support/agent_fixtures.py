@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -309,3 +310,11 @@ def is_agent(pid: int) -> bool:
 
 def utc(seconds: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def refused_installation(request: dict[str, Any]) -> dict[str, Any]:
+    """A real installation result: what the agent's installer answers a request it
+    refuses before touching any disk (a kind it does not know, say)."""
+    from shepherd.agent import installer
+
+    return installer.install(request, progress=lambda _: None, cancelled=threading.Event())

@@ -21,6 +21,7 @@ from shepherd.server import RunningServer
 from shepherd.simulator import Simulator
 from shepherd.workflows import InitializerSettings, RecovererSettings, guard
 from shepherd.workflows.guard import GuardDecision, GuardLimits
+from shepherd.workflows.installation import InstallationSettings
 from shepherd.workflows.machine_work import MachineParts, run_machine_work
 from shepherd.workflows.recovery_claims import RecoveryPaused
 from tests.support.agent_fixtures import tags_of
@@ -58,6 +59,10 @@ class Parts:
 
     def recoverer_settings(self) -> RecovererSettings:
         return RecovererSettings(agent_restart=self.initializer)
+
+    def installation_settings(self) -> InstallationSettings:
+        return InstallationSettings(callback_url=self.initializer.callback_url,
+                                    image_dir=Path("/nonexistent"))
 
 
 @pytest.fixture

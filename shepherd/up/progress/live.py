@@ -57,6 +57,8 @@ def _render(s: Snapshot | None, at: str, problem: str | None = None) -> Renderab
     parts: list[RenderableType] = []
     if s is not None:
         parts += [_bars(s.counts), Text(""), _side_by_side(s)]
+        if s.installing:
+            parts += [Text(""), _installing(s.installing)]
         if s.backoffs:
             parts += [Text(""), _backoffs(s.backoffs)]
         parts += [Text(""), _guard(s), *_problems(s)]
@@ -118,6 +120,13 @@ def _in_flight(in_flight: Mapping[str, int]) -> RenderableType:
             table.add_row(process, str(n))
     if not any(in_flight.values()):
         table.add_row(Text("none", style="dim"), "")
+    return table
+
+
+def _installing(lines: Sequence[str]) -> RenderableType:
+    table = _table("installing (longest running first)")
+    for line in lines:
+        table.add_row(one_line(line, 120))
     return table
 
 

@@ -56,6 +56,8 @@ def status_line(s: Snapshot) -> str:
             f"{c.agent_started}  heartbeating {c.heartbeating}  in backoff "
             f"{sum(b.machines for b in s.backoffs)}")
     line += _listed("in flight", s.in_flight) + _listed("held", c.held)
+    for installing in s.installing:
+        line += f"  | installing {one_line(installing, 100)}"
     for b in s.backoffs:
         latest = f", latest: {one_line(b.causes[0], 80)}" if b.causes else ""
         line += f"  | {b.process} backoff {b.machines}{latest}"

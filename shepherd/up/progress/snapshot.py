@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import bmdb
 from bmdb import DeadSessions, FleetCounts, Refusal
+from shepherd.operations.installation_views import progress_text
 from shepherd.up.progress.wording import guard_figures, one_line, pause_text, short
 from shepherd.workflows import guard
 from shepherd.workflows.guard import CallbackCheck, GuardLimits
@@ -16,6 +17,8 @@ from shepherd.workflows.guard import CallbackCheck, GuardLimits
 #: causes are shown.
 FAILURE_WINDOW = 50
 CAUSES_SHOWN = 3
+#: Installations in flight shown, the longest running first.
+INSTALLS_SHOWN = 5
 #: The longest one snapshot waits for the callback server's ``/healthz`` (s).
 HEALTHZ_TIMEOUT = 2.0
 
@@ -47,6 +50,9 @@ class Snapshot:
     guard_figures: str = ""
     #: Sessions past their deadline the sweep has not deleted, and the work they hold.
     dead: DeadSessions = dataclasses.field(default_factory=lambda: DeadSessions(0, 0))
+    #: The longest-running installations in flight, one line each ("machine: writing
+    #: 512 of 1024 MiB, 180 MB/s, 3 s left").
+    installing: Sequence[str] = ()
 
     @property
     def all_heartbeating(self) -> bool:
@@ -93,7 +99,13 @@ def _read(tx: bmdb.Tx, thresholds: bmdb.Thresholds, limits: GuardLimits,
         guard=pause_text(decision.paused),
         guard_figures=guard_figures(decision),
         dead=bmdb.dead_sessions(tx),
+        installing=_installing(tx),
     )
+
+
+def _installing(tx: bmdb.Tx) -> list[str]:
+    return [f"{str(machine)[:8]}: {progress_text(flight.progress, tx.now, flight.progress_at)}"
+            for machine, flight in bmdb.installations_in_progress(tx, INSTALLS_SHOWN)]
 
 
 def _backoff(tx: bmdb.Tx, process: str, machines: int) -> BackoffSummary:

@@ -1,0 +1,271 @@
+"""Installations: the operating system a machine should have, and the one being written.
+
+Three rows per machine, each with one writer's meaning:
+
+* ``os_wanted``: what should be installed (image, disk selector, who asked and why).
+  Written by an operator's ``shepherd install`` or an inventory's ``os`` entry
+  (``want``), settled when an installation of it was verified (``installed``) or
+  an operator withdrew it (``canceled``). While unsettled, the machine is in the
+  installations' backlog (``backlog.installations``).
+* ``os_installation_request``: the installation in flight, exactly while a
+  ``ShepherdOSInstall`` work item holds the machine (the installer workflow writes
+  it after its claim and deletes it before releasing the claim). Heartbeat answers
+  carry it to the agent until the agent reports on its generation
+  (``queries.AgentCredentials.pending_installation``).
+* ``os_installation_report``: what the agent last reported, by generation.
+
+Invariants and where they are enforced:
+
+* A machine is only ever written for an explicit, new generation: ``dispatch``
+  takes the next number from ``os_wanted.generation`` under the row's lock, so no
+  two dispatches share one and none reuses a number an agent has seen (the row is
+  never deleted while the machine exists; a withdrawal settles it instead). The
+  agent runs a generation at most once and never one older than it has run.
+* An image Shepherd serves is fetched only for the request in flight
+  (``served_image_in_flight`` reads the request row, which ``settle`` deletes); the
+  token that proves it is a MAC of (machine, generation, image) the server makes and
+  checks (``shepherd.answer_key``), so none is ever stored.
+* Work on a machine excludes itself: ``ShepherdOSInstall`` is in the agent's
+  exclusion group (``vocabulary.EXCLUSION_GROUPS``), so AgentStart, Recovery and
+  ``shepherd power`` never run beside an installation.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sqlalchemy as sa
+
+from bmdb import _schema as schema
+from bmdb import history
+from bmdb._database import Tx
+from bmdb.tags import upsert
+from bmdb.vocabulary import Event, Process
+
+Origin = Literal["inventory", "operator"]
+Outcome = Literal["installed", "canceled"]
+#: The longest reason kept (as holds keep theirs).
+MAX_REASON = 500
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What should be installed on a machine, and whether that is settled."""
+
+    image: str
+    disk: str
+    origin: str
+    requested_by: str
+    reason: str
+    wanted_at: dt.datetime
+    generation: int
+    settled_at: dt.datetime | None
+    outcome: str | None
+
+    @property
+    def pending(self) -> bool:
+        return self.settled_at is None
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The installation dispatched to the agent, and its last reported progress."""
+
+    generation: int
+    request: dict[str, Any]
+    dispatched_at: dt.datetime | None
+    progress: dict[str, Any] | None
+    progress_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class Reported:
+    generation: int
+    reported_at: dt.datetime
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Installation:
+    """Everything the BMDB knows of one machine's installation (each part may be absent)."""
+
+    wanted: Wanted | None
+    in_flight: InFlight | None
+    report: Reported | None
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """The agent's report on the generation in flight, once it has arrived."""
+        if self.in_flight is None or self.report is None:
+            return None
+        return self.report.result if self.report.generation == self.in_flight.generation else None
+
+
+def want(tx: Tx, machine_id: uuid.UUID, *, image: str, disk: str, origin: Origin, by: str,
+         reason: str) -> None:
+    """Say which image the machine should have: it enters the installations' backlog.
+
+    An unchanged inventory entry that is already settled is left alone (the caller
+    asks ``wanted`` first); anything else unsettles the row, keeping its generation."""
+    reason = reason[:MAX_REASON]
+    upsert(tx, schema.os_wanted, {"machine_id": machine_id},
+           {"image": image, "disk": disk, "origin": origin, "requested_by": by[:128],
+            "reason": reason, "wanted_at": tx.now, "settled_at": None, "outcome": None})
+    history.record(tx, machine_id, Process.OS_INSTALL.value, Event.WANTED,
+                   f"image {image} on disk {disk}, asked by {by}: {reason}")
+
+
+def withdraw(tx: Tx, machine_id: uuid.UUID, *, by: str, reason: str) -> bool:
+    """Settle the wanted installation as canceled; False when none was pending. A
+    dispatched one is then cancelled by its workflow, which sees the row settled."""
+    w = schema.os_wanted
+    done = tx.execute(sa.update(w).where(w.c.machine_id == machine_id, w.c.settled_at.is_(None))
+                      .values(settled_at=tx.now, outcome="canceled")).rowcount
+    if done:
+        history.record(tx, machine_id, Process.OS_INSTALL.value, Event.WITHDRAWN,
+                       f"withdrawn by {by}: {reason[:MAX_REASON]}")
+    return bool(done)
+
+
+def dispatch(tx: Tx, machine_id: uuid.UUID, request: dict[str, Any]) -> int:
+    """Put ``request`` in flight under the machine's next generation; returns it.
+
+    The generation comes from the locked ``os_wanted`` row (see the invariants)."""
+    w = schema.os_wanted
+    generation = tx.execute(
+        sa.update(w).where(w.c.machine_id == machine_id)
+        .values(generation=w.c.generation + 1).returning(w.c.generation)).scalar_one()
+    upsert(tx, schema.os_installation_request, {"machine_id": machine_id},
+           {"generation": generation, "request": request, "dispatched_at": tx.now,
+            "progress": None, "progress_at": tx.now})
+    return int(generation)
+
+
+def record_progress(tx: Tx, machine_id: uuid.UUID, generation: int,
+                    progress: dict[str, Any]) -> None:
+    """The agent's progress on ``generation``; ignored unless that one is in flight."""
+    q = schema.os_installation_request
+    tx.execute(sa.update(q).where(q.c.machine_id == machine_id, q.c.generation == generation)
+               .values(progress=progress, progress_at=tx.now))
+
+
+def settle(tx: Tx, machine_id: uuid.UUID, generation: int, *, installed: bool) -> None:
+    """End the installation in flight of ``generation`` (its request leaves the answers and
+    its token dies); ``installed`` also settles what was wanted, if it is still what this
+    installation wrote: a wish changed mid-way (another image or disk) stays pending."""
+    q, w = schema.os_installation_request, schema.os_wanted
+    request = tx.execute(sa.delete(q).where(q.c.machine_id == machine_id,
+                                            q.c.generation == generation)
+                         .returning(q.c.request)).scalar_one_or_none()
+    if not installed or not isinstance(request, dict):
+        return
+    image = request.get("image")
+    tx.execute(sa.update(w).where(
+        w.c.machine_id == machine_id, w.c.generation == generation, w.c.settled_at.is_(None),
+        w.c.image == (image.get("name") if isinstance(image, dict) else None),
+        w.c.disk == request.get("disk")).values(settled_at=tx.now, outcome="installed"))
+
+
+def installation(tx: Tx, machine_id: uuid.UUID) -> Installation:
+    """What the BMDB knows of the machine's installation. Its documents (the request,
+    the progress, the report) are read as text and decoded here, not by the driver: one
+    that does not decode, or is no JSON object, reads as empty (``None``, or ``{}`` for
+    the request), so ``show``, ``explain`` and the machine's page work whatever a row
+    holds (``inspection.machine_tags_as_stored`` says why)."""
+    w = schema.os_wanted
+    wanted = tx.execute(sa.select(w).where(w.c.machine_id == machine_id)).one_or_none()
+    flight = tx.execute(_as_text(tx.dialect, "os_installation_request"),
+                        {"machine": machine_id}).one_or_none()
+    report = tx.execute(_as_text(tx.dialect, "os_installation_report"),
+                        {"machine": machine_id}).one_or_none()
+    return Installation(
+        None if wanted is None else Wanted(
+            wanted.image, wanted.disk, wanted.origin, wanted.requested_by, wanted.reason,
+            wanted.wanted_at, wanted.generation, wanted.settled_at, wanted.outcome),
+        None if flight is None else InFlight(
+            flight.generation, _document(flight.request) or {}, flight.dispatched_at,
+            _document(flight.progress), flight.progress_at),
+        None if report is None else Reported(report.generation, report.reported_at,
+                                             _document(report.result) or {}))
+
+
+@functools.cache
+def _as_text(dialect: str, name: str) -> sa.Select[Any]:
+    """The table's row of one machine, its JSON columns cast to text (bytes on SQLite)."""
+    table = schema.metadata.tables[name]
+    raw = sa.LargeBinary if dialect == "sqlite" else sa.Text
+    return sa.select(*[sa.cast(c, raw).label(c.name) if isinstance(c.type, sa.JSON) else c
+                       for c in table.c]).where(table.c.machine_id == sa.bindparam("machine"))
+
+
+def _document(raw: str | bytes | None) -> dict[str, Any] | None:
+    """A stored JSON object, or None for anything else (absent, not JSON, too deep)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def in_progress(tx: Tx, limit: int) -> list[tuple[uuid.UUID, InFlight]]:
+    """Up to ``limit`` installations in flight, the longest running first (what a
+    progress screen shows)."""
+    q = schema.os_installation_request
+    rows = tx.execute(sa.select(q.c.machine_id).order_by(q.c.dispatched_at, q.c.machine_id)
+                      .limit(limit)).scalars().all()
+    shown = [(machine_id, installation(tx, machine_id).in_flight) for machine_id in rows]
+    return [(machine_id, flight) for machine_id, flight in shown if flight is not None]
+
+
+def served_image_in_flight(tx: Tx, machine_id: uuid.UUID) -> tuple[int, str] | None:
+    """(generation, image name) of the machine's installation in flight, when its image
+    is one Shepherd serves; None otherwise."""
+    q = schema.os_installation_request
+    row = tx.execute(sa.select(q.c.generation, q.c.request).where(q.c.machine_id == machine_id)
+                     ).one_or_none()
+    if row is None or not isinstance(row.request, dict):
+        return None
+    image = row.request.get("image")
+    if not isinstance(image, dict) or image.get("served") is not True:
+        return None
+    return int(row.generation), str(image.get("name"))
+
+
+def in_flight_count(tx: Tx) -> int:
+    """Installations in flight fleet-wide (requests not yet settled)."""
+    q = schema.os_installation_request
+    return int(tx.execute(sa.select(sa.func.count()).select_from(q)).scalar_one())
+
+
+def sync_inventory(tx: Tx, provider: str, entries: list[tuple[str, str, str]]) -> int:
+    """Apply an inventory's ``os`` entries, ``(provider id, image, disk)``, as desired
+    state; returns how many machines were given a new wish.
+
+    A machine gets its entry when it has no wish yet, or when the entry changed since
+    the inventory's last wish. An operator's wish (``shepherd install``) is left alone:
+    a one-off installation takes precedence over the file, and the file cannot tell
+    whether it meant to undo it."""
+    p, w = schema.provided, schema.os_wanted
+    if not entries:
+        return 0
+    by_id = {provider_id: (image, disk) for provider_id, image, disk in entries}
+    rows = tx.execute(
+        sa.select(p.c.provider_id, p.c.machine_id, w.c.image, w.c.disk, w.c.origin)
+        .select_from(p.outerjoin(w, w.c.machine_id == p.c.machine_id))
+        .where(p.c.provider == provider, p.c.provider_id.in_(list(by_id)))).all()
+    changed = 0
+    for row in rows:
+        image, disk = by_id[row.provider_id]
+        if row.origin == "operator" or (row.image, row.disk) == (image, disk):
+            continue
+        want(tx, row.machine_id, image=image, disk=disk, origin="inventory", by="inventory",
+             reason="the inventory's os entry")
+        changed += 1
+    return changed
