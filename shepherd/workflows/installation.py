@@ -70,7 +70,7 @@ class InstallationSettings:
     #: the agent counts as gone.
     stall_timeout: float = 300.0
     #: Seconds an installation may take as a whole.
-    deadline: float = 3600.0
+    deadline: float = 1800.0
     #: What the agent is told: how often to resume a broken fetch, and how long a fetch
     #: may go without a byte before it is resumed.
     fetch_retries: int = 5

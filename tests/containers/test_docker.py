@@ -107,12 +107,13 @@ def test_machine_and_control_workers_consume_separate_queues():
     services = compose_services()
     queues = {
         name: next(arg for arg in services[name]["command"] if arg.startswith("--queues="))
-        for name in ("control-worker", "worker", "demo-worker")
+        for name in ("control-worker", "worker", "demo-worker", "install-worker")
     }
     assert queues == {
         "control-worker": "--queues=shepherd.control",
         "worker": "--queues=shepherd.machines",
         "demo-worker": "--queues=shepherd.machines",
+        "install-worker": "--queues=shepherd.installations",
     }
 
 
@@ -216,6 +217,9 @@ def test_only_workers_hold_the_ssh_key_and_operator_ports_stay_local():
     with_key = {name for name, service in services.items()
                 if any("ssh-key:" in str(v) for v in service.get("volumes") or [])}
     assert with_key == {"control-worker", "worker", "demo-worker"}
+    with_images = {name for name, service in services.items()
+                   if any("images:" in str(v) for v in service.get("volumes") or [])}
+    assert with_images == {"server", "install-worker"}
     published = {name: service.get("ports") or [] for name, service in services.items()}
     assert published["flower"] == ["127.0.0.1:5555:5555"]
     assert published["server"] == ["8080:8080", "127.0.0.1:8081:8081"]

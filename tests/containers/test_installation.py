@@ -305,27 +305,38 @@ def test_a_mounted_disk_is_refused_and_left_unchanged(rig: Rig, image: OsImage,
 
 def test_a_killed_agent_fails_the_installation_and_a_new_request_starts_over(
         rig: Rig, image: OsImage) -> None:
-    catalog(rig.image_dir, entry("bookworm", image))
-    with rig.machine("m1") as machine:
-        rig.want(machine.id, "bookworm", machine.selector)
-        killer = threading.Thread(target=kill_agent_once_writing, args=(rig, machine))
-        killer.start()
-        result = rig.install(machine.id, stall_timeout=3.0)
-        killer.join(timeout=60)
-        assert not result.ok
-        assert result.cause is not None and result.cause.startswith("agent_silent:")
-        assert "the disk's contents are now undefined" in result.cause
-        # A new agent, a cleared backoff: the next installation starts from its first byte.
-        def forget_agent_and_backoff(tx: bmdb.Tx) -> None:
-            bmdb.delete_agent_started(tx, machine.id)
-            bmdb.clear_backoff(tx, machine.id, bmdb.Process.OS_INSTALL)
+    server = ImageServer(image.raw)
+    server.stall_after = 64 * MIB  # the agent is still writing when it is killed
+    try:
+        catalog(rig.image_dir, entry("bookworm", image, url=server.url))
+        with rig.machine("m1") as machine:
+            rig.want(machine.id, "bookworm", machine.selector)
+            killer = threading.Thread(target=kill_agent_once_writing, args=(rig, machine))
+            killer.start()
+            result = rig.install(machine.id, stall_timeout=3.0, fetch_stall=120.0)
+            killer.join(timeout=60)
+            assert not result.ok
+            assert result.cause is not None and result.cause.startswith("agent_silent:")
+            assert "the disk's contents are now undefined" in result.cause
+            server.stall_after = None
+            start_over(rig, machine)
+            assert rig.installation(machine.id).report.generation == 2  # type: ignore[union-attr]
+            assert machine.disk_sha256(image.size) == image.sha256
+    finally:
+        server.stop()
 
-        rig.session.transact(forget_agent_and_backoff)
-        rig.start_agent(machine.id, StaticProvider(rig.tmp_path / "m1.toml"))
-        again = rig.install(machine.id)
-        assert again.ok, again.cause
-        assert rig.installation(machine.id).report.generation == 2  # type: ignore[union-attr]
-        assert machine.disk_sha256(image.size) == image.sha256
+
+def start_over(rig: Rig, machine: Machine) -> None:
+    """A new agent (Recovery's part, done here by hand), a cleared backoff: the next
+    installation is a new generation, written from its first byte."""
+    def forget_agent_and_backoff(tx: bmdb.Tx) -> None:
+        bmdb.delete_agent_started(tx, machine.id)
+        bmdb.clear_backoff(tx, machine.id, bmdb.Process.OS_INSTALL)
+
+    rig.session.transact(forget_agent_and_backoff)
+    rig.start_agent(machine.id, StaticProvider(rig.tmp_path / "m1.toml"))
+    again = rig.install(machine.id)
+    assert again.ok, again.cause
 
 
 def test_a_withdrawn_installation_stops_the_write(rig: Rig, image: OsImage) -> None:

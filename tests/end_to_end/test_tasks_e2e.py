@@ -608,6 +608,10 @@ def test_settings_and_celery_config_from_the_environment() -> None:
     assert config["broker_transport_options"]["visibility_timeout"] > limit
     assert config["task_annotations"]["shepherd.agent_start"] == {
         "time_limit": limit, "soft_time_limit": limit - 30}
+    install_limit = settings.install_task_time_limit
+    assert config["broker_transport_options"]["visibility_timeout"] > install_limit
+    assert config["task_annotations"]["shepherd.install"] == {
+        "time_limit": install_limit, "soft_time_limit": install_limit - 60}
     assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
     assert config["worker_prefetch_multiplier"] == 1
 
@@ -640,8 +644,8 @@ def test_the_tasks_app_configures_itself_from_one_settings(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["broker"] == "redis://127.0.0.1:1/3"
-    assert seen["beat"] == ["prune-history", "source-agent-start", "source-recovery", "sweep",
-                            "update"]
+    assert seen["beat"] == ["prune-history", "source-agent-start", "source-install",
+                            "source-recovery", "sweep", "update"]
     assert seen["every"] == seen["interval"] == 2.0
     assert seen["pool"] == 3
     assert seen["component"] == f"worker:{seen['pid']}"
@@ -723,3 +727,40 @@ def test_a_worker_that_cannot_write_its_metrics_directory_refuses_to_start(
         shutil.rmtree(metrics)
     assert (f"refuses to start: PROMETHEUS_MULTIPROC_DIR={metrics} is not writable by this "
             "user") in output
+
+
+def test_installations_are_sourced_within_their_own_cap_onto_their_queue(
+        state, pg_url: str, monkeypatch) -> None:
+    """Wanted installations of heartbeating machines are claimed at most
+    ``install_in_flight_cap`` at a time fleet-wide (claims not yet adopted count), and
+    sent to the installations' queue, never the machines' one."""
+    from shepherd.runtime import Runtime
+    from tasks import app, control
+
+    ids = add_running(state.db, 3, agent_started_ago=5)
+
+    def heard_and_wanted(tx: bmdb.Tx) -> None:
+        for machine_id in ids:
+            bmdb.record_heartbeat(tx, machine_id, tx.now)
+            bmdb.want_installation(tx, machine_id, image="debian-12", disk="serial=S1",
+                                   origin="operator", by="test", reason="sourcing")
+
+    with state.db.start_session("test-setup", interval=2) as setup:
+        setup.transact(heard_and_wanted)
+    patient = bmdb.connect(pg_url, thresholds=bmdb.Thresholds(first_heartbeat=600,
+                                                              heartbeat=600))
+    state.close()
+    app.runtime = Runtime(dataclasses.replace(state.settings, install_in_flight_cap=2),
+                          state.component, db=patient, provider=UntouchableProvider())
+    sent: list[dict] = []
+    monkeypatch.setattr(app, "send_task",
+                        lambda name, **kwargs: sent.append({"name": name, **kwargs}))
+    try:
+        first = control.source.run("ShepherdOSInstall")
+        assert (first["claimed"], first["dispatched"]) == (2, 2), first
+        assert {(call["name"], call["queue"]) for call in sent} == {
+            ("shepherd.install", "shepherd.installations")}
+        assert control.source.run("ShepherdOSInstall")["claimed"] == 0
+    finally:
+        app.runtime.close()
+        patient.close()

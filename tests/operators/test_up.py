@@ -199,7 +199,8 @@ def test_up_reaches_heartbeating_and_sigint_leaves_nothing(tmp_path: Path, broke
             workers = client.get(f"{flower}/api/workers?refresh=1", auth=(user, password),
                                  timeout=30)
             assert workers.status_code == 200
-            assert {name.split("@")[0] for name in workers.json()} == {"control", "machines"}
+            assert {name.split("@")[0] for name in workers.json()} == {
+                "control", "machines", "installations"}
             tasks: dict = {}
             for _ in range(20):  # task events reach Flower within a beat or two
                 tasks = client.get(f"{flower}/api/tasks?limit=5", auth=(user, password),

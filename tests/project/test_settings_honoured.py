@@ -72,6 +72,9 @@ RULES = ("tests/workflows/test_recovery_rules.py::"
 #: A worker and beat pruning history with a 1-day retention every second.
 PRUNED = ("tests/bmdb/test_history_retention.py::"
           "test_the_worker_prunes_by_the_settings_and_beat_schedules_it")
+#: A worker's installation settings, built from the environment.
+INSTALL_SETTINGS = ("tests/workflows/test_installation_workflow.py::"
+                    "test_the_workers_installation_settings_come_from_the_environment")
 #: ``shepherd serve`` run with small limits in its environment, under attack.
 ATTACKS = "tests/server/test_server_attacks.py::"
 
@@ -171,6 +174,18 @@ HONOURED_BY: dict[str, dict[str, str]] = {
                          "test_serve_computes_metrics_as_often_as_configured"},
     "reconcile_wait": {C: "tests/operators/test_cli_workers.py::"
                        "test_reconcile_without_a_worker_fails_in_bounded_time"},
+    "image_dir": {W: INSTALL_SETTINGS,
+                  S: "tests/containers/test_installation.py::"
+                     "test_an_image_served_by_shepherd_is_written_and_read_back",
+                  C: "tests/operators/test_cli_install.py::"
+                     "test_install_records_what_is_wanted_and_every_view_shows_it"},
+    "install_in_flight_cap": {W: E2E + "test_installations_are_sourced_within_their_own_cap"
+                                       "_onto_their_queue"},
+    "install_stall_timeout": {W: INSTALL_SETTINGS},
+    "install_deadline": {W: INSTALL_SETTINGS},
+    "install_fetch_retries": {W: INSTALL_SETTINGS},
+    "install_fetch_stall": {W: INSTALL_SETTINGS},
+    "install_backoff": {W: INSTALL_SETTINGS},
     "worker_metrics_port": {W: UP},
     "worker_metrics_addr": {W: UP},
     "prometheus_multiproc_dir": {W: UP},

@@ -26,7 +26,7 @@ class ImageServer:
         #: Cut the connection after this many bytes of a response, ``cuts`` times.
         self.cut_after: int | None = None
         self.cuts = 0
-        #: Send this many bytes of the first response, then nothing until stopped.
+        #: Send this many bytes of each response, then nothing until stopped.
         self.stall_after: int | None = None
         self.ignore_range = False
         #: Answer every request with this status (401, say) and no image.

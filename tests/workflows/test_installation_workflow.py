@@ -451,3 +451,26 @@ def test_cause_kind_is_a_bounded_label(cause, kind):
     assert cause_kind(cause) == kind
     assert kind in CAUSE_KINDS | {"other"}
 
+
+
+def test_the_workers_installation_settings_come_from_the_environment(tmp_path) -> None:
+    """What a worker builds from SHEPHERD_INSTALL_* and SHEPHERD_IMAGE_DIR: the workflow's
+    settings, the installations' own in-flight cap, their backoff, and the task's limits."""
+    import celeryconfig
+    from shepherd import runtime
+    from shepherd.config import Settings
+
+    settings = Settings.from_env({
+        "SHEPHERD_IMAGE_DIR": str(tmp_path), "SHEPHERD_INSTALL_IN_FLIGHT_CAP": "7",
+        "SHEPHERD_INSTALL_STALL_TIMEOUT": "45", "SHEPHERD_INSTALL_DEADLINE": "900",
+        "SHEPHERD_INSTALL_FETCH_RETRIES": "2", "SHEPHERD_INSTALL_FETCH_STALL": "12.5",
+        "SHEPHERD_INSTALL_BACKOFF": "30,600,3", "SHEPHERD_CALLBACK_URL": CALLBACK})
+    built = runtime.installation_settings(settings)
+    assert built == InstallationSettings(callback_url=CALLBACK, image_dir=tmp_path,
+                                         stall_timeout=45.0, deadline=900.0, fetch_retries=2,
+                                         fetch_stall=12.5)
+    assert runtime.sourcing_settings(settings, OS_INSTALL).in_flight_cap == 7
+    assert runtime.sourcing_settings(settings, bmdb.Process.AGENT_START).in_flight_cap == 100
+    assert runtime.backoffs(settings)[OS_INSTALL] == bmdb.Backoff(30, 600, 3.0)
+    limits = celeryconfig.celery_settings(settings)["task_annotations"]["shepherd.install"]
+    assert limits == {"time_limit": 1200.0, "soft_time_limit": 1140.0}
