@@ -276,9 +276,7 @@ class InstallationReport(NamedTuple):
 
     @classmethod
     def from_json(cls, value: Any) -> InstallationReport:
-        obj = _object(value, "installation_report")
-        return cls(_integer(obj.get("generation"), "installation_report.generation"),
-                   _object(obj.get("result"), "installation_report.result"))
+        return cls(*_of_generation(value, "installation_report", "result"))
 
 
 class InstallationProgress(NamedTuple):
@@ -289,9 +287,7 @@ class InstallationProgress(NamedTuple):
 
     @classmethod
     def from_json(cls, value: Any) -> InstallationProgress:
-        obj = _object(value, "installation_progress")
-        return cls(_integer(obj.get("generation"), "installation_progress.generation"),
-                   _object(obj.get("progress"), "installation_progress.progress"))
+        return cls(*_of_generation(value, "installation_progress", "progress"))
 
 
 @dataclass(frozen=True)
@@ -372,9 +368,7 @@ class InstallationRequest(NamedTuple):
 
     @classmethod
     def from_json(cls, value: Any) -> InstallationRequest:
-        obj = _object(value, "os_installation_request")
-        return cls(_integer(obj.get("generation"), "os_installation_request.generation"),
-                   _object(obj.get("request"), "os_installation_request.request"))
+        return cls(*_of_generation(value, "os_installation_request", "request"))
 
 
 def heartbeat_answer(request: InstallationRequest | None) -> dict[str, Any]:
@@ -455,6 +449,13 @@ def _object(value: Any, what: str, allowed: set[str] | None = None) -> dict[str,
     if unknown:
         raise ProtocolError(f"{what} has unknown fields: {unknown}")
     return value
+
+
+def _of_generation(value: Any, what: str, document: str) -> tuple[int, dict[str, Any]]:
+    """``{"generation": N, document: {...}}``: the shape of every installation message."""
+    obj = _object(value, what)
+    return (_integer(obj.get("generation"), f"{what}.generation"),
+            _object(obj.get(document), f"{what}.{document}"))
 
 
 def _string(value: Any, what: str) -> str:
