@@ -240,7 +240,7 @@ def install_change(c: Any) -> str:
     lines = [f"machine {m}: install {wanted.image} on disk {wanted.disk} (asked by "
              f"{wanted.requested_by}: {wanted.reason})",
              "  next: dispatched to its agent once it heartbeats (`shepherd explain "
-             f"{m} os-install` says why it waits)"]
+             f"{m}` says why it waits)"]
     lines += [f"  note: {w.process} work {w.id} holds it now; the installation waits for it"
               for w in c.work]
     return "\n".join(lines)

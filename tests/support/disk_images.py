@@ -19,7 +19,7 @@ by ``RECIPE``, the root filesystem's recipe, suite and size. Invariants, each en
 in ``os_image``: a cached directory is complete (built beside it, renamed in last);
 only one process builds a given image at a time (an ``flock`` on its lock file, which
 the kernel releases when a builder dies); the raw image's sha256 and size are recorded
-beside it, so a later run does not re-read 640 MiB.
+beside it, so a later run does not re-read the whole image.
 
 Needs root (loop devices), losetup, sfdisk (Debian package fdisk), mke2fs, zstd, and
 for an image not yet cached what ``minimal_systems`` needs. ``require_disks`` skips
@@ -186,7 +186,7 @@ class OsImage:
         return files[image_format]
 
 
-def os_image(suite: str = "bookworm", size: int = 640 * MIB) -> OsImage:
+def os_image(suite: str = "bookworm", size: int = 320 * MIB) -> OsImage:
     """The cached image of a stock ``suite`` machine on a disk of ``size`` bytes (a
     multiple of 1 MiB), built if missing; ``ImageTooSmall`` where it cannot fit."""
     if size % MIB or size < 4 * MIB:

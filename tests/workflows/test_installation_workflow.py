@@ -343,8 +343,10 @@ def test_agent_that_never_finishes_meets_the_deadline(db, worker, settings):
     """Progress keeps the stall timeout away; the deadline still ends it. Once the request
     leaves the answers, the agent (here: the thread) stops."""
     machine = wanted_machine(worker)
+    # A stall timeout far beyond the deadline: only the deadline can end it, however
+    # late a loaded machine runs the agent's thread.
     quick = InstallationSettings(callback_url=CALLBACK, image_dir=settings.image_dir,
-                                 poll_interval=0.05, stall_timeout=1.0, deadline=1.5)
+                                 poll_interval=0.05, stall_timeout=60.0, deadline=1.5)
     with Agent(db, machine, [], keep_beating=progress("fetching", 0)):
         result = run(worker, machine, quick)
     assert result.outcome == "failed" and result.cause is not None
