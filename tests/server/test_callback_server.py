@@ -249,8 +249,11 @@ def test_the_bmdb_snapshot_sees_every_table_but_session_deadlines(
     assert set(before) == set(bmdb._schema.metadata.tables)
     deadline = sa.select(bmdb._schema.sessions.c.deadline)
     old_deadlines = db.read(lambda tx: tx.execute(deadline).all())
+    # The keep-alive moves it every half interval: wait a whole one (with the slack of a
+    # loaded machine), or a tick just before the first read leaves too little time.
     wait_until(lambda: db.read(lambda tx: tx.execute(deadline).all()) != old_deadlines,
-             timeout=5, what="the session's keep-alive to move its deadline")
+               timeout=session.interval + 5, what="the session's keep-alive to move its "
+               "deadline")
     assert bmdb_rows(db) == before
     session.transact(lambda tx: tx.execute(sa.insert(bmdb._schema.history).values(
         machine_id=uuid.uuid4(), process="test", event="test", at=tx.now)))
