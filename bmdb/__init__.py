@@ -102,10 +102,10 @@ from bmdb.inspection import (
 )
 from bmdb.installations import InFlight, Installation, Reported, Wanted, served_image_in_flight
 from bmdb.installations import dispatch as dispatch_installation
-from bmdb.installations import in_flight_count as installations_in_flight
 from bmdb.installations import in_progress as installations_in_progress
 from bmdb.installations import installation as installation_of
 from bmdb.installations import record_progress as record_installation_progress
+from bmdb.installations import served_image as served_image_of
 from bmdb.installations import settle as settle_installation
 from bmdb.installations import sync_inventory as sync_inventory_installations
 from bmdb.installations import want as want_installation
@@ -283,7 +283,6 @@ __all__ = [
     "holds_of",
     "in_backlog",
     "installation_of",
-    "installations_in_flight",
     "installations_in_progress",
     "latest_failures",
     "lift_hold",
@@ -324,6 +323,7 @@ __all__ = [
     "release_singleton",
     "retriever",
     "served_image_in_flight",
+    "served_image_of",
     "set_agent_started",
     "set_hardware_report",
     "set_os_installation_report",

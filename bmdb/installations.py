@@ -71,6 +71,11 @@ class Wanted:
     def pending(self) -> bool:
         return self.settled_at is None
 
+    @property
+    def target(self) -> tuple[str | None, str | None]:
+        """(image, disk): what an installation of this wish writes (``InFlight.target``)."""
+        return self.image, self.disk
+
 
 @dataclass(frozen=True)
 class InFlight:
@@ -81,6 +86,34 @@ class InFlight:
     dispatched_at: dt.datetime | None
     progress: dict[str, Any] | None
     progress_at: dt.datetime | None
+
+    @property
+    def target(self) -> tuple[str | None, str | None]:
+        """(image, disk) this installation writes: a wish with another target is not the
+        one it serves (``settle`` and the workflow both judge by it)."""
+        return _target(self.request)
+
+    @property
+    def served_image(self) -> str | None:
+        return served_image(self.request)
+
+
+def served_image(request: dict[str, Any]) -> str | None:
+    """The request's image name when the callback server serves it (an agent fetches it
+    with a token the server adds to its answers)."""
+    image = request.get("image")
+    if isinstance(image, dict) and image.get("served") is True:
+        return str(image.get("name"))
+    return None
+
+
+def _target(request: Any) -> tuple[str | None, str | None]:
+    if not isinstance(request, dict):
+        return None, None
+    image = request.get("image")
+    name = image.get("name") if isinstance(image, dict) else None
+    disk = request.get("disk")
+    return (name if isinstance(name, str) else None, disk if isinstance(disk, str) else None)
 
 
 @dataclass(frozen=True)
@@ -109,9 +142,7 @@ class Installation:
 def want(tx: Tx, machine_id: uuid.UUID, *, image: str, disk: str, origin: Origin, by: str,
          reason: str) -> None:
     """Say which image the machine should have: it enters the installations' backlog.
-
-    An unchanged inventory entry that is already settled is left alone (the caller
-    asks ``wanted`` first); anything else unsettles the row, keeping its generation."""
+    The row is unsettled, its generation kept (see the invariants)."""
     reason = reason[:MAX_REASON]
     upsert(tx, schema.os_wanted, {"machine_id": machine_id},
            {"image": image, "disk": disk, "origin": origin, "requested_by": by[:128],
@@ -162,13 +193,12 @@ def settle(tx: Tx, machine_id: uuid.UUID, generation: int, *, installed: bool) -
     request = tx.execute(sa.delete(q).where(q.c.machine_id == machine_id,
                                             q.c.generation == generation)
                          .returning(q.c.request)).scalar_one_or_none()
-    if not installed or not isinstance(request, dict):
+    image, disk = _target(request)
+    if not installed or image is None or disk is None:
         return
-    image = request.get("image")
     tx.execute(sa.update(w).where(
         w.c.machine_id == machine_id, w.c.generation == generation, w.c.settled_at.is_(None),
-        w.c.image == (image.get("name") if isinstance(image, dict) else None),
-        w.c.disk == request.get("disk")).values(settled_at=tx.now, outcome="installed"))
+        w.c.image == image, w.c.disk == disk).values(settled_at=tx.now, outcome="installed"))
 
 
 def installation(tx: Tx, machine_id: uuid.UUID) -> Installation:
@@ -187,11 +217,14 @@ def installation(tx: Tx, machine_id: uuid.UUID) -> Installation:
         None if wanted is None else Wanted(
             wanted.image, wanted.disk, wanted.origin, wanted.requested_by, wanted.reason,
             wanted.wanted_at, wanted.generation, wanted.settled_at, wanted.outcome),
-        None if flight is None else InFlight(
-            flight.generation, _document(flight.request) or {}, flight.dispatched_at,
-            _document(flight.progress), flight.progress_at),
+        None if flight is None else _in_flight(flight),
         None if report is None else Reported(report.generation, report.reported_at,
                                              _document(report.result) or {}))
+
+
+def _in_flight(row: Any) -> InFlight:
+    return InFlight(row.generation, _document(row.request) or {}, row.dispatched_at,
+                    _document(row.progress), row.progress_at)
 
 
 @functools.cache
@@ -227,21 +260,12 @@ def in_progress(tx: Tx, limit: int) -> list[tuple[uuid.UUID, InFlight]]:
 def served_image_in_flight(tx: Tx, machine_id: uuid.UUID) -> tuple[int, str] | None:
     """(generation, image name) of the machine's installation in flight, when its image
     is one Shepherd serves; None otherwise."""
-    q = schema.os_installation_request
-    row = tx.execute(sa.select(q.c.generation, q.c.request).where(q.c.machine_id == machine_id)
-                     ).one_or_none()
-    if row is None or not isinstance(row.request, dict):
+    flight = tx.execute(_as_text(tx.dialect, "os_installation_request"),
+                        {"machine": machine_id}).one_or_none()
+    if flight is None:
         return None
-    image = row.request.get("image")
-    if not isinstance(image, dict) or image.get("served") is not True:
-        return None
-    return int(row.generation), str(image.get("name"))
-
-
-def in_flight_count(tx: Tx) -> int:
-    """Installations in flight fleet-wide (requests not yet settled)."""
-    q = schema.os_installation_request
-    return int(tx.execute(sa.select(sa.func.count()).select_from(q)).scalar_one())
+    name = _in_flight(flight).served_image
+    return None if name is None else (int(flight.generation), name)
 
 
 def sync_inventory(tx: Tx, provider: str, entries: list[tuple[str, str, str]]) -> int:

@@ -99,12 +99,15 @@ class Work:
 
         return self.session.transact(body)
 
-    def cancel(self, cause: str = "canceled") -> None:
-        """Release the machine untouched and without backoff."""
+    def cancel(self, cause: str = "canceled", then: Callable[[Tx], None] | None = None) -> None:
+        """Release the machine untouched and without backoff; ``then`` runs in the same
+        transaction (as ``fail``'s)."""
 
         def body(tx: Tx) -> None:
             self._release(tx)
             _record(tx, [self], Event.CANCELED, cause=cause)
+            if then is not None:
+                then(tx)
 
         self.session.transact(body)
 

@@ -144,12 +144,6 @@ class Catalog:
             raise UnknownImage(f"image {name!r} is not in the catalog "
                                f"{self.directory / CATALOG_FILE} (listed: {listed})") from None
 
-    def path_of(self, image: Image) -> Path:
-        """The file of a served image: inside the image directory, never beside it."""
-        if image.file is None:
-            raise ValueError(f"image {image.name!r} is not served by Shepherd")
-        return self.directory / image.file
-
 
 def _image(entry: Any, where: str) -> Image:
     if not isinstance(entry, dict):

@@ -644,10 +644,10 @@ class Installations:
         if request.generation <= self.newest:
             return
         self._cancel(f"generation {request.generation} supersedes it")
-        self.newest = request.generation
         log.info("OS installation %d: %s", request.generation, redacted(request.request))
         cancelled = threading.Event()
-        with self._lock:
+        with self._lock:  # with the newest, so a finishing older one drops its report
+            self.newest = request.generation
             self._running, self._progress = (request.generation, cancelled), None
         threading.Thread(target=self._run, args=(request, cancelled),
                          name=f"install-{request.generation}", daemon=True).start()

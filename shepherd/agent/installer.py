@@ -478,6 +478,8 @@ class Sockets:
 
 
 class _HTTPConnection(http.client.HTTPConnection):
+    """A connection that records its socket in ``sockets`` once connected."""
+
     def __init__(self, *args: Any, sockets: Sockets, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sockets = sockets
@@ -487,14 +489,8 @@ class _HTTPConnection(http.client.HTTPConnection):
         self.sockets.add(self.sock)
 
 
-class _HTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, sockets: Sockets, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.sockets = sockets
-
-    def connect(self) -> None:
-        super().connect()
-        self.sockets.add(self.sock)
+class _HTTPSConnection(_HTTPConnection, http.client.HTTPSConnection):
+    """The same over TLS: HTTPSConnection's connect (TLS included) runs inside ours."""
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):

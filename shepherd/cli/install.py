@@ -45,7 +45,7 @@ def install(ctx: Context) -> int:
 def inventory_entry(ctx: Context, machine_id: uuid.UUID) -> OsEntry | None:
     """The machine's ``os`` entry when a static inventory lists it (its disk wins)."""
     provided = operations.provided_at(ctx.runtime.session, machine_id)
-    if provided is None or provided[0] != ctx.settings.provider or provided[0] != "static":
+    if provided is None or not provided[0] == ctx.settings.provider == "static":
         return None
     try:
         return ctx.runtime.provider.get_machine(provided[1]).os

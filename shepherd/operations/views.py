@@ -17,6 +17,7 @@ from typing import Any
 import bmdb
 from bmdb import MAINTENANCE, BackoffInfo, Hold, PowerObservation, Refusal, WorkInfo
 from shepherd import text_tables
+from shepherd.operations.installation_views import InstallationView
 from shepherd.operations.stored import printable
 from shepherd.providers.base import API_PROVIDERS
 from shepherd.workflows.guard import PAUSED_PREFIX
@@ -86,8 +87,8 @@ class MachineDetail:
     #: The host key recorded at the first takeover (an inventory pin is not here).
     host_key: str | None = None
     host_key_fingerprint: str | None = None
-    #: What is wanted installed and where it stands (``operations.installs``).
-    installation: Any = None
+    #: What is wanted installed and where it stands.
+    installation: InstallationView | None = None
 
 
 @dataclass(frozen=True)

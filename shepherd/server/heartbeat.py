@@ -75,10 +75,10 @@ def with_fetch_token(machine_id: uuid.UUID, pending: InstallationRequest,
                      fetch_token: FetchToken | None) -> InstallationRequest:
     """The request as the agent gets it: an image this server serves comes with the token
     that fetches it (made now, never stored: see ``bmdb.installations``)."""
-    image = pending.request.get("image")
-    if fetch_token is None or not isinstance(image, dict) or image.get("served") is not True:
+    image = bmdb.served_image_of(pending.request)
+    if fetch_token is None or image is None:
         return pending
-    token = fetch_token(machine_id, pending.generation, str(image.get("name")))
+    token = fetch_token(machine_id, pending.generation, image)
     return pending._replace(request={**pending.request, "authorization": token})
 
 

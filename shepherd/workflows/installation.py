@@ -92,8 +92,7 @@ def install(work: bmdb.Work, settings: InstallationSettings) -> WorkflowResult:
     except NOT_OURS:
         raise
     except Withdrawn as withdrawn:
-        settle(work, generation, installed=False)
-        work.cancel(str(withdrawn))
+        work.cancel(str(withdrawn), then=settler(work, generation))
         return WorkflowResult(work.machine_id, work.process.value, "canceled", str(withdrawn))
     except WorkflowFailure as failure:
         return fail(work, failure.cause, failure.backoff, then=settler(work, generation))
@@ -160,7 +159,7 @@ def watch(work: bmdb.Work, generation: int, settings: InstallationSettings) -> d
             lambda tx: (bmdb.installation_of(tx, work.machine_id), tx.now))
         if state.wanted is None or state.wanted.outcome == "canceled":
             raise Withdrawn("canceled: an operator withdrew the installation")
-        if state.in_flight is not None and superseded(state.wanted, state.in_flight):
+        if state.in_flight is not None and state.in_flight.target != state.wanted.target:
             raise Withdrawn(f"canceled: superseded by a new wish (image {state.wanted.image} "
                             f"on disk {state.wanted.disk}), dispatched next")
         if state.in_flight is None or state.in_flight.generation != generation:
@@ -172,12 +171,6 @@ def watch(work: bmdb.Work, generation: int, settings: InstallationSettings) -> d
             raise WorkflowFailure(f"deadline: not done within {settings.deadline:g} s "
                                   f"({describe(state.in_flight.progress)})" + UNDEFINED)
         time.sleep(settings.poll_interval)
-
-
-def superseded(wanted: bmdb.Wanted, flight: bmdb.InFlight) -> bool:
-    """Whether what is wanted now is no longer what this installation writes."""
-    image = flight.request.get("image") or {}
-    return (wanted.image, wanted.disk) != (image.get("name"), flight.request.get("disk"))
 
 
 def check_alive(flight: bmdb.InFlight, now: Any, settings: InstallationSettings) -> None:
@@ -224,13 +217,8 @@ def verify(result: dict[str, Any], image: Image) -> str:
 
 
 def settler(work: bmdb.Work, generation: int | None) -> Callable[[bmdb.Tx], None] | None:
-    """The failing transaction's extra change: the request leaves the answers."""
+    """The ending transaction's extra change (a failure's or a cancel's): the request
+    leaves the answers, in the transaction that releases the work."""
     if generation is None:
         return None
     return lambda tx: bmdb.settle_installation(tx, work.machine_id, generation, installed=False)
-
-
-def settle(work: bmdb.Work, generation: int | None, *, installed: bool) -> None:
-    if generation is not None:
-        work.session.transact(lambda tx: bmdb.settle_installation(
-            tx, work.machine_id, generation, installed=installed))

@@ -233,7 +233,7 @@ def assert_released(db: bmdb.BMDB, machine: uuid.UUID) -> None:
     """Whatever the outcome: no work holds the machine, and no request is answered."""
     assert db.read(lambda tx: bmdb.machine_work(tx, machine)) == []
     assert state(db, machine).in_flight is None
-    assert db.read(bmdb.installations_in_flight) == 0
+    assert db.read(lambda tx: bmdb.installations_in_progress(tx, 1000)) == []
 
 
 # -- outcomes ------------------------------------------------------------------------------
