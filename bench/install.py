@@ -101,7 +101,8 @@ ZERO_EVERY = (1, 3)  # block index % 5 in this: zero
 #: request on stdin; prints its result and its own peak resident set (VmHWM, KiB).
 #: With "idle" it only reports the memory of having loaded the writer.
 CHILD = r"""
-import importlib.util, json, re, sys, threading
+import importlib.util, json, os, re, sys, threading
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # its siblings (identity), as in the bundle
 spec = importlib.util.spec_from_file_location("installer", sys.argv[1])
 installer = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(installer)
@@ -244,7 +245,7 @@ class Fleet:
             return bmdb.dispatch_installation(tx, machine, request)
 
         token = self.key.fetch_token(str(machine), self.db.read(body), image.name)
-        # What the server's heartbeat answer adds for a served image (``with_fetch_token``).
+        # What the server's heartbeat answer adds for a served image (``with_secrets``).
         return Grant(machine, token, {**request, "authorization": token})
 
 

@@ -76,12 +76,22 @@ from bmdb.handle import BMDB, connect
 from bmdb.history import CutoffTooRecent
 from bmdb.history import check_age as check_prune_age
 from bmdb.history import record as record_history
-from bmdb.holds import Hold, holds_of, quarantine_if_due
+from bmdb.holds import (
+    INSTALLATIONS_FAILED,
+    LADDERS_EXHAUSTED,
+    Hold,
+    Streak,
+    holds_of,
+    quarantine_if_due,
+)
 from bmdb.holds import lift as lift_hold
 from bmdb.holds import put as put_hold
+from bmdb.host_keys import RecordedPin
 from bmdb.host_keys import forget as forget_host_key
 from bmdb.host_keys import pin as pin_host_key
+from bmdb.host_keys import pin_installed as pin_installed_host_key
 from bmdb.host_keys import pinned as pinned_host_key
+from bmdb.host_keys import recorded as recorded_host_key
 from bmdb.inspection import (
     ANY,
     MAX_PAGE,
@@ -100,7 +110,10 @@ from bmdb.inspection import (
     machine_tags_as_stored,
     machine_work,
 )
+from bmdb.installations import STEPS as INSTALLATION_STEPS
 from bmdb.installations import InFlight, Installation, Reported, Wanted, served_image_in_flight
+from bmdb.installations import advance as advance_installation
+from bmdb.installations import close_request as close_installation_request
 from bmdb.installations import dispatch as dispatch_installation
 from bmdb.installations import in_progress as installations_in_progress
 from bmdb.installations import installation as installation_of
@@ -190,8 +203,11 @@ __all__ = [
     "EXCLUSION_GROUPS",
     "HOLD_KINDS",
     "HOUR",
+    "INSTALLATIONS_FAILED",
+    "INSTALLATION_STEPS",
     "INSTALL_BACKOFF",
     "INTENT_LIFETIME",
+    "LADDERS_EXHAUSTED",
     "LADDER_EXHAUSTED",
     "MAINTENANCE",
     "MAX_PAGE",
@@ -228,12 +244,14 @@ __all__ = [
     "PowerObservation",
     "Process",
     "ProviderStatus",
+    "RecordedPin",
     "Refusal",
     "Reported",
     "Session",
     "SessionExpired",
     "SessionInfo",
     "StoredJSON",
+    "Streak",
     "SweepResult",
     "TakeoverView",
     "Thresholds",
@@ -247,6 +265,7 @@ __all__ = [
     "WorkGone",
     "WorkInfo",
     "active_work",
+    "advance_installation",
     "agent_credentials",
     "agents_started",
     "alive_sessions",
@@ -255,6 +274,7 @@ __all__ = [
     "check_revision",
     "clear_backoff",
     "clear_refusal",
+    "close_installation_request",
     "connect",
     "cool_down",
     "cooling",
@@ -304,6 +324,7 @@ __all__ = [
     "parse_url",
     "pending_intents",
     "pin_host_key",
+    "pin_installed_host_key",
     "pinned_host_key",
     "power_of",
     "provided_by_provider_id",
@@ -318,6 +339,7 @@ __all__ = [
     "record_power_action",
     "record_power_observed",
     "record_refusal",
+    "recorded_host_key",
     "recovery_starts_last_hour",
     "refresh_provided",
     "release_singleton",

@@ -178,6 +178,10 @@ os_wanted = Table(
     Column("generation", Integer, nullable=False, server_default="0"),
     Column("settled_at", UTCDateTime),
     Column("outcome", String(16)),
+    # The step the generation in flight is in (``installations.STEPS``) and since when;
+    # NULL once settled, or before the first dispatch.
+    Column("step", String(32)),
+    Column("step_at", UTCDateTime),
     Index(
         "ix_os_wanted_pending",
         "machine_id",
@@ -293,11 +297,16 @@ host_keys = Table(
     "host_keys",
     metadata,
     # The SSH host key a machine must present (an OpenSSH public-key line), recorded
-    # at its first takeover (trust on first use). A pin from the inventory file wins
-    # over this row and is never stored here: the file stays its one source.
+    # at its first takeover (trust on first use, ``source`` "first_use"), or chosen by
+    # Shepherd for the system it installed (``source`` "installation", of ``generation``)
+    # before that system first booted. A pin from the inventory file wins over a first
+    # use's and is never stored here: the file stays its one source; an installation's
+    # wins over the file's, which names the system the machine had before.
     _machine_key(),
     Column("host_key", Text, nullable=False),
     Column("recorded_at", UTCDateTime, nullable=False),
+    Column("source", String(16), nullable=False, server_default="first_use"),
+    Column("generation", Integer),
 )
 
 power_states = Table(

@@ -84,6 +84,15 @@ def not_gone(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
                               p.c.provider_status == ProviderStatus.MISSING.value)
 
 
+def not_installing(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    """True unless an installation is between its steps on the machine (``os_wanted.step``
+    set): its agent is silent because the installation reboots it, not by accident, so
+    Recovery leaves it alone and the guard does not count it (``fleet.silent_machines``).
+    The installation's own deadlines bound that state (``shepherd.workflows.booting``)."""
+    w = schema.os_wanted
+    return ~sa.exists().where(w.c.machine_id == machine_id, w.c.step.is_not(None))
+
+
 #: Running at the provider, no agent started yet, and not held.
 agent_start = Backlog(
     sa.select(schema.provided.c.machine_id).where(
@@ -96,17 +105,19 @@ agent_start = Backlog(
 
 
 def _recovery_statement() -> AnyCompound:
-    """Agent started, but no heartbeat soon enough after start, or none lately; not held."""
+    """Agent started, but no heartbeat soon enough after start, or none lately; not held,
+    not being installed."""
     s, h = schema.agent_started, schema.agent_heartbeat
     never_heard = sa.select(s.c.machine_id).where(
         ~s.c.heartbeat_seen, s.c.started_at < sa.bindparam("started_before"),
-        not_held(s.c.machine_id), not_gone(s.c.machine_id),
+        not_held(s.c.machine_id), not_gone(s.c.machine_id), not_installing(s.c.machine_id),
     )
     gone_quiet = (
         sa.select(h.c.machine_id)
         .join(s, s.c.machine_id == h.c.machine_id)
         .where(h.c.last_heartbeat_at < sa.bindparam("heard_before"),
-               not_held(h.c.machine_id), not_gone(h.c.machine_id))
+               not_held(h.c.machine_id), not_gone(h.c.machine_id),
+               not_installing(h.c.machine_id))
     )
     return sa.union_all(never_heard, gone_quiet)
 
@@ -133,12 +144,16 @@ def recovery_backlog(thresholds: Thresholds) -> Backlog:
 
 
 def _installations_statement() -> AnySelect:
-    """An installation wanted and not settled, an agent heard from lately (it writes the
-    image), not held, still listed by its provider."""
+    """An installation wanted and not settled, not held, still listed by its provider, and
+    either an agent heard from lately (it writes the image) or an installation tried
+    before (``generation`` > 0): after a failed one the machine may run no agent at all
+    (its reboot went wrong), and the workflow boots the rescue system itself."""
     w, h = schema.os_wanted, schema.agent_heartbeat
     return (sa.select(w.c.machine_id)
-            .join(h, h.c.machine_id == w.c.machine_id)
-            .where(w.c.settled_at.is_(None), h.c.last_heartbeat_at >= sa.bindparam("heard_after"),
+            .outerjoin(h, h.c.machine_id == w.c.machine_id)
+            .where(w.c.settled_at.is_(None),
+                   sa.or_(h.c.last_heartbeat_at >= sa.bindparam("heard_after"),
+                          w.c.generation > 0),
                    not_held(w.c.machine_id), not_gone(w.c.machine_id)))
 
 

@@ -7,8 +7,10 @@ history with who and why.
 
 * ``maintenance``: put and lifted by an operator (``shepherd maintenance on|off``).
 * ``quarantine``: put by Recovery when the reboot ladder was exhausted
-  ``limit`` times in a row (``quarantine_if_due``), lifted only by an operator
-  (``shepherd quarantine clear``): a machine no reboot brings back needs hands.
+  ``limit`` times in a row, or by the installation workflow when installations failed
+  ``limit`` times in a row (``quarantine_if_due``, its ``Streak``); lifted only by an
+  operator (``shepherd quarantine clear``): a machine no reboot or reinstallation
+  brings back needs hands.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import sqlalchemy as sa
 
@@ -78,16 +81,33 @@ def holds_of(tx: Tx, machine_id: uuid.UUID, kind: HoldKind | None = None) -> lis
             for row in tx.execute(query)]
 
 
-def exhaustions_in_a_row(tx: Tx, machine_id: uuid.UUID, limit: int) -> int:
-    """How many of the machine's latest Recovery outcomes (up to ``limit``) were failures
-    that exhausted the reboot ladder, counted back from the newest until another
-    outcome, or until an operator last let the machine out of quarantine (a fresh
-    start: the failures before it were looked at by a person).
+class Streak(NamedTuple):
+    """Which failures in a row quarantine a machine: of ``process``, those whose cause
+    starts with ``cause_prefix`` (any cause when empty); ``what`` names them in the hold's
+    reason."""
+
+    process: Process
+    cause_prefix: str
+    what: str
+
+
+#: Recovery's: reboot ladders climbed to their end without a verified rung.
+LADDERS_EXHAUSTED = Streak(Process.RECOVERY, LADDER_EXHAUSTED, "the reboot ladder was exhausted")
+#: The installation workflow's: installations that failed (a cancel is no failure).
+INSTALLATIONS_FAILED = Streak(Process.OS_INSTALL, "", "an installation failed")
+
+
+def failures_in_a_row(tx: Tx, machine_id: uuid.UUID, limit: int,
+                      streak: Streak = LADDERS_EXHAUSTED) -> int:
+    """How many of the machine's latest outcomes of ``streak.process`` (up to ``limit``)
+    were failures it counts, counted back from the newest until another outcome, or
+    until an operator last let the machine out of quarantine (a fresh start: the
+    failures before it were looked at by a person).
 
     Reads at most ``limit`` rows through the (machine_id, id) history index.
     """
     h = schema.history
-    outcome = sa.and_(h.c.process == Process.RECOVERY.value,
+    outcome = sa.and_(h.c.process == streak.process.value,
                       h.c.event.in_(("Finished", "Failed")))
     released = sa.and_(h.c.process == Topic.QUARANTINE, h.c.event == Event.RELEASED)
     rows = tx.execute(
@@ -95,19 +115,19 @@ def exhaustions_in_a_row(tx: Tx, machine_id: uuid.UUID, limit: int) -> int:
         .where(h.c.machine_id == machine_id, sa.or_(outcome, released))
         .order_by(h.c.id.desc()).limit(limit)
     )
-    streak = 0
+    count = 0
     for event, cause in rows:
-        if event != "Failed" or not (cause or "").startswith(LADDER_EXHAUSTED):
+        if event != "Failed" or not (cause or "").startswith(streak.cause_prefix):
             break
-        streak += 1
-    return streak
+        count += 1
+    return count
 
 
-def quarantine_if_due(tx: Tx, machine_id: uuid.UUID, limit: int, actor: str) -> bool:
-    """Quarantine the machine once its ladder was exhausted ``limit`` times in a row
+def quarantine_if_due(tx: Tx, machine_id: uuid.UUID, limit: int, actor: str,
+                      streak: Streak = LADDERS_EXHAUSTED) -> bool:
+    """Quarantine the machine once ``streak``'s failures came ``limit`` times in a row
     (this failure included: call it after recording the failure); True if it was."""
-    streak = exhaustions_in_a_row(tx, machine_id, limit)
-    if streak < limit:
+    count = failures_in_a_row(tx, machine_id, limit, streak)
+    if count < limit:
         return False
-    return put(tx, machine_id, QUARANTINE,
-               f"the reboot ladder was exhausted {streak} times in a row", actor)
+    return put(tx, machine_id, QUARANTINE, f"{streak.what} {count} times in a row", actor)

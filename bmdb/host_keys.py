@@ -1,14 +1,22 @@
-"""Pinned SSH host keys, trust on first use.
+"""Pinned SSH host keys: trusted on first use, or chosen by an installation.
 
 A machine's host key is recorded at its first successful takeover and required at
 every later one (``shepherd.remote`` compares before anything is uploaded). Only an
-operator resets it (``shepherd host-key forget``), after a reinstall gave the
-machine a new key. A pin from the inventory file wins and is never stored here.
+operator resets it (``shepherd host-key forget``), after a reinstall behind Shepherd's
+back gave the machine a new key. A pin from the inventory file wins over a first use's
+and is never stored here.
+
+An installation pins the key it chose (``pin_installed``) before the system it wrote
+first boots, replacing whatever was recorded: no trust on first sight for a system
+Shepherd installed. That pin wins over the inventory's too, whose key names the system
+the machine had before (``RecordedPin.chosen``; ``shepherd.workflows.initializer``
+applies the order).
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -16,7 +24,24 @@ from sqlalchemy.dialects import postgresql, sqlite
 from bmdb import _schema as schema
 from bmdb import history
 from bmdb._database import Tx
+from bmdb.tags import upsert
 from bmdb.vocabulary import Event, Topic
+
+FIRST_USE = "first_use"
+INSTALLATION = "installation"
+
+
+class RecordedPin(NamedTuple):
+    """A recorded host key and where it comes from."""
+
+    host_key: str
+    source: str
+    generation: int | None
+
+    @property
+    def chosen(self) -> bool:
+        """Shepherd chose this key for a system it installed (it wins over the inventory)."""
+        return self.source == INSTALLATION
 
 
 def pinned(tx: Tx, machine_id: uuid.UUID) -> str | None:
@@ -24,6 +49,24 @@ def pinned(tx: Tx, machine_id: uuid.UUID) -> str | None:
     k = schema.host_keys
     return tx.execute(sa.select(k.c.host_key).where(k.c.machine_id == machine_id)
                       ).scalar_one_or_none()
+
+
+def recorded(tx: Tx, machine_id: uuid.UUID) -> RecordedPin | None:
+    """The recorded pin with its source, or None."""
+    k = schema.host_keys
+    row = tx.execute(sa.select(k.c.host_key, k.c.source, k.c.generation)
+                     .where(k.c.machine_id == machine_id)).one_or_none()
+    return None if row is None else RecordedPin(row.host_key, row.source, row.generation)
+
+
+def pin_installed(tx: Tx, machine_id: uuid.UUID, host_key: str, fingerprint: str,
+                  generation: int) -> None:
+    """Pin the key installation ``generation`` chose, replacing any recorded pin."""
+    upsert(tx, schema.host_keys, {"machine_id": machine_id},
+           {"host_key": host_key, "recorded_at": tx.now, "source": INSTALLATION,
+            "generation": generation})
+    history.record(tx, machine_id, Topic.HOST_KEY, Event.PINNED,
+                   f"chosen by installation generation {generation}: {fingerprint}")
 
 
 def pin(tx: Tx, machine_id: uuid.UUID, host_key: str, fingerprint: str) -> bool:

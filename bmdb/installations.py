@@ -48,7 +48,12 @@ from bmdb.tags import upsert
 from bmdb.vocabulary import Event, Process
 
 Origin = Literal["inventory", "operator"]
-Outcome = Literal["installed", "canceled"]
+#: An installation's steps, in order (``shepherd.workflows.installation`` says what each
+#: waits for): where ``os_wanted.step`` says the generation in flight is.
+STEPS = ("rescue", "writing", "boot_device", "rebooting", "taking_over", "first_heartbeat")
+#: installed: written, booted and taken over; written: written and verified on a machine
+#: Shepherd cannot boot (no BMC); canceled: withdrawn by an operator.
+Outcome = Literal["installed", "written", "canceled"]
 #: The longest reason kept (as holds keep theirs).
 MAX_REASON = 500
 
@@ -66,6 +71,10 @@ class Wanted:
     generation: int
     settled_at: dt.datetime | None
     outcome: str | None
+    #: The step of the generation in flight (``STEPS``) and since when; None between
+    #: installations.
+    step: str | None = None
+    step_at: dt.datetime | None = None
 
     @property
     def pending(self) -> bool:
@@ -170,7 +179,8 @@ def dispatch(tx: Tx, machine_id: uuid.UUID, request: dict[str, Any]) -> int:
     w = schema.os_wanted
     generation = tx.execute(
         sa.update(w).where(w.c.machine_id == machine_id)
-        .values(generation=w.c.generation + 1).returning(w.c.generation)).scalar_one()
+        .values(generation=w.c.generation + 1, step="writing", step_at=tx.now)
+        .returning(w.c.generation)).scalar_one()
     upsert(tx, schema.os_installation_request, {"machine_id": machine_id},
            {"generation": generation, "request": request, "dispatched_at": tx.now,
             "progress": None, "progress_at": tx.now})
@@ -185,20 +195,44 @@ def record_progress(tx: Tx, machine_id: uuid.UUID, generation: int,
                .values(progress=progress, progress_at=tx.now))
 
 
-def settle(tx: Tx, machine_id: uuid.UUID, generation: int, *, installed: bool) -> None:
-    """End the installation in flight of ``generation`` (its request leaves the answers and
-    its token dies); ``installed`` also settles what was wanted, if it is still what this
-    installation wrote: a wish changed mid-way (another image or disk) stays pending."""
-    q, w = schema.os_installation_request, schema.os_wanted
-    request = tx.execute(sa.delete(q).where(q.c.machine_id == machine_id,
-                                            q.c.generation == generation)
-                         .returning(q.c.request)).scalar_one_or_none()
-    image, disk = _target(request)
+def advance(tx: Tx, machine_id: uuid.UUID, generation: int, step: str) -> bool:
+    """Say that installation ``generation`` entered ``step`` (one of ``STEPS``), now;
+    False when that generation is not the machine's current one."""
+    if step not in STEPS:
+        raise ValueError(f"no installation step {step!r}: one of {STEPS}")
+    w = schema.os_wanted
+    return bool(tx.execute(sa.update(w).where(w.c.machine_id == machine_id,
+                                              w.c.generation == generation)
+                           .values(step=step, step_at=tx.now)).rowcount)
+
+
+def close_request(tx: Tx, machine_id: uuid.UUID, generation: int) -> dict[str, Any] | None:
+    """Take installation ``generation``'s request out of the answers (its fetch token dies
+    with it); the request, or None when it was not in flight. Done once the image is
+    verified: the agents that answer later (the installed system's) must never get it."""
+    q = schema.os_installation_request
+    return tx.execute(sa.delete(q).where(q.c.machine_id == machine_id,
+                                         q.c.generation == generation)
+                      .returning(q.c.request)).scalar_one_or_none()
+
+
+def settle(tx: Tx, machine_id: uuid.UUID, generation: int, *, installed: bool,
+           target: tuple[str, str] | None = None,
+           outcome: Literal["installed", "written"] = "installed") -> None:
+    """End installation ``generation``: its request (if still in flight) leaves the
+    answers, and its step is cleared; ``installed`` also settles what was wanted, if it is
+    still what this installation wrote (``target``: (image, disk), needed when the request
+    was closed before): a wish changed mid-way stays pending."""
+    w = schema.os_wanted
+    request = close_request(tx, machine_id, generation)
+    tx.execute(sa.update(w).where(w.c.machine_id == machine_id, w.c.generation == generation)
+               .values(step=None, step_at=None))
+    image, disk = target or _target(request)
     if not installed or image is None or disk is None:
         return
     tx.execute(sa.update(w).where(
         w.c.machine_id == machine_id, w.c.generation == generation, w.c.settled_at.is_(None),
-        w.c.image == image, w.c.disk == disk).values(settled_at=tx.now, outcome="installed"))
+        w.c.image == image, w.c.disk == disk).values(settled_at=tx.now, outcome=outcome))
 
 
 def installation(tx: Tx, machine_id: uuid.UUID) -> Installation:
@@ -216,7 +250,8 @@ def installation(tx: Tx, machine_id: uuid.UUID) -> Installation:
     return Installation(
         None if wanted is None else Wanted(
             wanted.image, wanted.disk, wanted.origin, wanted.requested_by, wanted.reason,
-            wanted.wanted_at, wanted.generation, wanted.settled_at, wanted.outcome),
+            wanted.wanted_at, wanted.generation, wanted.settled_at, wanted.outcome,
+            wanted.step, wanted.step_at),
         None if flight is None else _in_flight(flight),
         None if report is None else Reported(report.generation, report.reported_at,
                                              _document(report.result) or {}))

@@ -19,6 +19,7 @@ from bmdb import _schema as schema
 from bmdb import power_states
 from bmdb._database import Tx
 from bmdb._types import AnySelect
+from bmdb.host_keys import RecordedPin
 from bmdb.power_states import PowerObservation
 from bmdb.vocabulary import TAG_NAMES, Process
 
@@ -84,8 +85,8 @@ class TakeoverView:
 
     #: The Provided tag as ``machine_tag`` gives it, or None.
     provided: dict[str, Any] | None
-    #: The host key recorded at the first takeover (``host_keys.pinned``), or None.
-    host_key: str | None
+    #: The recorded host key pin (``host_keys.recorded``), or None.
+    host_key: RecordedPin | None
     #: The key AgentStarted holds now, or None.
     agent_key: bytes | None
 
@@ -100,17 +101,22 @@ def takeover_view(tx: Tx, machine_id: uuid.UUID) -> TakeoverView:
     provided = (None if row.machine_id is None else
                 {c.name: row._mapping[c] for c in p.columns if c.name != "machine_id"})
     key = row._mapping["takeover_agent_key"]
-    return TakeoverView(provided, row._mapping["takeover_host_key"],
-                        None if key is None else bytes(key))
+    host_key = row._mapping["takeover_host_key"]
+    pin = None if host_key is None else RecordedPin(
+        host_key, row._mapping["takeover_host_key_source"],
+        row._mapping["takeover_host_key_generation"])
+    return TakeoverView(provided, pin, None if key is None else bytes(key))
 
 
 def _takeover_view_statement() -> AnySelect:
     m, p, k, a = schema.machines, schema.provided, schema.host_keys, schema.agent_started
-    host_key = sa.select(k.c.host_key).where(k.c.machine_id == m.c.id).scalar_subquery()
     agent_key = sa.select(a.c.public_key).where(a.c.machine_id == m.c.id).scalar_subquery()
-    return (sa.select(p, host_key.label("takeover_host_key"),
+    return (sa.select(p, k.c.host_key.label("takeover_host_key"),
+                      k.c.source.label("takeover_host_key_source"),
+                      k.c.generation.label("takeover_host_key_generation"),
                       agent_key.label("takeover_agent_key"))
-            .select_from(m.outerjoin(p, p.c.machine_id == m.c.id))
+            .select_from(m.outerjoin(p, p.c.machine_id == m.c.id)
+                         .outerjoin(k, k.c.machine_id == m.c.id))
             .where(m.c.id == sa.bindparam("machine")))
 
 

@@ -67,6 +67,8 @@ class Event(enum.StrEnum):
     WITHDRAWN = "Withdrawn"
     DISPATCHED = "Dispatched"
     VERIFIED = "Verified"
+    #: Each step of the boot into the rescue or the installed system (``STEPS``).
+    STEP = "Step"
 
 
 #: History events that end a work item (what ``task_outcomes`` reports besides Started).

@@ -40,6 +40,21 @@ KEY_NAME = "answer-signing"
 
 
 @dataclass(frozen=True)
+class InstalledHostKey:
+    """An installed system's SSH host key (``AnswerKey.host_key``)."""
+
+    private: Ed25519PrivateKey = field(repr=False)
+    #: The OpenSSH public line (``ssh-ed25519 AAAA...``): the machine's pin.
+    public: str
+
+    def private_openssh(self) -> str:
+        """The private key as sshd reads it (OpenSSH format, unencrypted)."""
+        return self.private.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()).decode()
+
+
+@dataclass(frozen=True)
 class AnswerKey:
     """The server's answer-signing key; ``public_b64`` goes to agents at takeover."""
 
@@ -72,12 +87,26 @@ class AnswerKey:
         (``shepherd.server.images``): a MAC under this key of the three, so it is never
         stored, dies with its installation (the route accepts only the generation in
         flight), and no other machine, image or generation has the same."""
-        message = f"shepherd-image-fetch\n{machine_id}\n{generation}\n{image}".encode()
+        digest = self._mac(f"shepherd-image-fetch\n{machine_id}\n{generation}\n{image}")
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def host_key(self, machine_id: str, generation: int) -> InstalledHostKey:
+        """The SSH host key of the system installation ``generation`` writes on the
+        machine: an Ed25519 key whose seed is a MAC under this key of the two. Derived,
+        so never stored: the workflow pins its public half before the system first
+        boots, the server puts the private half in the answers that carry the request
+        (``shepherd.server.heartbeat``), and each installation's key is new."""
+        private = Ed25519PrivateKey.from_private_bytes(
+            self._mac(f"shepherd-host-key\n{machine_id}\n{generation}"))
+        public = private.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                   serialization.PublicFormat.OpenSSH)
+        return InstalledHostKey(private, public.decode())
+
+    def _mac(self, message: str) -> bytes:
         secret = self.private.private_bytes(serialization.Encoding.Raw,
                                             serialization.PrivateFormat.Raw,
                                             serialization.NoEncryption())
-        digest = hmac.new(secret, message, hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        return hmac.new(secret, message.encode(), hashlib.sha256).digest()
 
     def fetch_allowed(self, token: str, machine_id: str, generation: int, image: str) -> bool:
         """Whether ``token`` is ``fetch_token``'s, compared in constant time."""
@@ -106,4 +135,4 @@ def verify_answer(public_key: bytes, signature_b64: str, machine: str, timestamp
     return True
 
 
-__all__ = ["KEY_NAME", "AnswerKey", "verify_answer"]
+__all__ = ["KEY_NAME", "AnswerKey", "InstalledHostKey", "verify_answer"]

@@ -35,6 +35,7 @@ from shepherd.config_kinds import (
     listen,
     number,
     optional_listen,
+    rescue_device,
     setting,
     share,
     shown_default,
@@ -180,14 +181,25 @@ class Settings:
                                          minimum=1)
     install_stall_timeout: float = setting(300.0, "seconds an installing agent may go "
                                            "without reporting progress", minimum=1.0)
-    install_deadline: float = setting(1800.0, "seconds an installation may take (below "
-                                      "the visibility timeout)", minimum=1.0)
+    install_deadline: float = setting(1800.0, "seconds an installation may take up to its "
+                                      "verified write, a rescue boot included (below the "
+                                      "visibility timeout)", minimum=1.0)
     install_fetch_retries: int = setting(5, "times an agent resumes a broken image "
                                          "download")
     install_fetch_stall: float = setting(30.0, "seconds an image download may go without "
                                          "a byte before it is resumed", minimum=0.1)
     install_backoff: bmdb.Backoff = setting(
         bmdb.INSTALL_BACKOFF, "a failed installation's backoff: initial,maximum,exponent")
+    install_ssh_deadline: float = setting(300.0, "seconds from power on to the SSH banner "
+                                          "of the system an installation boots", minimum=1.0)
+    install_heartbeat_deadline: float = setting(120.0, "seconds from the takeover of a "
+                                                "booted system to its agent's first "
+                                                "heartbeat", minimum=1.0)
+    install_quarantine_after: int = setting(3, "installations failed in a row before the "
+                                            "machine is quarantined", minimum=1)
+    install_rescue_device: str = setting("network", "what boots the rescue system for an "
+                                         "installation: network or cd (virtual media)",
+                                         kind=rescue_device)
     # The callback server (``shepherd serve``; its flags override these).
     serve_listen: str = setting("127.0.0.1:8470", "the agents' listener (host:port)",
                                 kind=listen)
@@ -253,9 +265,12 @@ class Settings:
 
     @property
     def install_task_time_limit(self) -> float:
-        """Hard limit of an installation task: the workflow ends it at its deadline; this
-        is the backstop, with room to fail the work with its cause first."""
-        return self.install_deadline + 300.0
+        """Hard limit of an installation task: the workflow ends each step at its deadline
+        (``install_deadline`` up to the verified write, a rescue boot included; then the
+        installed system's boot: a power off and on, the SSH banner, the first
+        heartbeat); this is the backstop, with room to fail the work with its cause."""
+        return (self.install_deadline + self.rung_timeout * 2 + self.install_ssh_deadline
+                + self.install_heartbeat_deadline + 300.0)
 
     @property
     def agent_interval(self) -> float:

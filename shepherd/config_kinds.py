@@ -190,6 +190,18 @@ def optional_listen(raw: str, spec: Spec) -> str:
     return listen(raw, spec) if raw.strip() else ""
 
 
+#: What can boot an installation's rescue system (``shepherd.power.BootDevice`` values).
+RESCUE_DEVICES = ("network", "cd")
+
+
+def rescue_device(raw: str, spec: Spec) -> str:
+    """``network`` or ``cd``."""
+    value = raw.strip().lower()
+    if value not in RESCUE_DEVICES:
+        raise Refused(f" is not one of {', '.join(RESCUE_DEVICES)}", shown=raw.strip())
+    return value
+
+
 def share(raw: str, spec: Spec) -> float:
     """A fraction in [0, 1]; ``10%`` is accepted too."""
     value_text = raw.strip()

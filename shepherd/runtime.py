@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from shepherd.power import PowerControl
     from shepherd.workflows.initializer import InitializerSettings
     from shepherd.workflows.installation import InstallationSettings
+    from shepherd.workflows.ladder import LadderSettings
     from shepherd.workflows.provisioner import ProvisionerSettings
     from shepherd.workflows.recoverer import RecovererSettings
     from shepherd.workflows.retention import RetentionSettings
@@ -220,7 +221,8 @@ def check_settings(settings: Settings) -> None:
         raise SettingsError(
             f"SHEPHERD_VISIBILITY_TIMEOUT={settings.visibility_timeout:g} must exceed an "
             f"installation task's time limit, {settings.install_task_time_limit:g}s "
-            "(SHEPHERD_INSTALL_DEADLINE and 300 s)")
+            "(SHEPHERD_INSTALL_DEADLINE, twice SHEPHERD_RUNG_TIMEOUT, "
+            "SHEPHERD_INSTALL_SSH_DEADLINE, SHEPHERD_INSTALL_HEARTBEAT_DEADLINE and 300 s)")
 
 
 def check_writable_directory(name: str, path: str) -> None:
@@ -287,27 +289,39 @@ def initializer_settings(settings: Settings) -> InitializerSettings:
     )
 
 
-def recoverer_settings(settings: Settings) -> RecovererSettings:
+def ladder_settings(settings: Settings) -> LadderSettings:
     from shepherd.workflows.ladder import LadderSettings
+
+    return LadderSettings(rung_timeout=settings.rung_timeout, boot_wait=settings.boot_wait,
+                          poll_interval=settings.rung_poll_interval,
+                          banner_timeout=min(5.0, settings.ssh_connect_timeout))
+
+
+def recoverer_settings(settings: Settings) -> RecovererSettings:
     from shepherd.workflows.recoverer import RecovererSettings
 
     return RecovererSettings(
-        ladder=LadderSettings(rung_timeout=settings.rung_timeout,
-                              boot_wait=settings.boot_wait,
-                              poll_interval=settings.rung_poll_interval,
-                              banner_timeout=min(5.0, settings.ssh_connect_timeout)),
+        ladder=ladder_settings(settings),
         quarantine_after=settings.quarantine_after,
         agent_restart=initializer_settings(settings),
     )
 
 
 def installation_settings(settings: Settings) -> InstallationSettings:
+    from shepherd.power import BootDevice
+    from shepherd.workflows.booting import BootSettings
     from shepherd.workflows.installation import InstallationSettings
 
+    boot = BootSettings(
+        takeover=initializer_settings(settings), ladder=ladder_settings(settings),
+        ssh_deadline=settings.install_ssh_deadline,
+        heartbeat_deadline=settings.install_heartbeat_deadline,
+        rescue_device=BootDevice(settings.install_rescue_device))
     return InstallationSettings(
         callback_url=settings.callback_url, image_dir=settings.image_dir,
         stall_timeout=settings.install_stall_timeout, deadline=settings.install_deadline,
-        fetch_retries=settings.install_fetch_retries, fetch_stall=settings.install_fetch_stall)
+        fetch_retries=settings.install_fetch_retries, fetch_stall=settings.install_fetch_stall,
+        boot=boot, quarantine_after=settings.install_quarantine_after)
 
 
 def power_for(settings: Settings, provider: Provider, session: bmdb.Session,

@@ -50,7 +50,9 @@ import contextlib
 import json
 import logging
 import logging.handlers
+import math
 import os
+import re
 import signal
 import ssl
 import sys
@@ -63,8 +65,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING or __package__:  # shepherd.agent.agent, in the shepherd package
-    from . import installer, protocol
+    from . import identity, installer, protocol
 else:  # the bundle's shepherd_agent, or agent.py run alone: its modules lie beside it
+    import identity
     import installer
     import protocol
 
@@ -315,8 +318,8 @@ def setup_logging(state_dir: str) -> None:
 
 
 def hardware_report(root: str = "/") -> dict[str, Any]:
-    """Hostname, CPU, memory, disks and NICs from /proc and /sys, with a warning for
-    each gap."""
+    """Hostname, CPU, memory, disks and NICs from /proc and /sys, and the installation
+    this system came from, with a warning for each gap."""
     warnings: list[str] = []
     return {
         "hostname": read_hostname(root, warnings),
@@ -324,6 +327,7 @@ def hardware_report(root: str = "/") -> dict[str, Any]:
         "memory_bytes": read_memory(root, warnings),
         "block_devices": read_block_devices(root, warnings),
         "network_interfaces": read_network_interfaces(root, warnings),
+        "installation": read_installation(root, warnings),
         "warnings": warnings,
     }
 
@@ -446,6 +450,66 @@ def read_network_interfaces(root: str, warnings: list[str]) -> list[dict[str, st
             continue
         interfaces.append({"name": name, "mac": mac})
     return interfaces
+
+
+#: What the server takes in a report (``shepherd.server.bodies``): a marker holding
+#: anything else (control characters, lone surrogates from a JSON escape) would make it
+#: refuse the whole hardware report, so such a marker is dropped here.
+_KEY_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+_TEXT_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def read_installation(root: str, warnings: list[str]) -> dict[str, Any] | None:
+    """The marker the agent wrote into this system when it installed it
+    (``identity.MARKER_PATH``): how the installed system's first heartbeat tells
+    Shepherd which installation it runs. None on a system no agent installed, or (with
+    a warning) when the file is unreadable, larger than ``identity.MARKER_MAX``, or
+    not a JSON object the server would take."""
+    path = os.path.join(root, identity.MARKER_PATH.lstrip("/"))
+    what = f"installation: {identity.MARKER_PATH}"
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(identity.MARKER_MAX + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        warnings.append(f"{what} cannot be read: {error}")
+        return None
+    if len(data) > identity.MARKER_MAX:
+        warnings.append(f"{what} is larger than {identity.MARKER_MAX} bytes; ignored")
+        return None
+    try:
+        marker = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        warnings.append(f"{what} is not JSON; ignored")
+        return None
+    if not isinstance(marker, dict) or not _plain(marker, protocol.MAX_DEPTH - 2):
+        warnings.append(f"{what} is not a plain JSON object; ignored")
+        return None
+    return marker
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _plain(value: Any, levels: int) -> bool:
+    """True for JSON the server stores as sent, nested at most ``levels`` deep."""
+    if levels < 1:
+        return False
+    if isinstance(value, dict):
+        return len(value) <= protocol.MAX_KEYS and all(
+            len(key) <= protocol.MAX_NAME and not _KEY_FORBIDDEN.search(key)
+            and _plain(item, levels - 1) for key, item in value.items())
+    if isinstance(value, list):
+        return all(_plain(item, levels - 1) for item in value)
+    if isinstance(value, str):
+        return not _TEXT_FORBIDDEN.search(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return protocol.INT64_MIN <= value <= protocol.INT64_MAX
+    if isinstance(value, float):
+        return math.isfinite(value)  # 1e999 reads as infinity
+    return value is None or isinstance(value, bool)
 
 
 # -- heartbeats ----------------------------------------------------------------
@@ -694,10 +758,23 @@ class Installations:
 
 
 def redacted(request: Any) -> Any:
-    """The request as logged: its fetch token is a credential."""
-    if isinstance(request, dict) and request.get("authorization"):
-        return {**request, "authorization": "(hidden)"}
-    return request
+    """The request as logged: its fetch token is a credential, and the installed
+    system's private host key is the secret its pin stands for. Whatever shape the
+    identity has, no private key gets through (a malformed one is hidden whole)."""
+    if not isinstance(request, dict):
+        return request
+    shown = dict(request)
+    if shown.get("authorization"):
+        shown["authorization"] = "(hidden)"
+    wanted = shown.get("identity")
+    if wanted is not None:
+        host_key = wanted.get("host_key") if isinstance(wanted, dict) else None
+        if isinstance(host_key, dict):
+            shown["identity"] = {**wanted, "host_key": {**host_key,
+                                                        "private_openssh": "(hidden)"}}
+        elif not isinstance(wanted, dict) or host_key is not None:
+            shown["identity"] = "(hidden)"
+    return shown
 
 
 # -- main --------------------------------------------------------------------

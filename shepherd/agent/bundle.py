@@ -11,7 +11,8 @@ carries a pure-Python Ed25519 (``ecdsa``, with ``six``), used only where
   ``__main__.py`` (``zipapp_main.py``, which refuses a python3 older than 3.9 with
   an answer), ``shepherd_agent.py`` (``agent.py``), ``protocol.py`` (the wire
   format, the very module the shepherd imports, beside the agent as it is here),
-  ``installer.py`` (the image writer, beside it too), the bundled libraries, and
+  ``installer.py`` (the image writer, beside it too) and ``identity.py`` (what the
+  writer puts into the installed system), the bundled libraries, and
   their licences under ``LICENSES/``.
 
 Built from the installed packages, in memory, once per process. Byte for byte the
@@ -35,8 +36,9 @@ BUNDLE_NAME = "shepherd-agent.pyz"
 #: The wire format (``protocol.py``), in the bundle under its name here: the agent
 #: imports it as ``protocol`` there, and as ``shepherd.agent.protocol`` here.
 WIRE_MODULE = "protocol.py"
-#: The agent's own modules beside it, imported by their names here (``installer``).
-SIBLINGS = (WIRE_MODULE, "installer.py")
+#: The agent's own modules beside it, imported by their names here (``installer``,
+#: and ``identity``, which writes an installed system's identity for it).
+SIBLINGS = (WIRE_MODULE, "installer.py", "identity.py")
 #: The distributions bundled, importable in the zip by their top-level names.
 BUNDLED = ("ecdsa", "six")
 #: zip cannot store earlier dates; one fixed date makes the bytes reproducible.

@@ -29,11 +29,21 @@ Order, and why:
    total, ``deadline_seconds`` the whole install.
 6. fsync, then the read-back: the disk is read (O_DIRECT, else after dropping its
    cached pages) for exactly ``image.size`` bytes and hashed.
+7. With a request's ``identity``, and only after the read-back matched: the host key,
+   authorized keys, hostname and installation marker go into the installed root
+   filesystem (``identity``, still under this install's O_EXCL hold of the disk). Its
+   failure is kind "identity": the image is written and verified, the identity is not.
 
 The last partial block (an image size that is not a multiple of the logical block
 size) is written through the same descriptor with O_DIRECT cleared (fcntl), never
 padded: nothing past ``image.size`` is ever written. A device that refuses O_DIRECT
 is written buffered (the fsync then does the work).
+
+A *simulated* system (``sys_root`` other than "/": the simulator's machines, which run
+without root) may have a regular file for a disk: accepted only when it is the ``/dev``
+node, under that ``sys_root``, of a disk its ``/sys/block`` describes
+(``simulated_file``). It is written and read buffered, its length its size, without
+O_EXCL (a file has no exclusive hold); on the real root a disk is always a block device.
 """
 
 from __future__ import annotations
@@ -61,7 +71,13 @@ import urllib.parse
 import urllib.request
 import zlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+# identity imports this module in turn: neither uses the other's names at import time.
+if TYPE_CHECKING or __package__:  # shepherd.agent.installer, in the shepherd package
+    from . import identity
+else:  # the bundle's installer: its modules lie beside it
+    import identity
 
 #: The size of one buffer (a multiple of every logical block size), and how many exist:
 #: the bound on the image data in memory, whatever the image's size.
@@ -81,6 +97,7 @@ BLKSSZGET = 0x1268
 BLKFLSBUF = 0x1261
 UNDEFINED = "; the disk's contents are now undefined"
 NOTHING_WRITTEN = "; nothing was written"
+IDENTITY_NOT_WRITTEN = "; the image was written and verified, the identity was not"
 #: socket.timeout is TimeoutError from 3.10 on, but its own OSError subclass on 3.9.
 TIMEOUTS = (socket.timeout, TimeoutError)
 
@@ -139,6 +156,8 @@ class Request(NamedTuple):
     retries: int
     stall_seconds: float
     deadline_seconds: float
+    #: What ``identity`` writes into the installed root after the read-back, if any.
+    identity: dict[str, Any] | None = None
 
 
 def parse_request(request: Any) -> Request:
@@ -174,8 +193,12 @@ def parse_request(request: Any) -> Request:
     if not isinstance(disk, str) or not disk.strip():
         raise _bad("disk must be a non-empty selector string")
     authorization, machine_id = _credentials(request)
+    wanted = request.get("identity")
+    why = None if wanted is None else identity.problem(wanted)
+    if why:
+        raise _bad(why)
     return Request(name, url, digest.lower(), size, form, disk.strip(), authorization,
-                   machine_id, *_limits(request.get("limits")))
+                   machine_id, *_limits(request.get("limits")), identity=wanted)
 
 
 def _credentials(request: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -226,10 +249,19 @@ def _bad(why: str) -> Refusal:
 class Disk(NamedTuple):
     name: str  # its /sys/block entry: "sda", "loop5"
     dev: str  # "major:minor"
+    #: In a simulated system only (``simulated_file``): the regular file that stands
+    #: for the disk, its ``/dev`` node under ``sys_root``. None for a real disk.
+    file: str | None = None
 
     @property
     def path(self) -> str:
+        """The disk as the machine names it (results and causes say this)."""
         return f"/dev/{self.name}"
+
+    @property
+    def node(self) -> str:
+        """What is opened to write and read the disk."""
+        return self.file or self.path
 
 
 class System(NamedTuple):
@@ -284,6 +316,29 @@ class System(NamedTuple):
 
 def resolve(system: System, selector: str) -> Disk:
     """The one whole disk the selector names; a Refusal otherwise."""
+    return simulated_file(system, _resolve(system, selector))
+
+
+def simulated(system: System) -> bool:
+    """A system whose ``sys_root`` is not the machine's own "/": a test's or the
+    simulator's tree (``shepherd.simulator.disks``), where a disk may be a file."""
+    return os.path.realpath(system.sys_root) != "/"
+
+
+def simulated_file(system: System, disk: Disk) -> Disk:
+    """``disk`` with its ``file`` set when, in a simulated system, the ``/dev`` node of
+    the disk its ``/sys/block`` entry describes is a regular file under ``sys_root``:
+    the simulator's machines have no block devices (they run without root). Never on
+    the real root: there a disk is a block device, checked as one by ``Writer``."""
+    if not simulated(system):
+        return disk
+    node = system.path(disk.path)
+    if os.path.isfile(node) and not os.path.islink(node):
+        return disk._replace(file=node)
+    return disk
+
+
+def _resolve(system: System, selector: str) -> Disk:
     kind, _, value = selector.partition("=")
     if kind == "serial" and value:
         return _one(system, selector, lambda disk: system.first(
@@ -326,12 +381,17 @@ def _one(system: System, selector: str, matches: Callable[[Disk], bool]) -> Disk
 
 
 def _by_path(system: System, selector: str, path: str) -> Disk:
-    if not os.path.exists(path):
+    """In a simulated system, a path that exists under ``sys_root`` is read there (its
+    links resolved there too); any other path is the machine's own."""
+    local, dev_dir = path, "/dev"
+    if simulated(system) and os.path.lexists(system.path(path)):
+        local, dev_dir = system.path(path), os.path.realpath(system.path("/dev"))
+    if not os.path.exists(local):
         raise Refusal("no_disk", f"refused: disk selector {selector!r}: {path} does not"
                       f" exist{NOTHING_WRITTEN}")
-    target = os.path.realpath(path)
+    target = os.path.realpath(local)
     name = os.path.basename(target)
-    if os.path.dirname(target) != "/dev" or not name:
+    if os.path.dirname(target) != dev_dir or not name:
         raise Refusal("not_a_disk", f"refused: disk selector {selector!r} leads to"
                       f" {target}, not a device under /dev{NOTHING_WRITTEN}")
     dev = (system.read(f"/sys/block/{name}/dev") or "").strip()
@@ -942,6 +1002,12 @@ class Writer:
 
     def _open(self) -> int:
         flags = os.O_WRONLY | os.O_EXCL | os.O_CLOEXEC
+        if self.disk.file is not None:  # a simulated disk: no exclusive hold, no O_DIRECT
+            try:
+                return os.open(self.disk.file, os.O_WRONLY | os.O_CLOEXEC)
+            except OSError as error:
+                raise Failure("write", f"cannot open {self.disk.path} for writing: {error}"
+                              ) from None
         try:
             try:
                 return os.open(self.disk.path, flags | os.O_DIRECT)
@@ -959,6 +1025,9 @@ class Writer:
     def _check(self, size: int) -> None:
         """The node we write is the disk we checked, and it is large enough."""
         info = os.fstat(self.fd)
+        if self.disk.file is not None:
+            self._check_file(info, size)
+            return
         dev = f"{os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
         if not stat.S_ISBLK(info.st_mode) or dev != self.disk.dev:
             raise Refusal("not_a_disk", f"refused: {self.disk.path} is not the block device"
@@ -968,6 +1037,16 @@ class Writer:
         if has < size:
             raise _too_small(self.disk, has, size)
         self.block = logical_block(self.fd)
+
+    def _check_file(self, info: os.stat_result, size: int) -> None:
+        """A simulated disk: still a regular file, its size its length (no ioctl)."""
+        if not stat.S_ISREG(info.st_mode):
+            raise Refusal("not_a_disk", f"refused: {self.disk.path} is no longer the file"
+                          f" the simulated system's /sys/block/{self.disk.name} describes"
+                          f"{NOTHING_WRITTEN}")
+        if info.st_size < size:
+            raise _too_small(self.disk, info.st_size, size)
+        self.block = 512
 
     def write(self, view: memoryview, offset: int) -> None:
         done = 0
@@ -1131,14 +1210,15 @@ class Install:
 
 
 def _open_for_reading(disk: Disk) -> tuple[int, bool]:
+    if disk.file is None:
+        try:
+            return os.open(disk.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC), True
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise Failure("read_back", f"cannot open {disk.path} to read it back:"
+                              f" {error}") from None
     try:
-        return os.open(disk.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC), True
-    except OSError as error:
-        if error.errno != errno.EINVAL:
-            raise Failure("read_back", f"cannot open {disk.path} to read it back: {error}"
-                          ) from None
-    try:
-        fd = os.open(disk.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(disk.node, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as error:
         raise Failure("read_back", f"cannot open {disk.path} to read it back: {error}"
                       ) from None
@@ -1214,6 +1294,13 @@ def _run(job: Install, writer: Writer, result: dict[str, Any]) -> None:
     if read_back != written:
         raise Failure("read_back", f"{job.disk.path} reads back sha256 {read_back}, but"
                       f" {written} was written")
+    if job.request.identity is not None:
+        job.progress.enter("identity")
+        start = time.monotonic()
+        try:
+            result["identity"] = identity.write_identity(job.disk.node, job.request.identity)
+        finally:
+            job.durations["identity"] = round(time.monotonic() - start, 3)
 
 
 def _fail(result: dict[str, Any], outcome: Outcome, job: Install | None,
@@ -1230,5 +1317,5 @@ def _fail(result: dict[str, Any], outcome: Outcome, job: Install | None,
         if result["read_back_sha256"] is None and result["written_sha256"] is not None:
             cause = "canceled while reading the image back: written, not verified"
     if touched and outcome.status != "refused":
-        cause += UNDEFINED
+        cause += IDENTITY_NOT_WRITTEN if outcome.kind == "identity" else UNDEFINED
     result["cause"] = cause

@@ -29,11 +29,12 @@ SHEPHERD_STATE_DIR=DIR for `celery -A tasks ...` too), a command uses the BMDB, 
 and settings that `up` chose (DIR/shepherd.env); your environment wins. MACHINE is a
 BMDB machine id (UUID); PROCESS a full name (ShepherdRecovery) or a short one
 (recovery). Exit status: 0 done; 1 could not be done now (machine busy, in backoff or
-not in the backlog, Recovery paused, no worker took the work, a BMC that failed or did
-not change in time, a host key the inventory pins, BMDB unreadable); 2 a bad argument
-(malformed id, unknown machine, process, tag or revision, a missing --reason, a BMDB URL
-that is not one), with one line on stderr saying which. Changes are in the machine's
-history with who made them (--by NAME, default: your login name).
+not in the backlog, Recovery paused, no worker took the work, a BMC that failed, did
+not change in time or kept another boot device, a host key the inventory pins, BMDB
+unreadable); 2 a bad argument (malformed id, unknown machine, process, tag or
+revision, a missing --reason, a BMDB URL that is not one), with one line on stderr
+saying which. Changes are in the machine's history with who made them (--by NAME,
+default: your login name).
 
 start and reconcile hand the work to the Celery workers through the broker
 (SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.
@@ -255,11 +256,18 @@ def _machine_care_commands(commands: _Commands) -> None:
     host_key.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     host_key.add_argument("--by", metavar="NAME", help=BY_HELP)
 
-    power = commands.add("power", "read or change a machine's power through its BMC "
-                         "(on/off/cycle: verified, under a BMDB claim)", _power)
-    power.add_argument("command", choices=("status", "on", "off", "cycle"),
-                       help="status: read it; on, off, cycle: change it and check it changed")
+    power = commands.add("power", "read or change a machine's power or next boot device "
+                         "through its BMC (changes: verified, under a BMDB claim)", _power)
+    power.add_argument("command", choices=("status", "on", "off", "cycle", "bootdev"),
+                       help="status: read it; on, off, cycle: change it and check it "
+                            "changed; bootdev: set the next boot device and read it back")
     power.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    power.add_argument("device", nargs="?", choices=("disk", "network", "cd"),
+                       metavar="DEVICE",
+                       help="bootdev only: disk, network (PXE) or cd (virtual media)")
+    power.add_argument("--persistent", action="store_true",
+                       help="bootdev only: every boot, not just the next one (many BMCs "
+                            "keep one or the other whatever is asked: the read back says)")
     power.add_argument("--wait", type=float, metavar="SECONDS",
                        help="how long each change may take to be seen (default: "
                             "SHEPHERD_RUNG_TIMEOUT)")
@@ -391,6 +399,9 @@ def _up_command(up: argparse.ArgumentParser) -> None:
                          "(written under the state directory, host keys pinned), each "
                          "machine behind an emulated Redfish BMC (sushy-emulator), so "
                          "Recovery power-cycles a hung machine through its BMC")
+    up.add_argument("--install", type=int, default=0, metavar="N",
+                    help="with --racks: the inventory asks to install the simulator's demo "
+                         "image on the first N machines (default 0: install by hand)")
 
 
 def port(text: str) -> int:

@@ -71,7 +71,7 @@ def show(d: Any) -> str:
     i = d.installation
     lines.append(f"  {i.state}: {i.text}" if i is not None else "  (none wanted)")
     lines += ["", "HOST KEY"]
-    lines.append(f"  recorded at the first takeover: {d.host_key_fingerprint}" if d.host_key
+    lines.append(f"  {d.host_key_origin}: {d.host_key_fingerprint}" if d.host_key
                  else "  none recorded (an inventory pin, if any, is in the file; else the "
                       "next takeover records one)")
     lines += ["", "WORK"]

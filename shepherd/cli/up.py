@@ -19,4 +19,4 @@ def up(ctx: Context) -> int:
         simulator_port=args.simulator_port, ssh_port=args.ssh_port,
         machine_concurrency=args.concurrency, progress_interval=args.progress_interval,
         flower=not args.no_flower, broker=args.broker, racks=args.racks,
-        fresh=args.fresh), env)
+        install=args.install, fresh=args.fresh), env)

@@ -78,7 +78,8 @@ def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
                                 heartbeat["last_heartbeat_at"] if heartbeat else None,
                                 thresholds)
     else:
-        reason = _recovery_reason(tags, tx.now, thresholds)
+        reason = (_installing_reason(bmdb.installation_of(tx, machine_id))
+                  or _recovery_reason(tags, tx.now, thresholds))
     return ProcessExplanation(
         process=process.value,
         in_backlog=bmdb.in_backlog(tx, process, machine_id, thresholds),
@@ -155,6 +156,17 @@ def _agent_start_reason(tags: dict[str, dict[str, Any]]) -> str:
     if started is not None:
         return f"has AgentStarted: agent started at {iso(started['started_at'])}"
     return f"Running at the provider ({at}) and no agent started yet"
+
+
+def _installing_reason(installation: bmdb.Installation) -> str | None:
+    """Why Recovery leaves a machine alone while an installation boots it, or None."""
+    wanted = installation.wanted
+    if wanted is None or wanted.step is None:
+        return None
+    since = iso(wanted.step_at) if wanted.step_at else "now"
+    return (f"installing: generation {wanted.generation} is at step {wanted.step} since "
+            f"{since}; its agent is silent because the installation reboots it, so Recovery "
+            "leaves it alone and the guard does not count it (the step's deadline bounds it)")
 
 
 def _recovery_reason(tags: dict[str, dict[str, Any]], now: dt.datetime,

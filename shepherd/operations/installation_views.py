@@ -23,6 +23,9 @@ class InstallationView:
     text: str
     generation: int
     progress: dict[str, Any] | None = None
+    #: The step the installation is in (``bmdb.INSTALLATION_STEPS``) and since when.
+    step: str | None = None
+    step_at: dt.datetime | None = None
 
 
 def installation_view(installation: bmdb.Installation,
@@ -33,19 +36,27 @@ def installation_view(installation: bmdb.Installation,
     state, text = _where_it_stands(installation, now)
     return InstallationView(wanted.image, wanted.disk, wanted.requested_by, wanted.reason,
                             state, text, wanted.generation,
-                            None if flight is None else flight.progress)
+                            None if flight is None else flight.progress, wanted.step,
+                            wanted.step_at)
 
 
 def _where_it_stands(installation: bmdb.Installation, now: dt.datetime) -> tuple[str, str]:
     wanted, flight, report = installation.wanted, installation.in_flight, installation.report
     assert wanted is not None
     asked = f"{wanted.image} on {wanted.disk}, asked by {wanted.requested_by} ({wanted.reason})"
+    if wanted.step is not None and wanted.step != "writing":
+        return wanted.step, (f"generation {wanted.generation}: {STEP_TEXT.get(wanted.step, '')} "
+                             f"since {_ago(wanted.step_at or now, now)}; {asked}")
     if flight is not None:
         progress = progress_text(flight.progress, now, flight.progress_at)
         return "in flight", (f"generation {flight.generation}, dispatched "
                              f"{_ago(flight.dispatched_at or now, now)}: {progress}; {asked}")
     if wanted.outcome == "installed":
-        return "installed", f"installed {_ago(wanted.settled_at or now, now)}: {asked}"
+        return "installed", (f"installed {_ago(wanted.settled_at or now, now)}: booted and "
+                             f"heartbeating from its disk; {asked}")
+    if wanted.outcome == "written":
+        return "written", (f"written {_ago(wanted.settled_at or now, now)} and verified, not "
+                           f"booted (no BMC to boot it): {asked}")
     if wanted.outcome == "canceled":
         return "withdrawn", f"withdrawn {_ago(wanted.settled_at or now, now)}: {asked}"
     last = ""
@@ -54,6 +65,16 @@ def _where_it_stands(installation: bmdb.Installation, now: dt.datetime) -> tuple
         last = (f"; generation {report.generation} {result.get('status')}: "
                 f"{str(result.get('cause') or '')[:200]}")
     return "wanted", f"wanted since {_ago(wanted.wanted_at, now)}: {asked}{last}"
+
+
+#: Each step after the write, as operators read it.
+STEP_TEXT = {
+    "rescue": "booting the rescue system to write from",
+    "boot_device": "setting the next boot to the disk through the BMC",
+    "rebooting": "power off, then on, each observed",
+    "taking_over": "waiting for SSH with the chosen host key",
+    "first_heartbeat": "waiting for the installed system's agent to report its marker",
+}
 
 
 def progress_text(progress: dict[str, Any] | None, now: dt.datetime,
@@ -86,7 +107,12 @@ def install_reason(installation: bmdb.Installation, now: dt.datetime,
                 "the inventory)")
     if view.state != "wanted":
         return f"{view.state}: {view.text}"
-    if heard is None or (now - heard).total_seconds() > thresholds.heartbeat:
-        return (f"{view.text}; waits for its agent: an installation is dispatched only to an "
-                "agent that heartbeats")
+    silent = heard is None or (now - heard).total_seconds() > thresholds.heartbeat
+    if silent and view.generation == 0:
+        return (f"{view.text}; waits for its agent: a first installation is dispatched only "
+                "to an agent that heartbeats (AgentStart takes over the system the machine "
+                "boots)")
+    if silent:
+        return (f"{view.text}; no agent heartbeats: the installation boots the rescue system "
+                "through the BMC first")
     return view.text

@@ -1,5 +1,6 @@
 """An operator's power command on one machine: read its power, or turn it on, off, or
-off and on again, through the same drivers Recovery uses.
+off and on again, or set the device it boots next, through the same drivers Recovery
+uses.
 
 Why a claim: ``on``, ``off`` and ``cycle`` change the machine under the workflows'
 feet, so they run as work of ``Process.POWER``, in the exclusion group of AgentStart
@@ -12,6 +13,10 @@ Verified like the reboot ladder's rungs: by polling the power state until it is 
 one wanted (``ladder.Watch``), never by the BMC's acknowledgement. The outcome is a
 ``Power`` history row, then ``Finished``; a failure cancels the work with its cause
 (history says ``Canceled``, no backoff: an operator is there to read it).
+
+``bootdev`` is a change too, under the same claim and with the same history, but it is
+verified by reading the boot override back (``set_boot_and_verify``): a BMC that
+acknowledged and kept another device fails the command with what it read.
 """
 
 from __future__ import annotations
@@ -24,13 +29,24 @@ from dataclasses import dataclass
 
 import bmdb
 from shepherd.operations.reads import provided_at
-from shepherd.power import PowerAction, PowerControl, PowerError, PowerState
+from shepherd.power import (
+    BootDevice,
+    PowerAction,
+    PowerControl,
+    PowerError,
+    PowerState,
+    set_boot_and_verify,
+)
 from shepherd.providers.base import NotFound, Provider, ProviderError, ProviderMachine
 from shepherd.workflows.ladder import Endpoint, LadderSettings, Watch
 
-COMMANDS = ("status", "on", "off", "cycle")
+COMMANDS = ("status", "on", "off", "cycle", "bootdev")
+#: What ``bootdev`` takes.
+BOOT_DEVICES = tuple(device.value for device in BootDevice)
 #: The history event of a power command's outcome (at most 16 characters).
 POWER_EVENT = "Power"
+#: The history event of a verified boot-device change.
+BOOT_DEVICE_EVENT = "BootDevice"
 #: What each changing command does: (action, the state that verifies it), in order.
 STEPS: dict[str, tuple[tuple[PowerAction, PowerState], ...]] = {
     "on": ((PowerAction.POWER_ON, PowerState.ON),),
@@ -80,6 +96,24 @@ class PowerResult:
     seconds: float
     work: uuid.UUID
     #: Holds of the machine (``maintenance``, ``quarantine``) at the claim.
+    holds: list[bmdb.HoldKind]
+
+
+@dataclass(frozen=True)
+class BootDeviceResult:
+    machine: uuid.UUID
+    bmc: str
+    #: What was asked: the device, and whether for every boot.
+    device: str
+    persistent: bool
+    #: What the BMC reported afterwards (``BootOverride``): it has ``device`` (checked),
+    #: its persistence may differ (``shepherd.power.bootdev``).
+    read_device: str
+    read_persistent: bool | None
+    read_back: str
+    raw: str
+    seconds: float
+    work: uuid.UUID
     holds: list[bmdb.HoldKind]
 
 
@@ -156,6 +190,39 @@ def change(session: bmdb.Session, target: PowerTarget, command: str,
     work.finish()
     return PowerResult(target.machine_id, command, target.bmc, power.value, detail,
                        round(seconds, 3), work.id, holds)
+
+
+def set_boot_device(session: bmdb.Session, target: PowerTarget, device: BootDevice,
+                    persistent: bool, actor: str,
+                    clock: Callable[[], float] = time.monotonic) -> BootDeviceResult:
+    """Claim the machine for ``Process.POWER`` (``NotClaimable`` when busy), set its
+    next boot device and read it back, then finish; when the BMC fails, refuses, or
+    reads back another device, cancel the claim with the cause and raise
+    ``PowerRefused``."""
+    asked = f"bootdev {device}{' persistent' if persistent else ''}"
+    work = session.claim_machine(bmdb.Process.POWER, target.machine_id)
+    started = clock()
+    try:
+        holds = session.transact(lambda tx: [h.kind for h in bmdb.holds_of(
+            tx, target.machine_id)])
+        work.ensure_held()
+        read = set_boot_and_verify(target.power, device, persistent=persistent)
+    except BaseException as error:  # Ctrl-C too: never leave the claim to the sweep
+        cause = f"{asked} by {actor} via {target.bmc}: {_describe(error)}"
+        with contextlib.suppress(bmdb.BMDBError):  # a lost session: the sweep releases it
+            work.cancel(cause[:2000])
+        if isinstance(error, PowerError):
+            raise PowerRefused(f"machine {target.machine_id}: {cause}; claim cancelled"
+                               ) from None
+        raise
+    assert read.device is not None  # set_boot_and_verify checked it is ``device``
+    seconds = clock() - started
+    work.note(BOOT_DEVICE_EVENT, f"{asked} by {actor} via {target.bmc}: read back "
+                                 f"{read.text} (raw: {read.raw})"[:2000])
+    work.finish()
+    return BootDeviceResult(target.machine_id, target.bmc, device.value, persistent,
+                            read.device.value, read.persistent, read.text, read.raw,
+                            round(seconds, 3), work.id, holds)
 
 
 def _run(work: bmdb.Work, target: PowerTarget,

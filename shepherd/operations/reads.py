@@ -63,7 +63,8 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
     holds, this read and the renderings of its result do not fail.
     """
     created = require_machine(tx, machine_id)
-    host_key = bmdb.pinned_host_key(tx, machine_id)
+    pin = bmdb.recorded_host_key(tx, machine_id)
+    host_key = pin.host_key if pin else None
     tags = {name: {key: stored.displayable(value) for key, value in columns.items()}
             for name, columns in bmdb.machine_tags_as_stored(tx, machine_id).items()}
     return MachineDetail(
@@ -74,6 +75,8 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
         holds=bmdb.holds_of(tx, machine_id),
         host_key=host_key,
         host_key_fingerprint=key_line_fingerprint(host_key) if host_key else None,
+        host_key_origin=(f"chosen by installation generation {pin.generation}"
+                         if pin is not None and pin.chosen else "recorded at the first takeover"),
         installation=installation_view(bmdb.installation_of(tx, machine_id), tx.now),
     )
 

@@ -84,9 +84,12 @@ class MachineDetail:
     history: list[dict[str, Any]]
     #: Maintenance and quarantine, oldest first.
     holds: list[Hold] = field(default_factory=list)
-    #: The host key recorded at the first takeover (an inventory pin is not here).
+    #: The recorded host key: the first takeover's or an installation's (an inventory pin
+    #: is not here).
     host_key: str | None = None
     host_key_fingerprint: str | None = None
+    #: Where the recorded pin comes from, in words ("recorded at the first takeover").
+    host_key_origin: str = "recorded at the first takeover"
     #: What is wanted installed and where it stands.
     installation: InstallationView | None = None
 

@@ -5,7 +5,8 @@
 a BMC sees one call at a time across the fleet. ``ProviderPower`` puts an API
 reboot behind the same interface. Either takes a ``PowerRecorder`` (``recorder_for``) that
 writes what it reads and asks to the BMDB (``bmdb.power_states``) for the web view. See
-``base`` for the interface and its errors, ``shepherd.bmc`` for the spec.
+``base`` for the interface and its errors, ``bootdev`` for setting the next boot
+device and reading it back (``set_boot_and_verify``), ``shepherd.bmc`` for the spec.
 """
 
 from shepherd.bmc import DRIVERS, BmcSpec
@@ -14,11 +15,15 @@ from shepherd.power.base import (
     BmcAuthFailed,
     BmcBusy,
     BmcUnreachable,
+    BootDevice,
+    BootDeviceNotTaken,
+    BootOverride,
     PowerAction,
     PowerControl,
     PowerError,
     PowerState,
 )
+from shepherd.power.bootdev import set_boot_and_verify
 from shepherd.power.exclusive import ExclusivePower, singleton_name
 from shepherd.power.ipmi import IpmiPower
 from shepherd.power.provider import ProviderPower
@@ -42,6 +47,9 @@ __all__ = [
     "BmcAuthFailed",
     "BmcBusy",
     "BmcUnreachable",
+    "BootDevice",
+    "BootDeviceNotTaken",
+    "BootOverride",
     "ExclusivePower",
     "IpmiPower",
     "PowerAction",
@@ -53,5 +61,6 @@ __all__ = [
     "RedfishPower",
     "connect",
     "recorder_for",
+    "set_boot_and_verify",
     "singleton_name",
 ]

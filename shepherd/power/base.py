@@ -9,19 +9,27 @@ Acknowledged is not done: BMCs answer 200/204 to a reset that lands seconds late
 or never. Callers verify every change by observing it (``power_state`` polled, or
 the SSH banner), never by the driver's answer alone.
 
+The same holds for the boot device, with one more twist: a BMC can acknowledge a
+boot-override change and keep the old one (some ignore the request, some map the
+device to another, many ignore "persistent"). Installing an OS ends with "boot the
+disk next": a machine that boots the network instead reinstalls itself. So a boot
+device is always read back after it is set (``shepherd.power.bootdev``).
+
 Error messages name the BMC (``PowerControl.description``), never a password.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from shepherd.bmc import BmcAuthFailed, PowerError
 
 __all__ = [
-    "ActionUnsupported", "BmcAuthFailed", "BmcBusy", "BmcUnreachable", "PowerAction",
-    "PowerControl", "PowerError", "PowerState",
+    "ActionUnsupported", "BmcAuthFailed", "BmcBusy", "BmcUnreachable", "BootDevice",
+    "BootDeviceNotTaken", "BootOverride", "PowerAction", "PowerControl", "PowerError",
+    "PowerState",
 ]
 
 
@@ -43,6 +51,36 @@ class PowerAction(enum.StrEnum):
     POWER_ON = "power_on"
 
 
+class BootDevice(enum.StrEnum):
+    """Where the machine boots next: its installed system, a rescue system by network
+    (PXE), or one from virtual media."""
+
+    DISK = "disk"
+    NETWORK = "network"
+    CD = "cd"
+
+
+@dataclass(frozen=True)
+class BootOverride:
+    """A BMC's boot override as read back from it."""
+
+    #: None: no override, or one we do not map (BIOS setup, a floppy, a USB stick...).
+    device: BootDevice | None
+    #: True: every boot; False: the next one only; None: the BMC did not say.
+    persistent: bool | None
+    #: The BMC's own words ("Hdd (Continuous)", "hd, persistent"), for causes and logs.
+    raw: str
+
+    @property
+    def text(self) -> str:
+        """A short phrase for people: "disk (persistent)", "network (once)"."""
+        if self.device is None:
+            return f"no override (raw {self.raw})"
+        if self.persistent is None:
+            return f"{self.device} (persistence not reported)"
+        return f"{self.device} ({'persistent' if self.persistent else 'once'})"
+
+
 class BmcUnreachable(PowerError):
     """No answer from the BMC (connection, timeout, 5xx) after the bounded retries."""
 
@@ -53,6 +91,10 @@ class ActionUnsupported(PowerError):
 
 class BmcBusy(PowerError):
     """Another worker is talking to this BMC and did not finish within the wait."""
+
+
+class BootDeviceNotTaken(PowerError):
+    """The BMC acknowledged a boot-device change, but reading it back shows another."""
 
 
 @runtime_checkable
@@ -75,4 +117,15 @@ class PowerControl(Protocol):
 
     def supports(self, action: PowerAction) -> bool:
         """Whether ``act(action)`` can work at all (advertised by the BMC)."""
+        ...
+
+    def boot_device(self) -> BootOverride:
+        """The boot override as the BMC reports it now: the only proof that a
+        ``set_boot_device`` was taken (``shepherd.power.bootdev``)."""
+        ...
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        """Ask the BMC to boot ``device`` next (every boot, with ``persistent``); returns
+        once the BMC acknowledged it, which does not mean it took it: read it back
+        with ``boot_device`` (``set_boot_and_verify`` does)."""
         ...

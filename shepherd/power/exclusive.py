@@ -23,7 +23,14 @@ import time
 from collections.abc import Iterator
 
 import bmdb
-from shepherd.power.base import BmcBusy, PowerAction, PowerControl, PowerState
+from shepherd.power.base import (
+    BmcBusy,
+    BootDevice,
+    BootOverride,
+    PowerAction,
+    PowerControl,
+    PowerState,
+)
 from shepherd.power.recorded import PowerRecorder
 
 log = logging.getLogger(__name__)
@@ -71,6 +78,7 @@ class ExclusivePower:
         self.wait = wait
         self.description = inner.description
         self.reads_state = inner.reads_state
+        self._supported: dict[PowerAction, bool] = {}
 
     def __repr__(self) -> str:
         return f"ExclusivePower({self.inner!r})"
@@ -89,8 +97,23 @@ class ExclusivePower:
             self.recorder.acted(action, self.description)
 
     def supports(self, action: PowerAction) -> bool:
-        with self.held():  # a Redfish BMC is asked (its AllowableValues)
-            return self.inner.supports(action)
+        """Asked once per action and remembered: what a BMC advertises does not change
+        while one workflow runs (the life of this object), and each answer costs the
+        BMC's lock (a Redfish BMC is asked its AllowableValues)."""
+        if action not in self._supported:
+            with self.held():
+                self._supported[action] = self.inner.supports(action)
+        return self._supported[action]
+
+    def boot_device(self) -> BootOverride:
+        with self.held():
+            return self.inner.boot_device()
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        with self.held():
+            self.inner.set_boot_device(device, persistent=persistent)
+        if self.recorder is not None:
+            self.recorder.boot_device_asked(device, persistent, self.description)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

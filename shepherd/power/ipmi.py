@@ -19,6 +19,16 @@ on stdin, never in argv.
 
 IPMI has no graceful restart (only a soft power-off): ``supports`` says so and
 ``act`` raises ``ActionUnsupported``; the ladder goes on to a force restart.
+
+The boot device is the boot flags parameter (5) of the system boot options, set by
+pyghmi's ``set_bootdev``. It is read with the same request as pyghmi's
+``get_bootdev``, but decoded as ``ipmitool chassis bootparam get 5`` and Ironic's
+ipmitool driver do: the device selector, whatever the flags' "valid" bit says.
+pyghmi reads a clear valid bit as "no override", and OpenIPMI's ``ipmi_sim`` keeps
+only the selector (it asks its chassis program for it on each read, with the flags
+byte zero), so pyghmi would read every change there as not taken. The bit is kept in
+``BootOverride.raw`` ("flags not valid") for whoever reads a cause. IPMI's
+persistent bit is reported as read; many BMCs (ipmi_sim too) never keep it.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from typing import Any
 from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
+    BootDevice,
+    BootOverride,
     PowerAction,
     PowerError,
     PowerState,
@@ -49,6 +61,11 @@ OPERATIONS: dict[PowerAction, str] = {
     PowerAction.POWER_ON: "on",
 }
 POWER_STATES = {"on": PowerState.ON, "off": PowerState.OFF}
+#: pyghmi's boot device names (``set_bootdev``), each way.
+BOOT_NAMES: dict[BootDevice, str] = {
+    BootDevice.DISK: "hd", BootDevice.NETWORK: "network", BootDevice.CD: "optical",
+}
+BOOT_DEVICES = {name: device for device, name in BOOT_NAMES.items()}
 
 
 class IpmiPower(BmcDriver):
@@ -80,14 +97,33 @@ class IpmiPower(BmcDriver):
         self._call(f"{action} (chassis power {operation})", operation)
         log.info("%s: %s acknowledged", self.description, action)
 
+    def boot_device(self) -> BootOverride:
+        answer = self._call("read the boot flags", "bootdev_get")
+        name, persistent = answer.get("bootdev"), bool(answer.get("persistent"))
+        raw = f"{name}, {'persistent' if persistent else 'once'}"
+        if not answer.get("valid"):
+            raw += ", flags not valid"
+        raw += f" (boot flags {answer.get('data')})"
+        device = BOOT_DEVICES.get(str(name))
+        # "default"/"none" (selector 0) is no override, whatever the persistent bit says.
+        return BootOverride(device, persistent if device is not None else None, raw)
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        name = BOOT_NAMES[device]
+        what = f"set the boot device {device} ({name}{', persistent' if persistent else ''})"
+        self._call(what, "bootdev_set", {"device": name, "persistent": persistent})
+        log.info("%s: boot device %s (%s, %s) acknowledged", self.description, device, name,
+                 "persistent" if persistent else "once")
+
     # -- plumbing ----------------------------------------------------------------
 
-    def _call(self, what: str, op: str) -> dict[str, Any]:
-        return self.retried(what, lambda: self._once(what, op))
+    def _call(self, what: str, op: str, fields: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        return self.retried(what, lambda: self._once(what, op, fields or {}))
 
-    def _once(self, what: str, op: str) -> dict[str, Any]:
+    def _once(self, what: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         password = self.spec.read_password()
-        request = {"host": self.spec.address, "port": self.spec.port,
+        request = {**fields, "host": self.spec.address, "port": self.spec.port,
                    "username": self.spec.username, "password": password, "op": op}
         try:
             child = subprocess.run([sys.executable, "-P", str(CHILD)], input=json.dumps(request),

@@ -1,4 +1,5 @@
-"""One IPMI call in a process of its own: log in, read or change the power, log out, exit.
+"""One IPMI call in a process of its own: log in, read or change the power or the boot
+device, log out, exit.
 
 Run by ``shepherd.power.ipmi`` as ``python -P ipmi_call.py`` (the path, not ``-m``:
 nothing of Shepherd is imported here, only the standard library and pyghmi). Reads
@@ -6,9 +7,15 @@ one JSON request on stdin (the password travels there, never in argv), writes
 one JSON line on stdout:
 
     {"host": "...", "port": 623, "username": "...", "password": "...",
-     "op": "status" | "on" | "off" | "reset"}
+     "op": "status" | "on" | "off" | "reset" | "bootdev_get" | "bootdev_set",
+     "device": "hd" | "network" | "optical", "persistent": true | false}  (bootdev_set)
     -> {"power": "on" | "off"}  or  {"done": true}
+    -> {"bootdev": "hd" | "network" | "optical" | "default" | ... | 7, "persistent": bool,
+        "valid": bool, "data": "80 08 00 00 00"}                        (bootdev_get)
     -> {"error": "auth" | "unreachable" | "unsupported" | "failed", "message": "..."}
+
+``bootdev_get`` gives the device selector of the boot flags (parameter 5) whatever
+their "valid" bit says, with that bit beside it: ``shepherd.power.ipmi`` says why.
 
 Why a process per call, see ``shepherd.power.ipmi``.
 """
@@ -18,13 +25,21 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
+
+#: Builds the answer for a failed call: (kind, error) -> {"error": kind, "message": ...}.
+Failure = Callable[[str, object], dict[str, Any]]
 
 #: IPMI chassis control (netfn 0, command 2) data bytes.
 CHASSIS_CONTROL = {"off": 0, "on": 1, "reset": 3}
+#: The boot devices ``bootdev_set`` sends (pyghmi's names).
+BOOT_DEVICES = ("hd", "network", "optical")
 #: Completion codes meaning "this BMC does not do that": invalid command, parameter
 #: out of range, invalid data field, not supported in present state.
 UNSUPPORTED_CODES = {0xC1, 0xC9, 0xCC, 0xD5}
+#: Get System Boot Options (netfn 0, command 9) data: parameter 5, the boot flags.
+GET_BOOT_FLAGS = (5, 0, 0)
 AUTH_MESSAGES = ("incorrect password", "unauthorized name", "unauthorized role",
                  "insufficient privilege", "invalid username")
 
@@ -53,11 +68,13 @@ def call(request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]
         if op == "status":
             return {"power": bmc.get_power()["powerstate"]}
+        if op == "bootdev_get":
+            return boot_flags(bmc, failure)
+        if op == "bootdev_set":
+            return set_bootdev(bmc, request, failure)
         response = bmc.raw_command(netfn=0, command=2, data=[CHASSIS_CONTROL[op]])
         if "error" in response:
-            code = int(response.get("code") or 0)
-            kind = "unsupported" if code in UNSUPPORTED_CODES else "failed"
-            return failure(kind, f"{response['error']} (completion code {code:#04x})")
+            return completion_failure(response, failure)
         return {"done": True}
     except exceptions.IpmiException as error:
         text = str(error or "")
@@ -68,6 +85,50 @@ def call(request: dict[str, Any]) -> dict[str, Any]:
     finally:
         with contextlib.suppress(Exception):  # the process exits anyway
             bmc.ipmi_session.logout()  # frees one of the BMC's few session slots
+
+
+def boot_flags(bmc: Any, failure: Failure) -> dict[str, Any]:
+    """The boot flags as pyghmi's ``get_bootdev`` asks them, decoded without its rule
+    that a flags byte not marked valid means "default" (see the module docstring)."""
+    from pyghmi.ipmi.command import boot_devices
+
+    response = bmc.raw_command(netfn=0, command=9, data=GET_BOOT_FLAGS)
+    if "error" in response:
+        return completion_failure(response, failure)
+    data = bytes(response["data"])
+    if len(data) < 4 or data[1] & 0x7F != 5:
+        return failure("failed", f"unexpected boot flags answer {data.hex(' ')}")
+    flags, selector = data[2], (data[3] >> 2) & 0x0F
+    return {"bootdev": boot_devices.get(selector, selector), "valid": bool(flags & 0x80),
+            "persistent": bool(flags & 0x40), "data": data[2:].hex(" ")}
+
+
+def set_bootdev(bmc: Any, request: dict[str, Any], failure: Failure) -> dict[str, Any]:
+    """pyghmi's ``set_bootdev`` (valid-bit timer off, then the boot flags); it raises a
+    completion code's text, not the code, so "unsupported" is told by that text."""
+    from pyghmi import exceptions
+    from pyghmi.ipmi.private import constants
+
+    device = str(request["device"])
+    if device not in BOOT_DEVICES:
+        return failure("failed", f"unknown boot device {device!r}")
+    try:
+        response = bmc.set_bootdev(device, persist=bool(request.get("persistent")))
+    except exceptions.IpmiException as error:
+        unsupported = {constants.ipmi_completion_codes[code] for code in UNSUPPORTED_CODES}
+        unsupported.update(constants.command_completion_codes[(1, 8)].values())
+        if str(error) in unsupported:
+            return failure("unsupported", error)
+        raise
+    if isinstance(response, dict) and "error" in response:
+        return failure("failed", response["error"])
+    return {"done": True}
+
+
+def completion_failure(response: dict[str, Any], failure: Failure) -> dict[str, Any]:
+    code = int(response.get("code") or 0)
+    kind = "unsupported" if code in UNSUPPORTED_CODES else "failed"
+    return failure(kind, f"{response['error']} (completion code {code:#04x})")
 
 
 def main() -> int:

@@ -4,7 +4,8 @@ So the reboot ladder treats a machine bought through an API like one behind a
 BMC: the API reboot is both restart rungs, verified through the device state the
 provider reports (Equinix shows a rebooting device as powering on, i.e. STOPPED,
 then active). An API offers no power off or on of its own here, so those rungs
-are unsupported and the ladder ends after the restart.
+are unsupported and the ladder ends after the restart. Nor does an API offer a boot
+device: both boot-device calls are ``ActionUnsupported``.
 
 Provider errors become power errors, so the ladder has one family to handle:
 exhausted retries are ``BmcUnreachable``, a refused token ``BmcAuthFailed``.
@@ -17,6 +18,8 @@ from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
     BmcUnreachable,
+    BootDevice,
+    BootOverride,
     PowerAction,
     PowerError,
     PowerState,
@@ -84,6 +87,13 @@ class ProviderPower:
             raise self._mapped(f"{action} (API reboot)", error) from None
         if self.recorder is not None:
             self.recorder.acted(action, self.description)
+
+    def boot_device(self) -> BootOverride:
+        raise ActionUnsupported(f"{self.description}: the API offers no boot device")
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        raise ActionUnsupported(f"{self.description}: the API offers no boot device "
+                                f"(asked {device})")
 
     def _mapped(self, what: str, error: ProviderError) -> PowerError:
         detail = f"{self.description}: {what}: {error}"

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 
 import bmdb
-from shepherd.power.base import PowerAction, PowerState
+from shepherd.power.base import BootDevice, PowerAction, PowerState
 from shepherd.providers.base import Provider
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,13 @@ class PowerRecorder:
         """Record an action the power control acknowledged."""
         self._record(via, lambda tx, machine: bmdb.record_power_action(
             tx, machine, action.value, via))
+
+    def boot_device_asked(self, device: BootDevice, persistent: bool, via: str) -> None:
+        """Record a boot-device change the BMC acknowledged, as the last action
+        ("boot_device disk (once)"): what was asked, not what was read back."""
+        action = f"boot_device {device} ({'persistent' if persistent else 'once'})"
+        self._record(via, lambda tx, machine: bmdb.record_power_action(
+            tx, machine, action, via))
 
     def _record(self, via: str, write: Callable[[bmdb.Tx, uuid.UUID], object]) -> None:
         def body(tx: bmdb.Tx) -> None:

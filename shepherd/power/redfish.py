@@ -6,6 +6,10 @@ vendor workarounds. What we add: short timeouts, our own bounded retries
 (tenacity) in place of sushy's (up to 10 retries, 3 s apart, by default), and the
 mapping of its errors onto ``shepherd.power.base``'s.
 
+The boot device is ``Boot.BootSourceOverrideTarget`` (disk ``Hdd``, network ``Pxe``,
+cd ``Cd``), ``Once`` or ``Continuous``, PATCHed through sushy and read back by a call
+of its own (a fresh client, a fresh GET): what the BMC kept, not what we sent.
+
 Each call opens a fresh client, reads the password at that moment (a rotated
 secret takes effect at once), and closes it. HTTP Basic, not a Redfish session:
 a session per call costs two more requests, and one left behind by a killed
@@ -27,6 +31,8 @@ from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
     BmcUnreachable,
+    BootDevice,
+    BootOverride,
     PowerAction,
     PowerError,
     PowerState,
@@ -48,6 +54,16 @@ POWER_STATES: dict[sushy.PowerState, PowerState] = {
     sushy.PowerState.POWERING_ON: PowerState.TRANSITIONING,
     sushy.PowerState.POWERING_OFF: PowerState.TRANSITIONING,
 }
+
+BOOT_TARGETS: dict[BootDevice, sushy.BootSource] = {
+    BootDevice.DISK: sushy.BootSource.HDD,
+    BootDevice.NETWORK: sushy.BootSource.PXE,
+    BootDevice.CD: sushy.BootSource.CD,
+}
+BOOT_DEVICES = {target.value: device for device, target in BOOT_TARGETS.items()}
+#: BootSourceOverrideEnabled as persistence; "Disabled" means no override at all.
+PERSISTENCE = {sushy.BootSourceOverrideEnabled.CONTINUOUS.value: True,
+               sushy.BootSourceOverrideEnabled.ONCE.value: False}
 
 
 class RedfishPower(BmcDriver):
@@ -92,7 +108,37 @@ class RedfishPower(BmcDriver):
         self._call(f"{action} (ResetType {reset.value})", body)
         log.info("%s: %s acknowledged", self.description, action)
 
+    def boot_device(self) -> BootOverride:
+        return self._call("read the boot override", _boot_override)
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        target = BOOT_TARGETS[device]
+        enabled = (sushy.BootSourceOverrideEnabled.CONTINUOUS if persistent
+                   else sushy.BootSourceOverrideEnabled.ONCE)
+        what = f"set the boot device {device} ({target.value}, {enabled.value})"
+        self._call(what, lambda system: self._set_boot(system, target, enabled))
+        log.info("%s: boot device %s (%s, %s) acknowledged", self.description, device,
+                 target.value, enabled.value)
+
     # -- plumbing ----------------------------------------------------------------
+
+    def _set_boot(self, system: Any, target: sushy.BootSource,
+                  enabled: sushy.BootSourceOverrideEnabled) -> None:
+        """PATCH the override. A BMC that refuses ``Once`` (400: some offer only
+        ``Continuous``) is asked again with ``Continuous``: the next boot is what
+        matters, and the read back says what it kept."""
+        try:
+            system.set_system_boot_options(target=target, enabled=enabled)
+        except sushy_errors.InvalidParameterValueError as error:
+            raise ActionUnsupported(f"{self.description}: boot device {target.value}: "
+                                    f"{_short(error)}") from None
+        except sushy_errors.HTTPError as error:
+            if error.status_code != 400 or enabled is not sushy.BootSourceOverrideEnabled.ONCE:
+                raise
+            log.warning("%s: the BMC refused a boot override Once (HTTP 400 %s); asking "
+                        "Continuous", self.description, _short(error))
+            system.set_system_boot_options(
+                target=target, enabled=sushy.BootSourceOverrideEnabled.CONTINUOUS)
 
     @staticmethod
     def _allowed(system: Any) -> set[sushy.ResetType]:
@@ -157,6 +203,19 @@ class RedfishPower(BmcDriver):
                                  f"{listed}; set bmc.system to the machine's")
             path = self.discovered = members[0]
         return path
+
+
+def _boot_override(system: Any) -> BootOverride:
+    """The override in the system's ``Boot`` as the BMC sent it (``system`` was just
+    fetched: ``_once`` builds a fresh client per call). Read from the JSON rather than
+    sushy's mapped fields: a value sushy does not know is kept in ``raw``, not lost."""
+    boot = system.json.get("Boot") or {}
+    target = boot.get("BootSourceOverrideTarget")
+    enabled = boot.get("BootSourceOverrideEnabled")
+    raw = f"{target or 'no target'} ({enabled or 'enabled not reported'})"
+    if enabled == sushy.BootSourceOverrideEnabled.DISABLED.value:
+        return BootOverride(None, None, raw)
+    return BootOverride(BOOT_DEVICES.get(str(target)), PERSISTENCE.get(str(enabled)), raw)
 
 
 def _short(error: Exception, limit: int = 300) -> str:

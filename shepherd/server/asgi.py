@@ -31,7 +31,6 @@ import asyncio
 import datetime as dt
 import json
 import logging
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -214,7 +213,7 @@ class AgentAPI:
             signed = auth.parse_headers(headers)
             auth.check_clock(signed, dt.datetime.now(dt.UTC), self.options.clock_window)
             answer = self.runtime.transact(
-                lambda tx: accept(tx, signed, method, path, body, self.fetch_token))
+                lambda tx: accept(tx, signed, method, path, body, self.signer.key))
             status, payload = 200, answer
         except auth.Unauthorized as error:
             self.refusals(logging.INFO, "heartbeat refused from %s: %s", peer, clip(error, 160))
@@ -229,9 +228,6 @@ class AgentAPI:
             log_internal_error(log, "heartbeat", error)
             status, payload = 500, {"error": "internal error"}
         return self.sign(status, payload, machine, stamp)
-
-    def fetch_token(self, machine_id: uuid.UUID, generation: int, image: str) -> str:
-        return self.signer.key().fetch_token(str(machine_id), generation, image)
 
     async def signed(self, status: int, payload: Any, machine: str | None,
                      stamp: str | None, headers: Mapping[str, str] | None = None) -> Answer:

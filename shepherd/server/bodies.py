@@ -307,6 +307,9 @@ class HardwareReport(_Known):
     memory_bytes: Count | None = None
     block_devices: Annotated[list[BlockDevice], Field(max_length=MAX_ITEMS)] | None = None
     network_interfaces: Annotated[list[NetworkInterface], Field(max_length=MAX_ITEMS)] | None = None
+    #: The marker the agent wrote into the system it installed (level 3, free-form):
+    #: which installation the machine runs, or None where no agent installed it.
+    installation: Annotated[dict[Name, FREE_AT_4], Field(max_length=MAX_KEYS)] | None = None
     warnings: Annotated[list[Text], Field(max_length=MAX_ITEMS)] | None = None
 
 

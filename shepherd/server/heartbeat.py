@@ -18,6 +18,7 @@ from typing import Any
 
 import bmdb
 from shepherd.agent.protocol import Heartbeat, InstallationRequest, heartbeat_answer
+from shepherd.answer_key import AnswerKey
 from shepherd.server.auth import SignedHeaders, Unauthorized, check_fresh, verify
 from shepherd.server.bodies import BadBody, parse_heartbeat
 
@@ -34,13 +35,12 @@ def parse_body(body: bytes) -> Heartbeat:
         raise BadRequest(str(error)) from None
 
 
-#: (machine, generation, image) -> the token that fetches a served image
-#: (``AnswerKey.fetch_token``).
-FetchToken = Callable[[uuid.UUID, int, str], str]
+#: The fleet's answer key, read when an answer needs it (``with_secrets``).
+KeyReader = Callable[[], AnswerKey]
 
 
 def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
-           body: bytes, fetch_token: FetchToken | None = None) -> dict[str, Any]:
+           body: bytes, key: KeyReader | None = None) -> dict[str, Any]:
     """Authenticate and record one heartbeat; returns the answer for the agent.
 
     Raises ``Unauthorized`` or ``BadRequest`` before writing anything, so a refused
@@ -67,19 +67,31 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     pending = credentials.pending_installation(reporting)
     if pending is None:
         return heartbeat_answer(None)
-    return heartbeat_answer(with_fetch_token(signed.machine_id,
-                                             InstallationRequest.from_json(pending), fetch_token))
+    return heartbeat_answer(with_secrets(signed.machine_id,
+                                         InstallationRequest.from_json(pending), key))
 
 
-def with_fetch_token(machine_id: uuid.UUID, pending: InstallationRequest,
-                     fetch_token: FetchToken | None) -> InstallationRequest:
-    """The request as the agent gets it: an image this server serves comes with the token
-    that fetches it (made now, never stored: see ``bmdb.installations``)."""
+def with_secrets(machine_id: uuid.UUID, pending: InstallationRequest,
+                 key: KeyReader | None) -> InstallationRequest:
+    """The request as the agent gets it, with what is made now and never stored (see
+    ``bmdb.installations``): an image this server serves comes with the token that
+    fetches it, and an identity with the private half of the host key the workflow
+    pinned (``AnswerKey.host_key``), added only when its public half is the one the
+    request names, so a key the BMDB did not ask for is never handed out."""
     image = bmdb.served_image_of(pending.request)
-    if fetch_token is None or image is None:
+    identity = pending.request.get("identity")
+    if key is None or (image is None and not isinstance(identity, dict)):
         return pending
-    token = fetch_token(machine_id, pending.generation, image)
-    return pending._replace(request={**pending.request, "authorization": token})
+    answer_key, request = key(), dict(pending.request)
+    if image is not None:
+        request["authorization"] = answer_key.fetch_token(str(machine_id), pending.generation,
+                                                          image)
+    if isinstance(identity, dict) and isinstance(identity.get("host_key"), dict):
+        chosen = answer_key.host_key(str(machine_id), pending.generation)
+        if identity["host_key"].get("public") == chosen.public:
+            request["identity"] = {**identity, "host_key": {
+                **identity["host_key"], "private_openssh": chosen.private_openssh()}}
+    return pending._replace(request=request)
 
 
 def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders,

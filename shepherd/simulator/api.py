@@ -11,7 +11,8 @@ reached the API in a time window and how many creates each reservation received.
 
 ``PUT /bmc-notify`` is not the provider's API: it receives sushy-emulator's external
 notifications (an emulated Redfish BMC's system after each change) and powers the
-device of that name on or off, so a BMC's power action reaches the machine behind it.
+device of that name on or off, so a BMC's power action reaches the machine behind it,
+and records its boot override (what a device with a disk boots at power on).
 """
 
 from __future__ import annotations
@@ -448,15 +449,22 @@ def admin_rotate_host_key(sim: Simulator, query: dict[str, str], body: Any,
 def bmc_notify(sim: Simulator, query: dict[str, str], body: Any) -> Reply:
     """sushy-emulator's fake driver PUTs the whole system after every change: ``name``
     (the device id here), ``power_state`` ("On"/"Off": what the BMC reports now) and
-    ``pending_power`` (a change due later, announced again when it lands). Only
-    ``power_state`` matters: a restart arrives as "Off" at once, then "On"."""
+    ``pending_power`` (a change due later, announced again when it lands) and
+    ``boot_device`` (its boot override, once one was set: a change of it is notified
+    too). A restart arrives as "Off" at once, then "On". The boot override is recorded
+    before the power is applied: a device with a disk boots by it at power on."""
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         raise ApiError(422, "expected a Redfish system's JSON with a name")
     power = body.get("power_state")
     if power not in ("On", "Off"):
         raise ApiError(422, f"power_state {power!r} is neither On nor Off")
+    boot = body.get("boot_device")
+    if boot is not None and not isinstance(boot, str):
+        raise ApiError(422, f"boot_device {boot!r} is not a string")
     device = body["name"]
     sim.state.get_device(device)
+    if boot is not None and sim.set_boot_target(device, boot):
+        log.info("BMC notification: device %s boot override %s", device, boot)
     changed = sim.set_power(device, power == "On")
     log.info("BMC notification: device %s power %s%s", device, power,
              "" if changed else " (unchanged)")

@@ -1,7 +1,9 @@
 """``shepherd simulator``: run the simulated provider in the foreground until SIGINT/SIGTERM.
 
 With ``--racks DIR`` its machines are racked instead (``shepherd.simulator.racks``):
-devices made at once, behind an emulated Redfish BMC, listed in ``DIR/inventory.toml``.
+devices made at once, behind an emulated Redfish BMC, listed in ``DIR/inventory.toml``,
+each with a disk of ``--disk-mib`` MiB; ``--install IMAGE`` puts an ``os`` entry for that
+image on the first ``--install-machines`` machines (the control plane installs it).
 
 With ``--persist`` the world is kept in ``WORKDIR/world.json`` and a restart resumes
 it (``shepherd.simulator.persist``): a stored world wins over ``--reservations``;
@@ -19,6 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
+from shepherd.simulator.disks import DEFAULT_DISK_SIZE
 from shepherd.simulator.persist import WorldError
 from shepherd.simulator.racks import Racks
 from shepherd.simulator.redfish import EmulatorError
@@ -63,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--authorized-keys", type=Path, default=None, metavar="FILE",
                         help="with --racks: OpenSSH public keys (one a line) root logins "
                              "accept, e.g. the shepherd's fleet key")
+    parser.add_argument("--disk-mib", type=int, default=DEFAULT_DISK_SIZE >> 20,
+                        metavar="MIB", help="with --racks: each machine's disk, in MiB "
+                        f"(default {DEFAULT_DISK_SIZE >> 20}; a new machine's only)")
+    parser.add_argument("--install", default=None, metavar="IMAGE",
+                        help="with --racks: the inventory asks for this catalog image on "
+                             "the disk (device=/dev/sda) of the first --install-machines")
+    parser.add_argument("--install-machines", type=int, default=1, metavar="N",
+                        help="with --install: how many machines (default 1)")
     parser.add_argument("--persist", action="store_true",
                         help="keep the world (reservations, devices, keys, host keys, "
                              "power) in WORKDIR/world.json and resume it at start; needs "
@@ -127,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             "loaded": sim.loaded is not None}
         if args.racks is not None:
             try:
-                racks = Racks(sim, args.racks, reservations,
-                              authorized_keys=keys).start()
+                install = ((args.install, min(args.install_machines, reservations))
+                           if args.install else None)
+                racks = Racks(sim, args.racks, reservations, authorized_keys=keys,
+                              disk_size=args.disk_mib << 20, install=install).start()
             except (EmulatorError, ValueError, OSError) as error:
                 print(f"shepherd simulator: cannot rack the machines: {error}",
                       file=sys.stderr)

@@ -151,14 +151,17 @@ def _typed(value: Any, kind: type[T], name: str) -> T:
 
 
 def _record(cls: type[T], data: Any) -> T:
-    """A dataclass instance from its ``asdict`` form, every field present and of the
-    annotated type (str, int, float, bool, lists of str, optional ones)."""
+    """A dataclass instance from its ``asdict`` form, every field present (but one with
+    a default, which a world written before it was added lacks) and of the annotated
+    type (str, int, float, bool, lists of str, optional ones)."""
     name = getattr(cls, "__name__", "record")
     if not isinstance(data, dict):
         raise TypeError(f"a {name} should be an object")
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name not in data and field.default is not dataclasses.MISSING:
+            continue  # a field added since the world was written: its default
         value = data[field.name]
         if not _matches(value, hints[field.name]):
             raise TypeError(f"{name}.{field.name} has the wrong type ({value!r})")

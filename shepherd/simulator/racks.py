@@ -19,11 +19,21 @@ machines already there: they are reused as they are (same ids, addresses, host k
 power), the BMC gets the same system uuids (derived from project and device) and,
 since its state directory under ``DIR/bmc`` is kept, the power state it last had;
 the password file is kept too. Authorized keys already registered are not added again.
+
+Each racked machine has a disk (``shepherd.simulator.disks``: a sparse file of
+``disk_size`` bytes in its sandbox, ``device=/dev/sda`` to its agent) and boots at
+power on what its BMC's boot override says. A machine racked for the first time gets
+the override ``Pxe`` (the emulator reports ``Hdd`` for one never set), so a blank
+machine boots its rescue system, which the inventory pins. With ``install`` the first
+machines' inventory entries carry ``os = { image = ..., disk = "device=/dev/sda" }``:
+the control plane installs that image on them (``shepherd.simulator.demo_image`` builds
+the one ``shepherd up --racks`` serves).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import uuid
@@ -31,6 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import requests
+
+from shepherd.simulator import disks
 from shepherd.simulator.api import NOTIFY_PATH
 from shepherd.simulator.redfish import RedfishEmulator
 from shepherd.simulator.server import Simulator
@@ -41,6 +54,10 @@ PASSWORD_FILE = "bmc-password"
 BMC_USER = "admin"
 SSH_USER = "root"        # the simulator's SSH accepts root only
 UNITS_PER_RACK = 40
+#: What a machine racked for the first time boots by: the network (its rescue system).
+FIRST_BOOT_TARGET = "Pxe"
+BMC_TIMEOUT = 10.0
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,8 @@ class RackMachine:
     ssh_port: int
     host_key: str        # OpenSSH public line, the inventory's pin
     system: str          # its Redfish system path on the BMC
+    #: Its inventory ``os`` entry: (image, disk selector), or None.
+    os: tuple[str, str] | None = None
 
 
 def machine_id(index: int) -> str:
@@ -85,6 +104,9 @@ def render_inventory(machines: Sequence[RackMachine], *, bmc_address: str,
             f"host_key = {s(machine.host_key)}",
             f"bmc = {{ system = {s(machine.system)} }}",
         ]
+        if machine.os is not None:
+            image, disk = machine.os
+            lines.append(f"os = {{ image = {s(image)}, disk = {s(disk)} }}")
     return "\n".join(lines) + "\n"
 
 
@@ -94,13 +116,21 @@ class Racks:
     ``authorized_keys``: OpenSSH public lines root logins accept (the shepherd's fleet
     key). The BMC password is read from ``directory/bmc-password`` when it exists,
     else generated there. Start after the simulator (its API receives the BMC's
-    notifications); stop before it.
+    notifications); stop before it. ``disk_size``: each machine's disk, in bytes.
+    ``install``: (image, how many machines): the first ones' inventory entries ask
+    for that image on their disk.
     """
 
     def __init__(self, sim: Simulator, directory: Path, count: int, *,
-                 authorized_keys: Sequence[str] = (), username: str = BMC_USER) -> None:
+                 authorized_keys: Sequence[str] = (), username: str = BMC_USER,
+                 disk_size: int = disks.DEFAULT_DISK_SIZE,
+                 install: tuple[str, int] | None = None) -> None:
         if count < 1:
             raise ValueError("racks need at least one machine")
+        if install is not None and not 0 <= install[1] <= count:
+            raise ValueError(f"cannot install {install[1]} of {count} machines")
+        self.disk_size = disk_size
+        self.install = install
         self.sim = sim
         self.directory = directory
         self.count = count
@@ -138,15 +168,36 @@ class Racks:
             workdir=self.directory / "bmc")
         try:
             self.bmc.start()
+            self._first_boot([name for name, _, _ in systems])
         except BaseException:
-            self.bmc = None
+            self.stop()
             raise
+        image, installed = self.install or ("", 0)
         self.machines = [RackMachine(
             id=name, address=self.sim.devices[name].address, ssh_port=self.sim.ssh_port,
             host_key=self.sim.host_key_line(name), system=self.bmc.system_path(name),
-        ) for name, _, _ in systems]
+            os=(image, disks.DISK_SELECTOR) if index < installed else None,
+        ) for index, (name, _, _) in enumerate(systems)]
         self._write_inventory()
         return self
+
+    def _first_boot(self, names: list[str]) -> None:
+        """A machine never racked before boots by the network, as a rack set up to
+        install machines does: its BMC's override set to ``Pxe`` (the notification
+        records it; recorded here too, in case it was lost)."""
+        assert self.bmc is not None
+        for name in names:
+            if self.sim.devices[name].boot_target is not None:
+                continue
+            response = requests.patch(
+                self.bmc.base_url + self.bmc.system_path(name), auth=self.bmc.auth,
+                json={"Boot": {"BootSourceOverrideTarget": FIRST_BOOT_TARGET,
+                               "BootSourceOverrideEnabled": "Continuous"}},
+                timeout=BMC_TIMEOUT)
+            if response.status_code not in (200, 204):
+                raise ValueError(f"the BMC at {self.bmc.base_url} refused {name}'s boot "
+                                 f"override: HTTP {response.status_code}")
+            self.sim.set_boot_target(name, FIRST_BOOT_TARGET)
 
     def stop(self) -> None:
         if self.bmc is not None:
@@ -194,6 +245,8 @@ class Racks:
             if not self.sim.config.per_device_host_keys:
                 self.sim.rotate_host_key(name)  # pins must tell machines apart
             names.append(name)
+        for name in names:  # a restored machine keeps its disk as it is
+            self.sim.attach_disk(name, self.disk_size)
         return names
 
     def _system_uuid(self, device_id: str) -> str:

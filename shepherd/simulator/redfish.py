@@ -24,6 +24,9 @@ Additions of ours (the first two optional):
   so that fault needs no fork of sushy-tools.
 * A log of every reset the driver received (``resets``): what went over the
   wire, for tests that check which ResetType a rung sent.
+* Systems that *ignore boot overrides* (``ignore_boot=`` or ``set_ignore_boot``): a
+  PATCH of ``Boot.BootSourceOverrideTarget`` is answered 204 and never applied, the
+  BMC that lies about the next boot. Wrapped the same way as frozen systems.
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 POWER_STATES = ("On", "Off")
-#: Config keys (ours, ignored by sushy-tools): the file of frozen system uuids, and
-#: the file each reset request is appended to (one JSON line: uuid, ResetType).
+#: Config keys (ours, ignored by sushy-tools): the file of frozen system uuids, the
+#: file each reset request is appended to (one JSON line: uuid, ResetType), and the
+#: file of the uuids of systems that ignore boot overrides.
 FROZEN_FILE_KEY = "SHEPHERD_FROZEN_FILE"
 RESETS_FILE_KEY = "SHEPHERD_RESETS_FILE"
+IGNORE_BOOT_FILE_KEY = "SHEPHERD_IGNORE_BOOT_FILE"
 INSTALL_HINT = "pip install sushy-tools (or: pip install -e '.[dev]')"
 
 
@@ -86,12 +91,16 @@ class RedfishEmulator:
     password is kept only as a bcrypt hash on disk (and in memory, for ``power_state``).
     ``refuse_power_off``: ForceOff is advertised but answered 400, as on BMCs where
     it is disabled. ``tls``: (certificate, key) files to serve HTTPS with.
+    ``frozen``: names of systems whose resets are acknowledged and never done;
+    ``ignore_boot``: names of systems whose boot overrides are acknowledged and never
+    kept (both can change while running: ``set_frozen``, ``set_ignore_boot``).
     """
 
     def __init__(self, systems: Sequence[tuple[str, str, str] | tuple[str, str]], *,
                  username: str | None = None, password: str | None = None,
                  notify_url: str | None = None, settle_interval: float = 0.5,
-                 frozen: Iterable[str] = (), refuse_power_off: bool = False,
+                 frozen: Iterable[str] = (), ignore_boot: Iterable[str] = (),
+                 refuse_power_off: bool = False,
                  tls: tuple[Path, Path] | None = None, workdir: Path | None = None,
                  port: int = 0, start_timeout: float = 30.0) -> None:
         self.systems = [System(*entry) for entry in systems]
@@ -116,6 +125,7 @@ class RedfishEmulator:
         self.settle_interval = settle_interval
         self._by_name = {s.name: s for s in self.systems}
         self._frozen = {self._system(name).uuid for name in frozen}
+        self._ignore_boot = {self._system(name).uuid for name in ignore_boot}
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="shepherd-redfish-"))
         self._requested_port = port
@@ -181,6 +191,7 @@ class RedfishEmulator:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "state").mkdir(exist_ok=True)
         self._write_frozen()
+        self._write_ignore_boot()
         auth_file = self._write_htpasswd() if self.username else None
         # A port picked by bind-and-close can be taken meanwhile: pick again, twice.
         for attempt in range(3):
@@ -267,6 +278,7 @@ class RedfishEmulator:
             "SUSHY_EMULATOR_FAKE_SYSTEMS": systems,
             FROZEN_FILE_KEY: str(self._frozen_path),
             RESETS_FILE_KEY: str(self._resets_path),
+            IGNORE_BOOT_FILE_KEY: str(self._ignore_boot_path),
         }
         if auth_file is not None:
             settings["SUSHY_EMULATOR_AUTH_FILE"] = str(auth_file)
@@ -301,10 +313,15 @@ class RedfishEmulator:
     def _frozen_path(self) -> Path:
         return self.workdir / "frozen.json"
 
+    @property
+    def _ignore_boot_path(self) -> Path:
+        return self.workdir / "ignore-boot.json"
+
     def _write_frozen(self) -> None:
-        temporary = self._frozen_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(sorted(self._frozen)))
-        temporary.replace(self._frozen_path)
+        _write_uuids(self._frozen_path, self._frozen)
+
+    def _write_ignore_boot(self) -> None:
+        _write_uuids(self._ignore_boot_path, self._ignore_boot)
 
     # -- acting on the running emulator ------------------------------------------
 
@@ -316,6 +333,16 @@ class RedfishEmulator:
         else:
             self._frozen.discard(uuid)
         self._write_frozen()
+
+    def set_ignore_boot(self, name: str, ignore: bool = True) -> None:
+        """Make system ``name`` ignore boot overrides (acknowledged, never kept), or
+        keep them again, at once."""
+        uuid = self._system(name).uuid
+        if ignore:
+            self._ignore_boot.add(uuid)
+        else:
+            self._ignore_boot.discard(uuid)
+        self._write_ignore_boot()
 
     def resets(self, name: str) -> list[str]:
         """The ResetType of every reset system ``name`` was sent, oldest first, frozen
@@ -337,12 +364,27 @@ class RedfishEmulator:
         response.raise_for_status()
         return str(response.json()["PowerState"])
 
+    def boot_target(self, name: str) -> str:
+        """System ``name``'s ``Boot.BootSourceOverrideTarget``, read over HTTP as any
+        client would."""
+        response = requests.get(self.base_url + self.system_path(name), auth=self.auth,
+                                timeout=5, verify=self._verify)
+        response.raise_for_status()
+        return str(response.json()["Boot"]["BootSourceOverrideTarget"])
+
     def _settle(self) -> None:
         while not self._stopping.wait(self.settle_interval):
             for system in self.systems:
                 with contextlib.suppress(requests.RequestException):
                     requests.get(self.base_url + self.system_path(system.name),
                                  auth=self.auth, timeout=5, verify=self._verify)
+
+
+def _write_uuids(path: Path, uuids: set[str]) -> None:
+    """Replace ``path`` at once: the emulator process reads it on every request."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(sorted(uuids)))
+    temporary.replace(path)
 
 
 def _free_port() -> int:
@@ -370,12 +412,7 @@ def _freezable_driver() -> None:
         if resets_file:
             with open(resets_file, "a") as handle:  # one short write: atomic for O_APPEND
                 handle.write(json.dumps({"uuid": uuid, "reset_type": state}) + "\n")
-        frozen_file = current_app.config.get(FROZEN_FILE_KEY)
-        try:
-            frozen = set(json.loads(Path(frozen_file).read_text())) if frozen_file else set()
-        except (OSError, ValueError):
-            frozen = set()
-        if uuid not in frozen:
+        if uuid not in _uuids_in(current_app.config.get(FROZEN_FILE_KEY)):
             original(self, identity, state)
             return
         if "On" not in state and "Restart" not in state and state not in (
@@ -385,11 +422,36 @@ def _freezable_driver() -> None:
     FakeDriver.set_power_state = set_power_state
 
 
+def _boot_ignoring_driver() -> None:
+    """Wrap the fake driver's ``set_boot_device``: a system listed as ignoring boot
+    overrides keeps its device, and the view answers 204 as for any other."""
+    from flask import current_app
+    from sushy_tools.emulator.resources.systems.fakedriver import FakeDriver
+
+    original = FakeDriver.set_boot_device
+
+    def set_boot_device(self: Any, identity: str, boot_source: str) -> None:
+        if self.uuid(identity) not in _uuids_in(current_app.config.get(IGNORE_BOOT_FILE_KEY)):
+            original(self, identity, boot_source)
+
+    FakeDriver.set_boot_device = set_boot_device
+
+
+def _uuids_in(path: str | None) -> set[str]:
+    """The uuids a ``_write_uuids`` file lists; none when there is no such file."""
+    try:
+        return set(json.loads(Path(path).read_text())) if path else set()
+    except (OSError, ValueError):
+        return set()
+
+
 def main() -> int:
-    """``python -m shepherd.simulator.redfish --config FILE``: sushy-emulator, freezable."""
+    """``python -m shepherd.simulator.redfish --config FILE``: sushy-emulator, freezable
+    and with systems that ignore boot overrides."""
     from sushy_tools.emulator import main as emulator
 
     _freezable_driver()
+    _boot_ignoring_driver()
     return int(emulator.main() or 0)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import paramiko
 
 from shepherd.os_processes import kill_marked
+from shepherd.simulator import disks
 from shepherd.simulator.api import ApiRequest, ApiServer
 from shepherd.simulator.faults import Faults
 from shepherd.simulator.persist import World, WorldError, read_world, world_path, write_world
@@ -71,6 +72,11 @@ class Simulator:
     file is corrupt or holds another project. Devices come back at ``start`` with
     their host keys and SSH on the same address; processes they ran do not, and
     their sandbox directories are kept as they were on disk.
+
+    A device given a disk (``attach_disk``: ``shepherd.simulator.disks``) boots at each
+    power on what its BMC's boot override says: the rescue system (its own host key,
+    the project's keys) or the system installed on its disk (that system's host key and
+    authorized keys, its installation marker shown to the agent), or nothing.
     """
 
     HOST = "127.0.0.1"
@@ -92,6 +98,10 @@ class Simulator:
         self._endpoints: dict[str, DeviceSSH] = {}
         self._shared_key_text = generate_host_key_text()
         self._host_key_texts: dict[str, str] = {}   # device id -> its host key (PEM)
+        #: Devices running the system installed on their disk, as read off it.
+        self._installed: dict[str, disks.Installed] = {}
+        #: Why a device's last boot found its disk unbootable (shown in ``snapshot``).
+        self._boot_problems: dict[str, str] = {}
         self._batching = 0                          # _changing depth (state lock held)
         self._dirty = False                         # a change not written yet
         self._own_workdir = self.config.workdir is None
@@ -292,9 +302,18 @@ class Simulator:
             latency=lambda: self.faults.effective(device.id).ssh_latency,
             exec_hangs=lambda: self.faults.effective(device.id).ssh_exec_hang,
             sftp_stalls=lambda: self.faults.effective(device.id).sftp_stall,
-            authorized_keys=lambda: self.state.authorized_key_blobs(device.id),
+            authorized_keys=lambda: self._authorized_key_blobs(device.id),
         )
         self._endpoints[device.id] = endpoint.start()
+        if disks.has_disk(endpoint.sandbox):  # a restored world's racked machine
+            self._mount_root(device, endpoint)
+
+    def _authorized_key_blobs(self, device_id: str) -> set[str]:
+        """The booted system's: the installed one's file, else the project's keys."""
+        installed = self._installed.get(device_id)
+        if installed is not None:
+            return installed.key_blobs()
+        return self.state.authorized_key_blobs(device_id)
 
     def create_foreign_device(self, reservation_id: str, hostname: str | None = None) -> Device:
         """Provision a reservation "by someone else" (no shepherd tags): a lost race."""
@@ -307,7 +326,8 @@ class Simulator:
     def _ssh_up(self, device_id: str) -> bool:
         device = self.state.devices.get(device_id)
         return (device is not None and not self._stopped and device.state() == "active"
-                and not device.hung and not self.faults.effective(device_id).ssh_refused)
+                and not device.hung and device.system != disks.DARK
+                and not self.faults.effective(device_id).ssh_refused)
 
     def endpoint(self, device_id: str) -> DeviceSSH:
         return self._endpoints[device_id]
@@ -316,8 +336,12 @@ class Simulator:
         return self._endpoints[device_id].sandbox
 
     def reboot_device(self, device_id: str) -> None:
-        """Reboot: processes die, sessions drop, SSH refuses for ``reboot_delay``."""
-        self.state.reboot(device_id)
+        """Reboot: processes die, sessions drop, SSH refuses for ``reboot_delay``; a
+        device with a disk boots again what its boot override says."""
+        boot = self._choose_boot(device_id)
+        with self._changing():
+            self.state.reboot(device_id)
+            self._apply_boot(self.state.get_device(device_id), *boot)
         endpoint = self._endpoints.get(device_id)
         if endpoint is not None:
             endpoint.settle()  # refusing before the API answers, as a real reboot is
@@ -335,9 +359,15 @@ class Simulator:
 
         What an emulated BMC's power change does to the machine behind it. Returns
         True for a transition, which also ends a ``hang``; the same state again is a
-        no-op. When it returns, the SSH port already reflects the new state.
+        no-op. When it returns, the SSH port already reflects the new state. Powering on
+        a device with a disk boots what its boot override says (``disks.boot_choice``).
         """
-        changed = self.state.set_power(device_id, on)
+        boot = self._choose_boot(device_id) if on else None  # reads the disk: unlocked
+        with self._changing():
+            device = self.state.get_device(device_id)
+            if boot is not None and not device.powered:
+                self._apply_boot(device, *boot)
+            changed = self.state.set_power(device_id, on)
         endpoint = self._endpoints.get(device_id)
         if changed and endpoint is not None:
             endpoint.settle()
@@ -358,11 +388,91 @@ class Simulator:
         endpoint.drop_sessions()
         return endpoint.kill_processes()
 
+    # -- disks and booting ------------------------------------------------
+
+    def attach_disk(self, device_id: str, size: int = disks.DEFAULT_DISK_SIZE) -> Path:
+        """Give the device a disk and a fake system root (``disks.attach``; an existing
+        disk is kept as it is) from now on; returns the disk's file."""
+        endpoint = self._endpoints[device_id]
+        disks.attach(endpoint.sandbox, size)
+        with self._changing():
+            self._mount_root(self.state.get_device(device_id), endpoint)
+        return disks.disk_of(endpoint.sandbox)
+
+    def set_boot_target(self, device_id: str, target: str) -> bool:
+        """What the device's BMC said its boot override now is; True when it changed."""
+        with self.state.lock:
+            device = self.state.get_device(device_id)
+            if device.boot_target == target:
+                return False
+            device.boot_target = target
+            self.state.on_change()
+            return True
+
+    def _mount_root(self, device: Device, endpoint: DeviceSSH) -> None:
+        """Point the device's commands at its fake root, and present again the system
+        it last booted (a restarted simulator's disk-booted machine reads its disk)."""
+        endpoint.sys_root = disks.root_of(endpoint.sandbox)
+        installed = None
+        if device.system == disks.DISK:
+            try:
+                installed = disks.read_installed(disks.disk_of(endpoint.sandbox))
+            except disks.DiskError as error:
+                self._boot_problems[device.id] = str(error)
+        system = device.system if device.system != disks.DISK or installed else disks.DARK
+        self._apply_boot(device, system, installed)
+
+    def _choose_boot(self, device_id: str) -> tuple[str, disks.Installed | None]:
+        """What the device boots if powered on now: (system, the installed system when
+        it is the disk's). Devices without a disk always boot their own system."""
+        endpoint = self._endpoints.get(device_id)
+        device = self.state.get_device(device_id)
+        if endpoint is None or endpoint.sys_root is None:
+            return disks.RESCUE, None
+        if disks.boot_choice(device.boot_target, False) == disks.RESCUE:
+            return disks.RESCUE, None  # the disk is not looked at
+        try:
+            installed: disks.Installed | None = disks.read_installed(
+                disks.disk_of(endpoint.sandbox))
+            self._boot_problems.pop(device_id, None)
+        except disks.DiskError as error:
+            installed = None
+            self._boot_problems[device_id] = str(error)
+        system = disks.boot_choice(device.boot_target, installed is not None)
+        log.info("device %s boots %s (boot override %s)%s", device_id, system,
+                 device.boot_target or "none",
+                 f": {self._boot_problems[device_id]}" if system == disks.DARK and
+                 device_id in self._boot_problems else "")
+        return system, installed if system == disks.DISK else None
+
+    def _apply_boot(self, device: Device, system: str,
+                    installed: disks.Installed | None) -> None:
+        """The device runs ``system`` from its next connection on (state lock held)."""
+        endpoint = self._endpoints.get(device.id)
+        if endpoint is None or endpoint.sys_root is None:
+            return
+        if installed is not None:
+            self._installed[device.id] = installed
+            endpoint.host_key = host_key_from_text(installed.host_key)
+        else:
+            self._installed.pop(device.id, None)
+            endpoint.host_key = host_key_from_text(self._host_key_texts[device.id])
+        if device.system != system:
+            device.system = system
+            self.state.on_change()
+        disks.show(endpoint.sandbox, system, installed)
+
     # -- host keys ----------------------------------------------------------
 
     def host_key_line(self, device_id: str) -> str:
-        """The device's SSH host key as an OpenSSH public line (``ssh-ed25519 AAAA...``),
-        what an inventory's ``host_key`` pin holds."""
+        """The device's own SSH host key (its rescue system's) as an OpenSSH public line
+        (``ssh-ed25519 AAAA...``), what an inventory's ``host_key`` pin holds. A device
+        booted from its disk presents another: ``presented_host_key_line``."""
+        key = host_key_from_text(self._host_key_texts[device_id])
+        return f"{key.get_name()} {key.get_base64()}"
+
+    def presented_host_key_line(self, device_id: str) -> str:
+        """The host key the device's SSH presents now (the booted system's)."""
         key = self._endpoints[device_id].host_key
         return f"{key.get_name()} {key.get_base64()}"
 
@@ -375,7 +485,8 @@ class Simulator:
         with self._changing():
             endpoint = self._endpoints[device_id]
             text = generate_host_key_text()
-            endpoint.host_key = host_key_from_text(text)
+            if device_id not in self._installed:  # the disk's system keeps its own
+                endpoint.host_key = host_key_from_text(text)
             self._host_key_texts[device_id] = text
             self._dirty = True
         return self.host_key_line(device_id)
@@ -418,6 +529,10 @@ class Simulator:
                 "ssh_port": self.ssh_port, "created_by": d.created_by, "reboots": d.reboots,
                 "powered": d.powered, "hung": d.hung, "power_changes": d.power_changes,
                 "host_key": (self.host_key_line(d.id) if d.id in self._endpoints else None),
+                "presented_host_key": (self.presented_host_key_line(d.id)
+                                       if d.id in self._endpoints else None),
+                "boot_target": d.boot_target, "system": d.system,
+                "boot_problem": self._boot_problems.get(d.id),
                 "sandbox": str(self.workdir / "devices" / d.id),
             } for d in self.state.project_devices()]
             return {

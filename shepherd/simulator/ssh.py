@@ -47,6 +47,9 @@ INSTANCE_MARKER = "SHEPHERD_SIM_INSTANCE"
 #: The device's sandbox path: unique to one simulator's workdir, unlike a rack's
 #: readable device id, so it finds exactly this world's leftover processes.
 SANDBOX_MARKER = "SHEPHERD_SIM_SANDBOX"
+#: Where a device's agent reads /proc and /sys (and finds its disk), when it has a fake
+#: system root (``shepherd.simulator.disks``).
+SYS_ROOT_ENV = "SHEPHERD_AGENT_SYS_ROOT"
 POLL = 0.05
 # paramiko logs every probe and hang-up as an error; for a simulator that is noise.
 TRANSPORT_LOG = logging.getLogger(__name__ + ".transport")
@@ -278,6 +281,9 @@ class DeviceSSH:
         self.latency = latency
         self.exec_hangs = exec_hangs
         self.sftp_stalls = sftp_stalls
+        #: The device's fake system root once it has a disk (``disks.attach``): its
+        #: commands' agent reads it instead of "/".
+        self.sys_root: Path | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._transports: set[paramiko.Transport] = set()
@@ -406,9 +412,12 @@ class DeviceSSH:
         """The command environment; the simulator's Python comes first on PATH."""
         path = os.pathsep.join([os.path.dirname(sys.executable),
                                 os.environ.get("PATH", "/usr/bin:/bin")])
-        return {"PATH": path, "HOME": str(self.sandbox), "LANG": "C.UTF-8",
-                "USER": "root", MARKER: self.device_id,
-                SANDBOX_MARKER: str(self.sandbox), INSTANCE_MARKER: self.instance}
+        env = {"PATH": path, "HOME": str(self.sandbox), "LANG": "C.UTF-8",
+               "USER": "root", MARKER: self.device_id,
+               SANDBOX_MARKER: str(self.sandbox), INSTANCE_MARKER: self.instance}
+        if self.sys_root is not None:
+            env[SYS_ROOT_ENV] = str(self.sys_root)
+        return env
 
     def run_command(self, channel: paramiko.Channel, command: str) -> None:
         """Run ``command`` like sshd would: streams in and out, exit status, then close."""

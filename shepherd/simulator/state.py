@@ -77,6 +77,12 @@ class Device:
     powered: bool = True            # off: processes dead, SSH refuses (a BMC said so)
     hung: bool = False              # the "hang" fault: until the next power transition
     power_changes: int = 0
+    #: The BMC's boot override as it last notified it (``BootSourceOverrideTarget``);
+    #: None: never heard of. Read at power on by a device with a disk (``disks``).
+    boot_target: str | None = None
+    #: What the device booted last: "rescue" (its own host key), "disk" (the system
+    #: installed on its disk) or "dark" (nothing: SSH refused). ``disks.boot_choice``.
+    system: str = "rescue"
 
     def state(self, now: float | None = None) -> str:
         now = time.time() if now is None else now

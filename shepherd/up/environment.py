@@ -31,6 +31,9 @@ DEMO_ENV = {
 #: The racks directory under the state directory (``shepherd.simulator.racks`` fills it).
 RACKS_DIR = "racks"
 RACKS_INVENTORY = "inventory.toml"
+#: Shepherd's image directory under the state directory (``shepherd serve`` serves it;
+#: ``--racks`` puts the simulator's demo image and its catalog entry there).
+IMAGES_DIR = "images"
 
 
 class UpError(Exception):
@@ -57,6 +60,9 @@ class UpOptions:
     #: The simulator's machines as real racks: a generated static inventory, host keys
     #: pinned, power through an emulated Redfish BMC (``shepherd.up.racks``).
     racks: bool = False
+    #: With ``racks``: how many machines the inventory asks to install the simulator's
+    #: demo image on (``shepherd.simulator.demo_image``); 0: none, install by hand.
+    install: int = 0
     #: Set the state directory aside and start over (``shepherd.up.state``).
     fresh: bool = False
 
@@ -79,6 +85,12 @@ class Plan:
     flower_port: int | None = None
     #: With ``--racks``: the directory the simulator racks its machines in.
     racks: Path | None = None
+    #: With ``--racks``: machines whose inventory entry asks for the demo image.
+    install: int = 0
+
+    @property
+    def image_dir(self) -> Path:
+        return Path(self.env["SHEPHERD_IMAGE_DIR"])
 
     @property
     def run_id(self) -> str:
@@ -124,6 +136,12 @@ def plan(options: UpOptions, base_env: Mapping[str, str]) -> Plan:
     env.setdefault("SHEPHERD_RESULT_BACKEND", sqlite_url("db+sqlite", w / "results.sqlite"))
     env["SHEPHERD_STATE_DIR"] = str(w)
     env.setdefault("SHEPHERD_SSH_KEY_PATH", str(w / "ssh" / "shepherd_ed25519"))
+    env.setdefault("SHEPHERD_IMAGE_DIR", str(w / IMAGES_DIR))
+    if options.install and not options.racks:
+        raise UpError("--install installs the demo image on racked machines: add --racks")
+    if not 0 <= options.install <= options.machines:
+        raise UpError(f"--install {options.install}: between 0 and --machines "
+                      f"({options.machines})")
     if options.racks and not found.simulated:
         raise UpError("--racks runs the simulator's machines from an inventory it writes; "
                       "unset SHEPHERD_PROVIDER and SHEPHERD_PROVIDER_URL")
@@ -132,6 +150,7 @@ def plan(options: UpOptions, base_env: Mapping[str, str]) -> Plan:
         found.flower_port = port(options.flower_port)
     if options.racks:
         found.racks = w / RACKS_DIR
+        found.install = options.install
         found.simulator_port, found.ssh_port = racks_env(env, options, found.racks)
     elif found.simulated:
         found.simulator_port, found.ssh_port = simulator_env(env, options)

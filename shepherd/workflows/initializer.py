@@ -116,23 +116,27 @@ class HostKeyPin:
 
 
 def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None:
-    """The inventory's pin if it has one, else the key recorded at the first takeover."""
-    if machine.host_key:
-        return pin_for(work.machine_id, machine, None)
+    """The pin a takeover of ``machine`` must see (``pin_for``), read now."""
     recorded = work.session.transact(
-        lambda tx: bmdb.pinned_host_key(tx, work.machine_id))
+        lambda tx: bmdb.recorded_host_key(tx, work.machine_id))
     return pin_for(work.machine_id, machine, recorded)
 
 
 def pin_for(machine_id: uuid.UUID, machine: ProviderMachine,
-            recorded: str | None) -> HostKeyPin | None:
-    """``host_key_pin`` with the recorded key already read: the inventory's pin wins."""
+            recorded: bmdb.RecordedPin | None) -> HostKeyPin | None:
+    """The pin a takeover must see, in this order: the key an installation of Shepherd's
+    chose (the system on the disk is the one it wrote), the inventory's (an operator's
+    word for the system the machine had), the key recorded at the first takeover."""
+    if recorded is not None and recorded.chosen:
+        return HostKeyPin(recorded.host_key, f"chosen by installation generation "
+                                             f"{recorded.generation} and written into the "
+                                             "system it installed")
     if machine.host_key:
         return HostKeyPin(machine.host_key, "pinned in the inventory")
     if recorded is None:
         return None
-    return HostKeyPin(recorded, "recorded at the first takeover; after a reinstall run "
-                                f"'shepherd host-key forget {machine_id}'")
+    return HostKeyPin(recorded.host_key, "recorded at the first takeover; after a reinstall "
+                                         f"run 'shepherd host-key forget {machine_id}'")
 
 
 class Known(NamedTuple):

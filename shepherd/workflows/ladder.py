@@ -206,6 +206,14 @@ def climb(power: PowerControl, watch: Watch, note: Note) -> RungOutcome | None:
     return outcome if outcome.verified else None
 
 
+def cold_boot(power: PowerControl, watch: Watch) -> RungOutcome:
+    """Power off and on (rung 3), each observed: what makes firmware read a new boot
+    device. Where the BMC cannot power off or read its state, a force restart (rung 2)."""
+    if power.reads_state and all(power.supports(action) for action in OFF_THEN_ON):
+        return _off_then_on(power, watch)
+    return _restart(power, watch, 2, "force restart", PowerAction.FORCE_RESTART)
+
+
 def _skipped(rung: int, name: str, power: PowerControl, why: str = "") -> RungOutcome:
     return RungOutcome(rung, name, False, f"not offered by {power.description}{why}", 0.0)
 
@@ -224,10 +232,12 @@ def _restart(power: PowerControl, watch: Watch, rung: int, name: str,
     return RungOutcome(rung, name, verified, detail, watch.clock() - started)
 
 
+OFF_THEN_ON = (PowerAction.POWER_OFF, PowerAction.POWER_ON)
+
+
 def _off_then_on(power: PowerControl, watch: Watch) -> RungOutcome:
     rung, name = 3, "power off, then on"
-    if not (power.reads_state and power.supports(PowerAction.POWER_OFF)
-            and power.supports(PowerAction.POWER_ON)):
+    if not (power.reads_state and all(power.supports(action) for action in OFF_THEN_ON)):
         return _skipped(rung, name, power)
     started = watch.clock()
     try:

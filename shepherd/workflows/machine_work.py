@@ -122,7 +122,8 @@ def _workflow(parts: MachineParts,
         return lambda work: recover(work, parts.provider, parts.power_for,
                                     parts.recoverer_settings())
     if process is bmdb.Process.OS_INSTALL:
-        return lambda work: install(work, parts.installation_settings())
+        return lambda work: install(work, parts.installation_settings(), parts.provider,
+                                    parts.power_for)
     raise ValueError(f"no per-machine workflow for process {process.value!r}")
 
 

@@ -47,6 +47,7 @@ from shepherd.agent.protocol import (
 from shepherd.answer_key import AnswerKey
 from shepherd.config import Settings
 from shepherd.server import RunningServer, serve
+from shepherd.server.bodies import parse_heartbeat
 from tests.support.agent_fixtures import (
     CLOCK_WINDOW,
     AgentLauncher,
@@ -486,7 +487,7 @@ def test_the_bundle_is_one_self_contained_reproducible_file() -> None:
     bundle = agent_bundle()
     assert bundle.startswith(b"#!/bin/sh\n")
     members = bundle_members(bundle)
-    assert {"__main__.py", "shepherd_agent.py", "protocol.py", "installer.py",
+    assert {"__main__.py", "shepherd_agent.py", "protocol.py", "installer.py", "identity.py",
             "ecdsa/eddsa.py", "six.py"} <= set(members)
     assert bundle_member(bundle, "protocol.py") == WIRE_PATH.read_bytes(), (
         "the agent's wire format must be the very module the shepherd imports")
@@ -595,6 +596,7 @@ def test_hardware_report_reads_proc_and_sys(agent_module: ModuleType, tmp_path: 
         "memory_bytes": 2048 * 1024,
         "block_devices": [{"name": "sda", "size_bytes": 512_000}],
         "network_interfaces": [{"name": "eth0", "mac": "02:00:00:00:00:01"}],
+        "installation": None,  # no agent installed this system
         "warnings": [report["warnings"][0]],
     }
     assert report["warnings"][0].startswith("block device nvme0n1: cannot read its size")
@@ -610,6 +612,62 @@ def test_hardware_report_warns_for_everything_it_cannot_read(
     assert report["hostname"] == ""
     assert [w.split(":")[0] for w in report["warnings"]] == [
         "hostname", "cpu", "memory", "block devices", "network interfaces"]
+
+
+MARKER = {"generation": 4, "image": "debian-12", "sha256": "ab" * 32,
+          "machine_id": "6f1c2d4e-0000-4000-8000-000000000001", "note": "é ☃"}
+
+
+def test_hardware_report_names_the_installation_this_system_came_from(
+    agent_module: ModuleType, tmp_path: Path
+) -> None:
+    """The marker the agent wrote when it installed this system: the first heartbeat
+    of the installed system's agent tells Shepherd which installation it runs."""
+    write_tree(tmp_path, {"etc/shepherd/installation.json": json.dumps(MARKER, indent=1)})
+    report = agent_module.hardware_report(str(tmp_path))
+    assert report["installation"] == MARKER
+    assert not [w for w in report["warnings"] if w.startswith("installation")]
+    heartbeat = parse_heartbeat(json.dumps({"machine_id": str(uuid.uuid4()),
+                                            "hardware_report": report}).encode())
+    assert heartbeat.hardware_report == report  # the server takes it as sent
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"{not json", "is not JSON"),
+    (b"\xff\xfe{}", "is not JSON"),
+    (b'{"generation": NaN}', "is not JSON"),
+    (b"[1, 2]", "is not a plain JSON object"),
+    (b'"a string"', "is not a plain JSON object"),
+    (b'{"image": "a\\u001b[31m"}', "is not a plain JSON object"),  # a terminal escape
+    (b'{"image": "\\ud800"}', "is not a plain JSON object"),  # a lone surrogate
+    (b'{"size": 1e999}', "is not a plain JSON object"),
+    (b'{"a": ' * 20 + b"1" + b"}" * 20, "is not a plain JSON object"),
+    (json.dumps({f"k{i}": 1 for i in range(300)}).encode(), "is not a plain JSON object"),
+    (json.dumps({"image": "x" * 5000}).encode(), "is larger than 4096 bytes"),
+])
+def test_a_garbage_installation_marker_is_ignored_with_a_warning(
+    agent_module: ModuleType, tmp_path: Path, content: bytes, why: str
+) -> None:
+    marker = tmp_path / "etc/shepherd/installation.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_bytes(content)
+    report = agent_module.hardware_report(str(tmp_path))
+    assert report["installation"] is None
+    assert [w for w in report["warnings"] if w.startswith("installation")] == [
+        f"installation: /etc/shepherd/installation.json {why}; ignored"]
+    parse_heartbeat(json.dumps({"machine_id": str(uuid.uuid4()),
+                                "hardware_report": report}).encode())
+
+
+def test_an_unreadable_installation_marker_is_a_warning(
+    agent_module: ModuleType, tmp_path: Path
+) -> None:
+    write_tree(tmp_path, {"etc/shepherd": "a file where the directory should be"})
+    report = agent_module.hardware_report(str(tmp_path))
+    assert report["installation"] is None
+    assert [w.split(" cannot be read")[0] for w in report["warnings"]
+            if w.startswith("installation")] == [
+        "installation: /etc/shepherd/installation.json"]
 
 
 @pytest.mark.parametrize(("cpuinfo", "cores", "threads"), [

@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 
 from shepherd.agent import installer
+from tests.agent.test_identity import an_identity, assert_no_secret, gpt, small_os
+from tests.support.disk_images import LINUX_FILESYSTEM
 from tests.support.image_server import ImageServer
 
 pytestmark = pytest.mark.skipif(
@@ -243,6 +245,47 @@ def test_a_server_without_range_support_serves_the_image(loops, run_root, tmp_pa
         server.kill()
         server.wait()
     assert_written(run, loop, raw, after)
+
+
+@pytest.mark.skipif(shutil.which("debugfs") is None or shutil.which("sfdisk") is None,
+                    reason="needs debugfs and sfdisk (e2fsprogs, fdisk)")
+def test_an_identity_is_written_into_the_image_once_it_is_verified(loops, run_root, serve,
+                                                                    tmp_path):
+    raw = small_os(tmp_path / "image.raw").read_bytes()
+    loop = loops(16 * MiB)
+    request = image_request(raw, serve(raw).url, f"device={loop.path}")
+    request["identity"] = an_identity()
+    run = Run(request, run_root)
+    result = run.result
+    assert result["status"] == "ok", result
+    assert result["read_back_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert run.phases == ["fetching", "writing", "flushing", "verifying", "identity"]
+    assert result["identity"]["read_back"] is True
+    assert result["identity"]["root_partition"]["offset"] == MiB
+    assert set(result["durations"]) == {"write", "flush", "read_back", "identity"}
+    assert_no_secret(json.dumps(result))
+    hostname = subprocess.run(["debugfs", "-R", "cat /etc/hostname",
+                               f"{loop.backing}?offset={MiB}"], capture_output=True,
+                              check=True).stdout
+    assert hostname == b"node-7.rack1.example\n"
+
+
+@pytest.mark.skipif(shutil.which("debugfs") is None or shutil.which("sfdisk") is None,
+                    reason="needs debugfs and sfdisk (e2fsprogs, fdisk)")
+def test_an_identity_that_cannot_be_written_fails_the_verified_install(loops, run_root,
+                                                                       serve, tmp_path):
+    raw = gpt(tmp_path / "image.raw", (MiB, 2 * MiB, LINUX_FILESYSTEM, "data"),
+              size=4 * MiB).read_bytes()
+    loop = loops(16 * MiB)
+    request = image_request(raw, serve(raw).url, f"device={loop.path}")
+    request["identity"] = an_identity()
+    result = Run(request, run_root).result
+    assert (result["status"], result["cause_kind"]) == ("failed", "identity"), result
+    assert result["cause"].startswith("identity: no root partition: ")
+    assert result["cause"].endswith("; the image was written and verified, the identity"
+                                    " was not")
+    assert result["read_back_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert loop.head(len(raw)) == raw
 
 
 # -- the network ---------------------------------------------------------------------
@@ -502,6 +545,8 @@ def made_node(node: Path, dev: Path) -> Iterator[None]:
     (lambda r: r["image"].update(url="ftp://x/y"), "image.url"),
     (lambda r: r["limits"].update(stall_seconds=-1), "limits.stall_seconds"),
     (lambda r: r.update(authorization="a\r\nb"), "authorization"),
+    (lambda r: r.update(identity=an_identity(hostname="no_underscores")), "identity.hostname"),
+    (lambda r: r.update(identity=[]), "identity must be an object"),
 ])
 def test_a_bad_request_is_refused_naming_the_field(run_root, change, field):
     request = image_request(b"x", "http://127.0.0.1:9/x", "device=/dev/null")
@@ -515,10 +560,9 @@ def test_a_bad_request_is_refused_naming_the_field(run_root, change, field):
 # -- memory --------------------------------------------------------------------------
 
 CHILD = """
-import importlib.util, json, sys, threading
-spec = importlib.util.spec_from_file_location("installer", sys.argv[1])
-installer = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(installer)
+import json, os, sys, threading
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as in the bundle: its modules beside it
+import installer
 result = installer.install(json.loads(sys.argv[2]), progress=lambda _: None,
                            cancelled=threading.Event())
 print(json.dumps(result))
@@ -555,3 +599,46 @@ def test_resident_memory_stays_bounded_whatever_the_image_size(loops, serve, tmp
     assert peak_kib < 64 * 1024, f"peak RSS {peak_kib} KiB"
     with contextlib.suppress(OSError):
         image.unlink()
+
+
+def test_a_regular_file_is_a_disk_only_in_a_simulated_root(run_root, serve, tmp_path):
+    """The simulator's machines (no root, no loop devices) have a file for a disk: it is
+    written when it is the /dev node, under a sys_root other than "/", of a disk that
+    root's /sys/block describes; named on the machine's own root it is no disk."""
+    root = tmp_path / "sim-root"
+    (root / "sys/block/sda").mkdir(parents=True)
+    (root / "sys/block/sda/dev").write_text("8:0\n")
+    (root / "sys/block/sda/size").write_text(f"{8 * MiB // 512}\n")
+    (root / "proc").mkdir()
+    (root / "proc/mounts").write_text("")
+    (root / "dev").mkdir()
+    disk = root / "dev/sda"
+    after = os.urandom(4096)
+    with open(disk, "wb") as handle:
+        handle.truncate(8 * MiB)
+        handle.seek(IMAGE_SIZE)
+        handle.write(after)
+    raw = os.urandom(IMAGE_SIZE)
+    url = serve(raw).url
+    done = installer.install(image_request(raw, url, "device=/dev/sda"),
+                             progress=lambda _: None, cancelled=threading.Event(),
+                             sys_root=str(root), run_root=str(run_root))
+    assert done["status"] == "ok", done
+    assert done["disk"] == "/dev/sda"  # as the machine names it
+    assert done["written_sha256"] == done["read_back_sha256"] == hashlib.sha256(raw).hexdigest()
+    with open(disk, "rb") as handle:
+        assert handle.read(IMAGE_SIZE + len(after)) == raw + after
+    assert disk.stat().st_size == 8 * MiB
+
+    before = disk.read_bytes()[:IMAGE_SIZE]
+    link = tmp_path / "by-id-sim-disk"  # a udev style link to the file, on "/"
+    link.symlink_to(disk)
+    plain = Run(image_request(os.urandom(MiB), url, str(link)), run_root)
+    assert (plain.result["status"], plain.result["cause_kind"]) == ("refused", "not_a_disk")
+    small = root / "sys/block/sda/size"
+    small.write_text("8\n")
+    refused = installer.install(image_request(raw, url, "device=/dev/sda"),
+                                progress=lambda _: None, cancelled=threading.Event(),
+                                sys_root=str(root), run_root=str(run_root))
+    assert refused["cause_kind"] == "too_small", refused
+    assert disk.read_bytes()[:IMAGE_SIZE] == before

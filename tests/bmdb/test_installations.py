@@ -378,3 +378,83 @@ def test_wanted_and_withdrawn_are_in_history_with_who_and_why(db, session):
                    "ticket 4711"),
         ("Withdrawn", "withdrawn by bob: wrong rack"),
     ]
+
+
+# -- part 2: steps, the backlogs while installing, quarantine ----------------------------
+
+
+def test_a_tried_installation_stays_in_the_backlog_without_an_agent(db, session):
+    """A first installation waits for an agent; once one was tried (generation > 0), the
+    machine is in the backlog whatever its agent does: after a failed reboot it may run
+    none, and the workflow boots the rescue system itself."""
+    first, tried = seed_provided(session, 2)
+    want(session, first)
+    want(session, tried)
+    assert backlog_ids(session, OS_INSTALL) == set()
+    generation = dispatch(session, tried)
+    settle(session, tried, generation, installed=False)
+    assert backlog_ids(session, OS_INSTALL) == {tried}
+
+
+def test_a_machine_between_installation_steps_is_not_silent_by_accident(db, session):
+    """Recovery's backlog and the guard's silent count leave out a machine whose
+    installation is at a step (it reboots on purpose); once settled, it counts again."""
+    installing, hung = heard(session, 2, ago=45)
+    want(session, installing)
+    generation = dispatch(session, installing)
+    assert installing not in backlog_ids(session, Process.RECOVERY)
+    assert hung in backlog_ids(session, Process.RECOVERY)
+    silent = db.read(lambda tx: bmdb.silent_machines(tx, db.thresholds))
+    assert silent == 1
+    session.transact(lambda tx: bmdb.advance_installation(tx, installing, generation,
+                                                          "rebooting"))
+    assert installing not in backlog_ids(session, Process.RECOVERY)
+    settle(session, installing, generation, installed=False)
+    assert installing in backlog_ids(session, Process.RECOVERY)
+    assert db.read(lambda tx: bmdb.silent_machines(tx, db.thresholds)) == 2
+
+
+def test_steps_are_recorded_for_the_current_generation_only(db, session):
+    (machine,) = heard(session)
+    want(session, machine)
+    generation = dispatch(session, machine)
+    wish = session.transact(lambda tx: bmdb.installation_of(tx, machine)).wanted
+    assert wish is not None and (wish.step, wish.generation) == ("writing", generation)
+    assert session.transact(lambda tx: bmdb.advance_installation(
+        tx, machine, generation, "boot_device"))
+    assert not session.transact(lambda tx: bmdb.advance_installation(
+        tx, machine, generation + 1, "rebooting"))
+    with pytest.raises(ValueError, match="no installation step 'dancing'"):
+        session.transact(lambda tx: bmdb.advance_installation(tx, machine, generation,
+                                                              "dancing"))
+    wish = session.transact(lambda tx: bmdb.installation_of(tx, machine)).wanted
+    assert wish is not None and wish.step == "boot_device" and wish.step_at is not None
+    session.transact(lambda tx: bmdb.close_installation_request(tx, machine, generation))
+    assert session.transact(lambda tx: bmdb.installation_of(tx, machine)).in_flight is None
+    session.transact(lambda tx: bmdb.settle_installation(
+        tx, machine, generation, installed=True, target=("debian-12", "serial=S1")))
+    wish = session.transact(lambda tx: bmdb.installation_of(tx, machine)).wanted
+    assert wish is not None and (wish.outcome, wish.step, wish.step_at) == ("installed",
+                                                                             None, None)
+
+
+def test_failed_installations_in_a_row_quarantine_and_a_cancel_breaks_no_streak(db, session):
+    (machine,) = heard(session)
+
+    def outcome(event: bmdb.Event, cause: str) -> bool:
+        def body(tx: bmdb.Tx) -> bool:
+            bmdb.record_history(tx, machine, OS_INSTALL.value, event, cause)
+            return bmdb.quarantine_if_due(tx, machine, 2, "test", bmdb.INSTALLATIONS_FAILED)
+        return session.transact(body)
+
+    assert not outcome(bmdb.Event.FAILED, "taking_over: no SSH banner")
+    assert not outcome(bmdb.Event.FINISHED, "")
+    assert not outcome(bmdb.Event.FAILED, "boot_device: read back as network")
+    assert not outcome(bmdb.Event.CANCELED, "withdrawn")  # neither a failure nor a success
+    # Recovery's ladders are another streak: their failures do not count here.
+    session.transact(lambda tx: bmdb.record_history(tx, machine, Process.RECOVERY.value,
+                                                    bmdb.Event.FAILED, "ladder exhausted"))
+    assert outcome(bmdb.Event.FAILED, "first_heartbeat: no marker")
+    holds = session.transact(lambda tx: bmdb.holds_of(tx, machine))
+    assert [(h.kind, h.reason) for h in holds] == [
+        ("quarantine", "an installation failed 2 times in a row")]

@@ -162,7 +162,7 @@ def test_every_agent_start_writes_a_new_nonce_even_for_the_same_key(db, session)
 
 def test_the_takeover_view_agrees_with_the_reads_it_replaces(db, session):
     """``queries.takeover_view`` (AgentStart's one read before acting) says what
-    ``machine_tag``, ``host_keys.pinned`` and ``agent_credentials`` say, at every stage."""
+    ``machine_tag``, ``host_keys.recorded`` and ``agent_credentials`` say, at every stage."""
     bare, provided, started = seed_provided(session, 3)
     session.transact(lambda tx: bmdb.delete_provided(tx, bare))
     start_agent(session, started)
@@ -171,12 +171,18 @@ def test_the_takeover_view_agrees_with_the_reads_it_replaces(db, session):
         def both(tx: bmdb.Tx, m: uuid.UUID = machine) -> tuple[object, tuple[object, ...]]:
             current = bmdb.agent_credentials(tx, m)
             return bmdb.takeover_view(tx, m), (
-                bmdb.machine_tag(tx, "Provided", m), bmdb.pinned_host_key(tx, m),
+                bmdb.machine_tag(tx, "Provided", m), bmdb.recorded_host_key(tx, m),
                 current.public_key if current else None)
 
         view, separately = db.read(both)
         assert (view.provided, view.host_key, view.agent_key) == separately
     assert db.read(lambda tx: bmdb.takeover_view(tx, started)).agent_key == b"\x01" * 32
+    pin = db.read(lambda tx: bmdb.takeover_view(tx, started)).host_key
+    assert pin == bmdb.RecordedPin("ssh-ed25519 AAAA", "first_use", None) and not pin.chosen
+    session.transact(lambda tx: bmdb.pin_installed_host_key(tx, started, "ssh-ed25519 BBBB",
+                                                            "SHA256:y", 4))
+    pin = db.read(lambda tx: bmdb.takeover_view(tx, started)).host_key
+    assert pin == bmdb.RecordedPin("ssh-ed25519 BBBB", "installation", 4) and pin.chosen
 
 
 def test_any_claimable_is_whether_a_claim_would_find_a_machine(db, session):

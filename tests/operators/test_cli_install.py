@@ -89,6 +89,33 @@ def test_install_records_what_is_wanted_and_every_view_shows_it(
     assert status == 0 and "no installation was pending; nothing changed" in out
 
 
+def test_show_and_explain_say_which_step_an_installation_is_in_and_since_when(
+        fleet: Fleet, db: bmdb.BMDB, session: bmdb.Session,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Between the write and the first heartbeat of the installed system: its step, since
+    when, and why Recovery leaves the silent machine alone; then whose key is pinned."""
+    machine = fleet.healthy
+    run(capsys, "install", str(machine), "debian-12", "--disk", "serial=S1", "--reason", "x")
+
+    def reboot(tx: bmdb.Tx) -> None:
+        generation = bmdb.dispatch_installation(tx, machine, {
+            "kind": "image", "disk": "serial=S1", "image": {"name": "debian-12"}})
+        bmdb.close_installation_request(tx, machine, generation)
+        bmdb.advance_installation(tx, machine, generation, "rebooting")
+        bmdb.pin_installed_host_key(tx, machine, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIO"
+                                    + "x" * 43, "SHA256:chosen", generation)
+
+    session.transact(reboot)
+    status, out, _ = run(capsys, "show", str(machine))
+    assert status == 0
+    assert ("INSTALLATION\n  rebooting: generation 1: power off, then on, each observed "
+            "since ") in out, out
+    assert "HOST KEY\n  chosen by installation generation 1: SHA256:" in out, out
+    status, out, _ = run(capsys, "explain", str(machine), "--json")
+    (recovery,) = [p for p in json.loads(out)["processes"] if p["process"] == "ShepherdRecovery"]
+    assert recovery["backlog"].startswith("installing: generation 1 is at step rebooting")
+
+
 @pytest.mark.parametrize("argv, status, says", [
     (["IMAGE-LESS"], 2, "install needs IMAGE"),
     (["debian-12"], 2, "--reason is required"),

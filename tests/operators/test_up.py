@@ -19,11 +19,14 @@ import requests
 
 import bmdb
 from shepherd import state_env
+from shepherd.agent import identity
+from shepherd.agent.identity import find_debugfs
 from shepherd.config import Settings
+from shepherd.images import Catalog
 from shepherd.os_processes import kill_marked
 from shepherd.providers import ssh_keys
 from shepherd.runtime import build_provider, check_settings
-from shepherd.simulator import Simulator
+from shepherd.simulator import Simulator, demo_image
 from shepherd.simulator.racks import Racks
 from shepherd.up import RUN_MARKER, SIM_SANDBOX, Plan, UpError, UpOptions, plan, racks
 from tests.support.up_fixtures import FAST, THRESHOLDS, leftovers, user_env
@@ -93,6 +96,46 @@ def test_racks_plan_a_static_provider_over_the_simulators_inventory(tmp_path: Pa
             "SHEPHERD_PROVIDER": "equinix", "SHEPHERD_PROVIDER_URL": "https://metal.test/v1"})
 
 
+@pytest.mark.skipif(bool(demo_image.missing_tools()) or find_debugfs() is None,
+                    reason="needs sfdisk, mke2fs and debugfs (fdisk, e2fsprogs)")
+def test_racks_build_the_demo_image_and_may_ask_to_install_it(tmp_path: Path) -> None:
+    up = plan(UpOptions(workdir=tmp_path, racks=True, machines=3, install=2,
+                        simulator_port=0, ssh_port=0), {})
+    assert up.image_dir == tmp_path / "images" and up.install == 2
+    argv = racks.simulator_argv(up, 3)
+    assert argv[argv.index("--install") + 1] == "demo"
+    assert argv[argv.index("--install-machines") + 1] == "2"
+    said: list[str] = []
+    assert racks.prepare_demo_image(up, said.append)
+    catalog = Catalog.load(up.image_dir)
+    image = catalog.get("demo")
+    assert image.file is not None and (up.image_dir / image.file).stat().st_size == image.size
+    assert any("listed as 'demo'" in line for line in said), said
+    assert second_terminal(up, tmp_path).image_dir == up.image_dir  # shepherd install's
+    without = plan(UpOptions(workdir=tmp_path, racks=True, machines=3), {})
+    assert "--install" not in racks.simulator_argv(without, 3)
+    with pytest.raises(UpError, match="--racks"):
+        plan(UpOptions(workdir=tmp_path, install=1), {})
+    with pytest.raises(UpError, match="--install 4"):
+        plan(UpOptions(workdir=tmp_path, racks=True, machines=3, install=4), {})
+
+
+def test_without_the_tools_racks_run_and_only_install_refuses(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sfdisk, mke2fs or debugfs anywhere
+    monkeypatch.setattr(demo_image, "SBIN", ())
+    monkeypatch.setattr(identity, "SBIN", ())
+    said: list[str] = []
+    up = plan(UpOptions(workdir=tmp_path, racks=True, machines=2), {})
+    assert not racks.prepare_demo_image(up, said.append)
+    assert said == ["racks: machines cannot be installed here: installing needs debugfs "
+                    "(Debian package e2fsprogs): not found on PATH or in sbin"]
+    asked = plan(UpOptions(workdir=tmp_path, racks=True, machines=2, install=1), {})
+    with pytest.raises(UpError, match=r"^--install: installing needs debugfs"):
+        racks.prepare_demo_image(asked, said.append)
+    assert not (tmp_path / "images").exists()
+
+
 @RACK_DEVICES
 def test_racks_inventory_lists_each_machine_behind_its_bmc(tmp_path: Path) -> None:
     """What ``up --racks`` prepares, and the inventory the simulator then writes, read
@@ -144,6 +187,8 @@ def test_racks_inventory_lists_each_machine_behind_its_bmc(tmp_path: Path) -> No
         assert rack.bmc.base_url in text
         assert "/_admin/devices/rack1-u01/hang" in text and password not in text
         assert up.env["SHEPHERD_SIMULATOR_TOKEN"] not in text  # read from its file
+        assert ("demo --disk device=/dev/sda --reason" in text
+                and '$3 == "rack1-u01"' in text), text
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ import bmdb
 from shepherd.power import (
     BmcBusy,
     BmcUnreachable,
+    BootDevice,
+    BootOverride,
     ExclusivePower,
     PowerAction,
     PowerState,
@@ -54,6 +56,13 @@ class SharedBmc:
     def supports(self, action: PowerAction) -> bool:
         self._call("supports")
         return action != PowerAction.GRACEFUL_RESTART
+
+    def boot_device(self) -> BootOverride:
+        self._call("boot_device")
+        return BootOverride(BootDevice.DISK, True, "stand-in")
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        self._call(f"set_boot_device {device}")
 
     def _call(self, what: str) -> None:
         if self.fail_next:

@@ -39,9 +39,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The BMDB: a library that knows nothing of Shepherd.
     ("bmdb",),
     # Words and tools every layer may use: files, secrets kept out of text, text
-    # tables, OS processes, the tasks' declarations (names and parameters, no Celery).
+    # tables, OS processes, the tasks' declarations (names and parameters, no Celery),
+    # the image catalog (inventories name its images, the server serves them, the
+    # installation workflow requests them, the simulator lists its demo image there).
     ("shepherd.files", "shepherd.redaction", "shepherd.text_tables", "shepherd.os_processes",
-     "shepherd.task_api"),
+     "shepherd.task_api", "shepherd.images"),
     # Settings: the state directory's file beneath the environment and the kinds of
     # values settings take, then ``Settings``.
     ("shepherd.state_env", "shepherd.config_kinds"),
@@ -50,10 +52,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # simulator; Celery's configuration, derived from the settings.
     ("shepherd.agent", "shepherd.simulator", "celeryconfig"),
     # What both sides of a boundary need: the fleet's answer key (the server signs,
-    # AgentStart hands it out), a BMC's spec (providers carry it, power acts on it) and
-    # the image catalog (inventories name its images, the server serves them, the
-    # installation workflow requests them).
-    ("shepherd.answer_key", "shepherd.bmc", "shepherd.images"),
+    # AgentStart hands it out, the installation derives host keys from it) and a BMC's
+    # spec (providers carry it, power acts on it).
+    ("shepherd.answer_key", "shepherd.bmc"),
     # The outside world: providers, power controls, the inventory (which serves
     # itself as a provider and names BMCs), SSH.
     ("shepherd.providers",),

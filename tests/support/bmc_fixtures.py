@@ -2,8 +2,9 @@
 
 * ``redfish_bmc``: one ``sushy-emulator`` (fake driver, Basic auth) with one system,
   ``node-1``, powered On. Its power changes land 1 to 11 s after the reset.
-* ``ipmi_bmc``: one ``ipmi_sim`` (Debian's ``openipmi``) whose chassis power is a
-  file, written by its ``chassis_control`` script; ``ipmitool`` reads it too.
+* ``ipmi_bmc``: one ``ipmi_sim`` (Debian's ``openipmi``) whose chassis power and boot
+  device are files, written by its ``chassis_control`` script; ``ipmitool`` reads
+  them too.
 
 Each has a random password in a 0600 file, and builds the ``BmcSpec`` an
 inventory would give (``.spec()``), with another password file to test refusals.
@@ -82,12 +83,15 @@ class RedfishBmc:
     def power_state(self, name: str = "node-1") -> str:
         return self.emulator.power_state(name)
 
+    def boot_target(self, name: str = "node-1") -> str:
+        return self.emulator.boot_target(name)
+
 
 @contextlib.contextmanager
 def running_redfish(directory: Path, systems: Sequence[tuple[str, str]] = (("node-1", "On"),),
                     **options: object) -> Iterator[RedfishBmc]:
     """An emulator with ``systems`` as (name, power state); ``options`` go to
-    ``RedfishEmulator`` (``notify_url``, ``frozen``...)."""
+    ``RedfishEmulator`` (``notify_url``, ``frozen``, ``ignore_boot``...)."""
     password = new_password()
     entries = [(name, str(uuid.uuid4()), state) for name, state in systems]
     emulator = RedfishEmulator(entries, username=USERNAME, password=password,
@@ -106,7 +110,9 @@ def redfish_bmc(tmp_path: Path) -> Iterator[RedfishBmc]:
 
 CHASSIS_SCRIPT = """#!/bin/sh
 # ipmi_sim's chassis_control: "<mc> get <param>..." prints param:value lines;
-# "<mc> set <param> <value>" changes it. Power is a file; resets are counted.
+# "<mc> set <param> <value>" changes it. Power and the boot device are files (ipmi_sim
+# asks "get boot" whenever the boot flags are read: the file is the BMC's memory);
+# resets are counted.
 dir=$(dirname "$0")
 echo "$*" >> "$dir/chassis.log"
 shift
@@ -114,12 +120,14 @@ op=$1; shift
 if [ "$op" = get ]; then
   for p in "$@"; do
     [ "$p" = power ] && echo "power:$(cat "$dir/power")"
+    [ "$p" = boot ] && echo "boot:$(cat "$dir/boot")"
   done
   exit 0
 fi
 case "$1" in
   power) echo "$2" > "$dir/power" ;;
   reset) echo $(( $(cat "$dir/resets") + 1 )) > "$dir/resets" ;;
+  boot) echo "$2" > "$dir/boot" ;;
   *) exit 1 ;;
 esac
 """
@@ -166,6 +174,7 @@ class IpmiBmc:
         self.script.chmod(0o755)
         (directory / "power").write_text("1\n" if power_on else "0\n")
         (directory / "resets").write_text("0\n")
+        (directory / "boot").write_text("none\n")
         (directory / "state").mkdir(exist_ok=True)
         self.password_file = secret_file(directory / "bmc-password", self.password)
         self.wrong_password_file = secret_file(directory / "bmc-wrong", ipmi_password())
@@ -233,6 +242,11 @@ class IpmiBmc:
         property: each call reads it anew, and the type checker must not assume that
         two reads around a power action agree."""
         return (self.directory / "power").read_text().strip() == "1"
+
+    def boot_param(self) -> str:
+        """The boot device as the simulated machine has it, in ipmi_sim's words: ``none``,
+        ``default`` (the hard disk), ``pxe``, ``cdrom``, ``bios``. Read anew each call."""
+        return (self.directory / "boot").read_text().strip()
 
     @property
     def resets(self) -> int:

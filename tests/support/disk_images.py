@@ -66,7 +66,7 @@ LOSETUP_TIMEOUT = 30.0
 #: autoclear: it detaches when last closed, which we wait for this long.
 DETACH_TIMEOUT = 10.0
 METADATA = "image.json"
-TOOLS = ("losetup", "sfdisk", "mke2fs", "zstd", "gzip", "dd")
+TOOLS = ("losetup", "sfdisk", "mke2fs", "debugfs", "zstd", "gzip", "dd")
 
 
 class ImageTooSmall(ValueError):
@@ -186,14 +186,19 @@ class OsImage:
         return files[image_format]
 
 
-def os_image(suite: str = "bookworm", size: int = 320 * MIB) -> OsImage:
+def os_image(suite: str = "bookworm", size: int = 320 * MIB, *,
+             without: tuple[str, ...] = ()) -> OsImage:
     """The cached image of a stock ``suite`` machine on a disk of ``size`` bytes (a
-    multiple of 1 MiB), built if missing; ``ImageTooSmall`` where it cannot fit."""
+    multiple of 1 MiB), built if missing; ``ImageTooSmall`` where it cannot fit.
+    ``without``: absolute paths of files left out of its root filesystem (an image
+    whose system never starts sshd: ``("/usr/sbin/sshd",)``)."""
     if size % MIB or size < 4 * MIB:
         raise ValueError(f"an OS image's size is a multiple of 1 MiB, at least 4: {size}")
     recipe = f"{RECIPE} rootfs={minimal_systems.RECIPE} {suite} {size}"
+    if without:
+        recipe += f" without={','.join(without)}"
     key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    final = IMAGES / f"{suite}-{size // MIB}M-{key}"
+    final = IMAGES / f"{suite}-{size // MIB}M{'-lacking' if without else ''}-{key}"
     if (final / METADATA).exists():
         return _load(final)
     IMAGES.mkdir(parents=True, exist_ok=True)
@@ -204,14 +209,15 @@ def os_image(suite: str = "bookworm", size: int = 320 * MIB) -> OsImage:
             shutil.rmtree(stale, ignore_errors=True)
         building = IMAGES / f".{final.name}.building-{os.getpid()}"
         try:
-            _build(building, suite, size, recipe)
+            _build(building, suite, size, recipe, without)
             building.rename(final)
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return _load(final)
 
 
-def _build(directory: Path, suite: str, size: int, recipe: str) -> None:
+def _build(directory: Path, suite: str, size: int, recipe: str,
+           without: tuple[str, ...] = ()) -> None:
     """Every file of the image into ``directory``, the metadata last."""
     root = minimal_systems.rootfs(suite)
     root_size = size - ROOT_START - MIB
@@ -233,6 +239,13 @@ def _build(directory: Path, suite: str, size: int, recipe: str) -> None:
                                 f"{root_size // MIB} MiB root partition of a "
                                 f"{size // MIB} MiB image: ask for a bigger size") from error
         raise
+    for path in without:  # debugfs edits the filesystem image in place, nothing mounted
+        _run(["debugfs", "-w", "-R", f"rm {path}", str(part)])
+        # debugfs exits 0 whatever its command did: the file must now be gone.
+        stat = subprocess.run(["debugfs", "-R", f"stat {path}", str(part)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        if "File not found" not in stat.stderr:
+            raise RuntimeError(f"{path} is still in the image's root filesystem")
     _run(["dd", f"if={part}", f"of={raw}", "bs=1M", f"seek={ROOT_START // MIB}",
           "conv=notrunc,sparse", "status=none"])
     part.unlink()

@@ -45,6 +45,8 @@ APT_SOURCES = (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/so
 FALLBACK_MIRROR = "http://deb.debian.org/debian"
 BUILD_TIMEOUT = 900.0
 SSHD_START_TIMEOUT = 15.0
+#: Where every machine's sshd listens (each on its own port).
+ADDRESS = "127.0.0.1"
 
 
 def require_minimal_systems() -> None:
@@ -152,11 +154,13 @@ class StockMachine:
     key whose OpenSSH public line was given. ``upper`` shows what the machine wrote."""
 
     def __init__(self, root: Path, workdir: Path, authorized_key: str,
-                 changes: Changes = Changes()) -> None:
+                 changes: Changes = Changes(), *, port: int | None = None) -> None:
+        """``port``: where its sshd listens (a free one unless told: a machine that
+        reboots into another system keeps its address, ``bootable_machines``)."""
         self.root, self.workdir = root, workdir
         self.upper = workdir / "upper"
-        self.port = free_port()
-        self.address = "127.0.0.1"
+        self.port = port or free_port()
+        self.address = ADDRESS
         self.log_path = workdir / "machine.log"
         for name in ("upper", "work", "merged"):
             (workdir / name).mkdir(parents=True)
@@ -169,47 +173,73 @@ class StockMachine:
             f'printf "%s\\n" {shlex.quote(authorized_key)} > "$M/root/.ssh/authorized_keys"',
             'chmod 700 "$M/root/.ssh"',
             *changes.script(),
-            f'exec chroot "$M" /usr/sbin/sshd -D -e -p {self.port} '
-            f"-o ListenAddress={self.address} -o PidFile=none",
+            exec_sshd(self.port, self.address),
         ])
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def host_key(self) -> str:
         """The machine's ed25519 host key line (``type base64``), as sshd presents it."""
-        line = (self.root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()
-        return f"{line[0]} {line[1]}"
+        return host_key_of(self.root)
 
     def start(self) -> StockMachine:
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                ["unshare", "--mount", "--pid", "--fork", "--kill-child",
-                 "--propagation", "private", "sh", "-c", self.script],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + SSHD_START_TIMEOUT
-        while "Server listening" not in self.log():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the stock machine's sshd did not start: {self.log()}")
-            time.sleep(0.05)
+        self.process = run_in_namespaces(self.script, self.log_path, "the stock machine")
         return self
 
     def stop(self) -> None:
-        """SIGKILL to unshare kills its child, pid 1 of the machine's PID namespace,
-        and with it every process the machine had, the detached agent included."""
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.process = None
+        process, self.process = self.process, None
+        kill_machine(process)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return read_log(self.log_path)
 
     def written(self, path: str) -> Path:
         """Where a file the machine wrote at ``path`` (absolute) lies on this host."""
         return self.upper / path.lstrip("/")
+
+
+def host_key_of(root: Path) -> str:
+    """A system's ed25519 host key line (``type base64``), as its sshd presents it."""
+    line = (root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()
+    return f"{line[0]} {line[1]}"
+
+
+def exec_sshd(port: int, address: str = ADDRESS) -> str:
+    """The script's last line: the machine's own sshd, chrooted into ``$M``, as pid 1."""
+    return (f'exec chroot "$M" /usr/sbin/sshd -D -e -p {port} '
+            f"-o ListenAddress={address} -o PidFile=none")
+
+
+def run_in_namespaces(script: str, log_path: Path, what: str) -> subprocess.Popen[bytes]:
+    """Run ``script`` (ending in ``exec_sshd``) as pid 1 of new PID and mount
+    namespaces; return once its sshd listens. If it exits first or does not listen in
+    time: RuntimeError naming ``what``, with the log (its last lines say why)."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            ["unshare", "--mount", "--pid", "--fork", "--kill-child",
+             "--propagation", "private", "sh", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + SSHD_START_TIMEOUT
+    while "Server listening" not in read_log(log_path):
+        if process.poll() is not None or time.monotonic() > deadline:
+            kill_machine(process)
+            raise RuntimeError(f"{what}'s sshd did not start: {read_log(log_path)}")
+        time.sleep(0.05)
+    return process
+
+
+def kill_machine(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL to unshare kills its child, pid 1 of the machine's PID namespace,
+    and with it every process the machine had, the detached agent included."""
+    if process is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+def read_log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 @contextlib.contextmanager

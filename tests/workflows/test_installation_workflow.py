@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 import bmdb
 from shepherd.agent.protocol import InstallationRequest
 from shepherd.answer_key import AnswerKey
-from shepherd.server.heartbeat import with_fetch_token
+from shepherd.power import BootDevice
+from shepherd.server.heartbeat import with_secrets
+from shepherd.workflows.booting import BootSettings
 from shepherd.workflows.common import WorkflowResult
 from shepherd.workflows.installation import (
     CAUSE_KINDS,
@@ -248,7 +251,8 @@ def test_verified_installation_finishes_and_settles_the_wish(db, worker, setting
     assert (result.outcome, result.cause) == ("finished", None)
     assert_released(db, machine)
     settled = wish(db, machine)
-    assert (settled.outcome, settled.generation) == ("installed", 1)
+    # Written, not installed: this machine has no BMC, so nothing can boot what was written.
+    assert (settled.outcome, settled.generation) == ("written", 1)
     assert events(db, machine) == ["Wanted", "Started", "Dispatched", "Verified", "Finished"]
     dispatched, verified = history(db, machine)[2][1], history(db, machine)[3][1]
     assert dispatched is not None and verified is not None
@@ -395,7 +399,7 @@ def test_a_second_attempt_is_not_judged_by_the_first_ones_report(db, worker, set
         result = run(worker, machine, settings)
     assert result.outcome == "finished"
     assert [generation for generation, _ in agent.requests] == [2]
-    assert wish(db, machine).outcome == "installed"
+    assert wish(db, machine).outcome == "written"
 
 
 def test_a_wish_changed_mid_way_is_not_taken_as_installed(db, worker, settings):
@@ -414,13 +418,13 @@ def test_server_adds_the_fetch_token_only_to_a_served_image():
     key = AnswerKey.from_private_bytes(bytes(range(32)))
     machine = uuid.uuid4()
 
-    def fetch_token(machine_id: uuid.UUID, generation: int, image: str) -> str:
-        """As the callback server makes it (``asgi``)."""
-        return key.fetch_token(str(machine_id), generation, image)
+    def fetch_token() -> AnswerKey:
+        """As the callback server reads it (``asgi``)."""
+        return key
 
     served = InstallationRequest(3, {"kind": "image", "disk": DISK,
                                      "image": {"name": "debian-12", "served": True}})
-    answered = with_fetch_token(machine, served, fetch_token)
+    answered = with_secrets(machine, served, fetch_token)
     token = answered.request["authorization"]
     assert token == key.fetch_token(str(machine), 3, "debian-12")
     assert key.fetch_allowed(token, str(machine), 3, "debian-12")
@@ -432,8 +436,35 @@ def test_server_adds_the_fetch_token_only_to_a_served_image():
 
     elsewhere = InstallationRequest(3, {"kind": "image",
                                         "image": {"name": "ubuntu", "served": False}})
-    assert with_fetch_token(machine, elsewhere, fetch_token) == elsewhere
-    assert with_fetch_token(machine, served, None) == served
+    assert with_secrets(machine, elsewhere, fetch_token) == elsewhere
+    assert with_secrets(machine, served, None) == served
+
+
+def test_server_adds_the_private_host_key_only_for_the_pinned_public_half():
+    """The identity's private half is derived per (machine, generation), never stored,
+    and added only where the request names its public half: the key the workflow pinned."""
+    key = AnswerKey.from_private_bytes(bytes(range(32)))
+    machine = uuid.uuid4()
+    chosen = key.host_key(str(machine), 5)
+    assert chosen.public.startswith("ssh-ed25519 ")
+    assert raw(chosen.private) == raw(key.host_key(str(machine), 5).private)
+    assert chosen.public not in {key.host_key(str(machine), 6).public,
+                                 key.host_key(str(uuid.uuid4()), 5).public}
+    identity = {"hostname": "m1", "host_key": {"public": chosen.public}}
+    pending = InstallationRequest(5, {"kind": "image", "identity": identity})
+    answered = with_secrets(machine, pending, lambda: key)
+    private = answered.request["identity"]["host_key"]["private_openssh"]
+    assert raw(serialization.load_ssh_private_key(private.encode(), None)) == raw(chosen.private)
+    assert "private_openssh" not in pending.request["identity"]["host_key"]
+    other = InstallationRequest(6, {"kind": "image", "identity": identity})  # not gen 6's key
+    assert "private_openssh" not in with_secrets(machine, other, lambda: key
+                                                 ).request["identity"]["host_key"]
+
+
+def raw(private: Any) -> bytes:
+    return bytes(private.private_bytes(serialization.Encoding.Raw,
+                                       serialization.PrivateFormat.Raw,
+                                       serialization.NoEncryption()))
 
 
 @pytest.mark.parametrize(("cause", "kind"), [
@@ -466,13 +497,22 @@ def test_the_workers_installation_settings_come_from_the_environment(tmp_path) -
         "SHEPHERD_IMAGE_DIR": str(tmp_path), "SHEPHERD_INSTALL_IN_FLIGHT_CAP": "7",
         "SHEPHERD_INSTALL_STALL_TIMEOUT": "45", "SHEPHERD_INSTALL_DEADLINE": "900",
         "SHEPHERD_INSTALL_FETCH_RETRIES": "2", "SHEPHERD_INSTALL_FETCH_STALL": "12.5",
-        "SHEPHERD_INSTALL_BACKOFF": "30,600,3", "SHEPHERD_CALLBACK_URL": CALLBACK})
+        "SHEPHERD_INSTALL_BACKOFF": "30,600,3", "SHEPHERD_CALLBACK_URL": CALLBACK,
+        "SHEPHERD_INSTALL_SSH_DEADLINE": "200", "SHEPHERD_INSTALL_HEARTBEAT_DEADLINE": "60",
+        "SHEPHERD_INSTALL_QUARANTINE_AFTER": "2", "SHEPHERD_INSTALL_RESCUE_DEVICE": "cd",
+        "SHEPHERD_RUNG_TIMEOUT": "100"})
     built = runtime.installation_settings(settings)
+    boot = BootSettings(takeover=runtime.initializer_settings(settings),
+                        ladder=runtime.ladder_settings(settings), ssh_deadline=200.0,
+                        heartbeat_deadline=60.0, rescue_device=BootDevice.CD)
     assert built == InstallationSettings(callback_url=CALLBACK, image_dir=tmp_path,
                                          stall_timeout=45.0, deadline=900.0, fetch_retries=2,
-                                         fetch_stall=12.5)
+                                         fetch_stall=12.5, boot=boot, quarantine_after=2)
+    assert built.boot is not None and built.boot.ladder.rung_timeout == 100.0
     assert runtime.sourcing_settings(settings, OS_INSTALL).in_flight_cap == 7
     assert runtime.sourcing_settings(settings, bmdb.Process.AGENT_START).in_flight_cap == 100
     assert runtime.backoffs(settings)[OS_INSTALL] == bmdb.Backoff(30, 600, 3.0)
     limits = celeryconfig.celery_settings(settings)["task_annotations"]["shepherd.install"]
-    assert limits == {"time_limit": 1200.0, "soft_time_limit": 1140.0}
+    # The write's deadline, the installed system's boot (off and on, the banner, the first
+    # heartbeat) and 300 s of room: 900 + 2 * 100 + 200 + 60 + 300.
+    assert limits == {"time_limit": 1660.0, "soft_time_limit": 1600.0}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from shepherd.power import PowerAction, PowerState
+from shepherd.power import ActionUnsupported, BootDevice, BootOverride, PowerAction, PowerState
 from shepherd.simulator import Simulator
 from shepherd.workflows.ladder import Endpoint, LadderSettings, RungOutcome, Watch, climb
 from tests.support.workers import RACK_DEVICES
@@ -44,6 +44,12 @@ class InstantBmc:
         if not self.does_nothing:
             self.sim.set_power(self.device_id, False)
             self.sim.set_power(self.device_id, True)
+
+    def boot_device(self) -> BootOverride:
+        raise ActionUnsupported(f"{self.description}: no boot device")
+
+    def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
+        raise ActionUnsupported(f"{self.description}: no boot device")
 
 
 @pytest.fixture
