@@ -115,6 +115,7 @@ from bmdb.installations import InFlight, Installation, Reported, Wanted, served_
 from bmdb.installations import advance as advance_installation
 from bmdb.installations import close_request as close_installation_request
 from bmdb.installations import dispatch as dispatch_installation
+from bmdb.installations import end_steps as end_installation_steps
 from bmdb.installations import in_progress as installations_in_progress
 from bmdb.installations import installation as installation_of
 from bmdb.installations import record_progress as record_installation_progress
@@ -291,6 +292,7 @@ __all__ = [
     "delete_provided",
     "dispatch_installation",
     "eligible",
+    "end_installation_steps",
     "ensure_server_key",
     "exclusion_group",
     "fleet_counts",

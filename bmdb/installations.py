@@ -206,6 +206,15 @@ def advance(tx: Tx, machine_id: uuid.UUID, generation: int, step: str) -> bool:
                            .values(step=step, step_at=tx.now)).rowcount)
 
 
+def end_steps(tx: Tx, machine_id: uuid.UUID) -> None:
+    """No installation step is under way on the machine any more (the work that set it
+    is ending, whatever generation it got to: a rescue boot may fail before the first
+    dispatch). Recovery and the guard count the machine again from here."""
+    w = schema.os_wanted
+    tx.execute(sa.update(w).where(w.c.machine_id == machine_id, w.c.step.is_not(None))
+               .values(step=None, step_at=None))
+
+
 def close_request(tx: Tx, machine_id: uuid.UUID, generation: int) -> dict[str, Any] | None:
     """Take installation ``generation``'s request out of the answers (its fetch token dies
     with it); the request, or None when it was not in flight. Done once the image is
@@ -225,8 +234,7 @@ def settle(tx: Tx, machine_id: uuid.UUID, generation: int, *, installed: bool,
     was closed before): a wish changed mid-way stays pending."""
     w = schema.os_wanted
     request = close_request(tx, machine_id, generation)
-    tx.execute(sa.update(w).where(w.c.machine_id == machine_id, w.c.generation == generation)
-               .values(step=None, step_at=None))
+    end_steps(tx, machine_id)
     image, disk = target or _target(request)
     if not installed or image is None or disk is None:
         return

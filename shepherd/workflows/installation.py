@@ -312,8 +312,7 @@ def failed(work: bmdb.Work, generation: int | None, limit: int
     settle = settler(work, generation)
 
     def body(tx: bmdb.Tx) -> None:
-        if settle is not None:
-            settle(tx)
+        settle(tx)
         if bmdb.quarantine_if_due(tx, work.machine_id, limit, QUARANTINE_ACTOR,
                                   bmdb.INSTALLATIONS_FAILED):
             log.error("QUARANTINED %s: %d installations failed in a row", work.machine_id,
@@ -469,9 +468,14 @@ def verify(result: dict[str, Any], image: Image) -> str:
             f"({rate:.0f} MB/s verified)")
 
 
-def settler(work: bmdb.Work, generation: int | None) -> Callable[[bmdb.Tx], None] | None:
-    """The ending transaction's extra change (a failure's or a cancel's): the request
-    leaves the answers, in the transaction that releases the work."""
-    if generation is None:
-        return None
-    return lambda tx: bmdb.settle_installation(tx, work.machine_id, generation, installed=False)
+def settler(work: bmdb.Work, generation: int | None) -> Callable[[bmdb.Tx], None]:
+    """The ending transaction's extra change (a failure's or a cancel's), in the
+    transaction that releases the work: the request leaves the answers, and no step is
+    left set (a rescue boot may have set one before any dispatch)."""
+    def settle(tx: bmdb.Tx) -> None:
+        if generation is None:
+            bmdb.end_installation_steps(tx, work.machine_id)
+        else:
+            bmdb.settle_installation(tx, work.machine_id, generation, installed=False)
+
+    return settle

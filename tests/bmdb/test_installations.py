@@ -412,6 +412,14 @@ def test_a_machine_between_installation_steps_is_not_silent_by_accident(db, sess
     settle(session, installing, generation, installed=False)
     assert installing in backlog_ids(session, Process.RECOVERY)
     assert db.read(lambda tx: bmdb.silent_machines(tx, db.thresholds)) == 2
+    # A rescue boot before any dispatch: its step is ended by the work that set it.
+    session.transact(lambda tx: bmdb.advance_installation(tx, hung, 0, "rescue"))
+    assert hung in backlog_ids(session, Process.RECOVERY)  # no wish: nothing set
+    want(session, hung)
+    session.transact(lambda tx: bmdb.advance_installation(tx, hung, 0, "rescue"))
+    assert hung not in backlog_ids(session, Process.RECOVERY)
+    session.transact(lambda tx: bmdb.end_installation_steps(tx, hung))
+    assert hung in backlog_ids(session, Process.RECOVERY)
 
 
 def test_steps_are_recorded_for_the_current_generation_only(db, session):
