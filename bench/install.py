@@ -76,7 +76,7 @@ from shepherd.agent.protocol import (
     signing_payload,
 )
 from shepherd.answer_key import AnswerKey
-from shepherd.images import Catalog
+from shepherd.images import Catalog, Format, Image
 from shepherd.workflows.installation import InstallationSettings, request_for
 from tests.support.disk_images import loop_disk
 
@@ -152,11 +152,11 @@ class Served:
     file: Path
     sha256: str
     size: int
-    format: str
+    format: Format
 
     def entry(self) -> str:
-        return (f'[[images]]\nname = "{self.name}"\nfile = "{self.file.name}"\n'
-                f'sha256 = "{self.sha256}"\nsize = {self.size}\nformat = "{self.format}"\n')
+        return Image(self.name, self.sha256, self.size, self.format,
+                     file=self.file.name).catalog_entry()
 
 
 def keystream(size: int, chunk: int = 4 * MIB) -> Iterator[bytes]:

@@ -225,18 +225,19 @@ def close_request(tx: Tx, machine_id: uuid.UUID, generation: int) -> dict[str, A
                       .returning(q.c.request)).scalar_one_or_none()
 
 
-def settle(tx: Tx, machine_id: uuid.UUID, generation: int, *, installed: bool,
-           target: tuple[str, str] | None = None,
-           outcome: Literal["installed", "written"] = "installed") -> None:
+def settle(tx: Tx, machine_id: uuid.UUID, generation: int,
+           outcome: Literal["installed", "written"] | None,
+           target: tuple[str, str] | None = None) -> None:
     """End installation ``generation``: its request (if still in flight) leaves the
-    answers, and its step is cleared; ``installed`` also settles what was wanted, if it is
-    still what this installation wrote (``target``: (image, disk), needed when the request
-    was closed before): a wish changed mid-way stays pending."""
+    answers, and its step is cleared; an ``outcome`` (None: it failed or was canceled)
+    also settles what was wanted, if it is still what this installation wrote
+    (``target``: (image, disk), needed when the request was closed before): a wish
+    changed mid-way stays pending."""
     w = schema.os_wanted
     request = close_request(tx, machine_id, generation)
     end_steps(tx, machine_id)
     image, disk = target or _target(request)
-    if not installed or image is None or disk is None:
+    if outcome is None or image is None or disk is None:
         return
     tx.execute(sa.update(w).where(
         w.c.machine_id == machine_id, w.c.generation == generation, w.c.settled_at.is_(None),

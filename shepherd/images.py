@@ -32,6 +32,7 @@ edit counts at the next installation without restarting anything. Every problem 
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from dataclasses import dataclass
@@ -106,6 +107,15 @@ class Image:
     def served(self) -> bool:
         """Whether ``shepherd serve`` serves it (agents then fetch it with a token)."""
         return self.file is not None
+
+    def catalog_entry(self) -> str:
+        """Its ``[[images]]`` table, as ``Catalog.load`` reads it back (strings quoted
+        as JSON does, which TOML's basic strings accept)."""
+        source = (f"file = {json.dumps(self.file)}" if self.served
+                  else f"url = {json.dumps(self.url)}")
+        return (f"[[images]]\nname = {json.dumps(self.name)}\n{source}\n"
+                f"sha256 = {json.dumps(self.sha256)}\nsize = {self.size}\n"
+                f"format = {json.dumps(self.format)}\n")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from shepherd.images import CATALOG_FILE
+from shepherd.images import CATALOG_FILE, Image
 
 NAME = "demo"
 FILE_PREFIX = "shepherd-demo-"
@@ -69,8 +69,8 @@ class DemoImage:
     size: int
 
     def catalog_entry(self) -> str:
-        return (f'[[images]]\nname = "{self.name}"\nfile = "{self.path.name}"\n'
-                f'sha256 = "{self.sha256}"\nsize = {self.size}\nformat = "raw"\n')
+        return Image(self.name, self.sha256, self.size, "raw", file=self.path.name
+                     ).catalog_entry()
 
 
 def find_tool(name: str) -> str | None:

@@ -161,8 +161,8 @@ def mismatch_cause(failure: WorkflowFailure, target: Target) -> str:
     seen, expected = mismatch.seen, mismatch.expected
     whose = ""
     if target.other is not None and same_key(seen, target.other.key):
-        whose = f"; that is the {target.other.source}'s key, so the machine did not boot " \
-                f"{target.name}"
+        whose = (f"; that is the {target.other.source}'s key, so the machine did not boot "
+                 f"{target.name}")
     return (f"SSH answered with host key {key_line_fingerprint(seen)}, not "
             f"{target.name}'s {key_line_fingerprint(expected)}{whose}")
 

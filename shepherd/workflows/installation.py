@@ -147,8 +147,7 @@ def install(work: bmdb.Work, settings: InstallationSettings, provider: Provider 
     generation, target = run.generation, run.target
     assert generation is not None and target is not None
     work.finish(lambda tx: bmdb.settle_installation(tx, work.machine_id, generation,
-                                                    installed=True, target=target,
-                                                    outcome=outcome))
+                                                    outcome, target))
     return WorkflowResult(work.machine_id, work.process.value, "finished")
 
 
@@ -239,11 +238,22 @@ class Run:
             tx, self.work.machine_id, generation))
 
     def step(self, name: str) -> None:
-        generation = self.generation
-        assert generation is not None
-        self.work.session.transact(lambda tx: bmdb.advance_installation(
-            tx, self.work.machine_id, generation, name))
-        self.work.note(bmdb.Event.STEP, f"generation {generation}: {name}")
+        """A step of the installed system's boot, under the generation that wrote it."""
+        self.record_step(name, f"generation {self.generation}: {name}")
+
+    def rescue_step(self, name: str) -> None:
+        """A step of the rescue boot: recorded as "rescue", the boot's own step in
+        history (it may come before any generation was dispatched)."""
+        self.record_step("rescue", f"rescue: {name}")
+
+    def record_step(self, step: str, said: str) -> None:
+        def body(tx: bmdb.Tx) -> None:
+            wanted = bmdb.installation_of(tx, self.work.machine_id).wanted
+            assert wanted is not None
+            bmdb.advance_installation(tx, self.work.machine_id, wanted.generation, step)
+
+        self.work.session.transact(body)
+        self.work.note(bmdb.Event.STEP, said)
 
     def boot_rescue(self, boot: BootSettings) -> None:
         """Boot the rescue system and take it over (its pin is the inventory's)."""
@@ -256,12 +266,6 @@ class Run:
         rescue = HostKeyPin(machine.host_key, "rescue system (the inventory's pin)")
         target = Target("the rescue system", boot.rescue_device, False, rescue)
         boot_into(self.work, machine, power, target, boot, self.rescue_step)
-
-    def rescue_step(self, name: str) -> None:
-        """The rescue boot's steps: recorded as "rescue", with the step in history."""
-        self.work.session.transact(lambda tx: bmdb.advance_installation(
-            tx, self.work.machine_id, current_generation(tx, self.work.machine_id), "rescue"))
-        self.work.note(bmdb.Event.STEP, f"rescue: {name}")
 
     def boot_installed(self, boot: BootSettings, image: Image, disk: str) -> None:
         """Pin the installed system's key, then boot its disk and take it over."""
@@ -276,12 +280,6 @@ class Run:
                                                  f"{generation}"), rescue,
                         marker=marker(self.work.machine_id, generation, image, disk))
         boot_into(self.work, machine, power, target, boot, self.step)
-
-
-def current_generation(tx: bmdb.Tx, machine_id: uuid.UUID) -> int:
-    wanted = bmdb.installation_of(tx, machine_id).wanted
-    assert wanted is not None
-    return wanted.generation
 
 
 def pin_chosen_key(tx: bmdb.Tx, machine_id: uuid.UUID, generation: int) -> str:
@@ -476,6 +474,6 @@ def settler(work: bmdb.Work, generation: int | None) -> Callable[[bmdb.Tx], None
         if generation is None:
             bmdb.end_installation_steps(tx, work.machine_id)
         else:
-            bmdb.settle_installation(tx, work.machine_id, generation, installed=False)
+            bmdb.settle_installation(tx, work.machine_id, generation, None)
 
     return settle

@@ -75,8 +75,8 @@ def dispatch(session: bmdb.Session, machine: uuid.UUID,
 
 def settle(session: bmdb.Session, machine: uuid.UUID, generation: int, *,
            installed: bool) -> None:
-    session.transact(lambda tx: bmdb.settle_installation(tx, machine, generation,
-                                                         installed=installed))
+    session.transact(lambda tx: bmdb.settle_installation(
+        tx, machine, generation, "installed" if installed else None))
 
 
 def state(session: bmdb.Session, machine: uuid.UUID) -> bmdb.Installation:
@@ -440,7 +440,7 @@ def test_steps_are_recorded_for_the_current_generation_only(db, session):
     session.transact(lambda tx: bmdb.close_installation_request(tx, machine, generation))
     assert session.transact(lambda tx: bmdb.installation_of(tx, machine)).in_flight is None
     session.transact(lambda tx: bmdb.settle_installation(
-        tx, machine, generation, installed=True, target=("debian-12", "serial=S1")))
+        tx, machine, generation, "installed", target=("debian-12", "serial=S1")))
     wish = session.transact(lambda tx: bmdb.installation_of(tx, machine)).wanted
     assert wish is not None and (wish.outcome, wish.step, wish.step_at) == ("installed",
                                                                              None, None)

@@ -31,6 +31,7 @@ import pytest
 
 import bmdb
 from shepherd.config import Settings
+from shepherd.images import Format, Image
 from shepherd.inventory.provider import StaticProvider
 from shepherd.providers import ssh_keys
 from shepherd.providers.base import register_provided
@@ -110,11 +111,10 @@ def catalog(image_dir: Path, *entries: str) -> None:
     (image_dir / "catalog.toml").write_text("\n".join(entries))
 
 
-def entry(name: str, image: OsImage, kind: str = "raw", *, sha256: str | None = None,
+def entry(name: str, image: OsImage, kind: Format = "raw", *, sha256: str | None = None,
           url: str | None = None) -> str:
-    source = f'url = "{url}"' if url else f'file = "{image.file(kind).name}"'
-    return (f'[[images]]\nname = "{name}"\n{source}\nsha256 = "{sha256 or image.sha256}"\n'
-            f'size = {image.size}\nformat = "{kind}"\n')
+    return Image(name, sha256 or image.sha256, image.size, kind,
+                 file=None if url else image.file(kind).name, url=url).catalog_entry()
 
 
 @dataclass

@@ -28,6 +28,7 @@ import pytest
 import requests
 
 import bmdb
+from shepherd.images import Image
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.providers import ssh_keys
 from shepherd.simulator.redfish import available as sushy_available
@@ -104,8 +105,8 @@ class Rack:
             linked = self.images / f"{name}.raw"
             if not linked.exists():
                 link_or_copy(image.raw, linked)
-            entries.append(f'[[images]]\nname = "{name}"\nfile = "{linked.name}"\n'
-                           f'sha256 = "{image.sha256}"\nsize = {image.size}\nformat = "raw"\n')
+            entries.append(Image(name, image.sha256, image.size, "raw", file=linked.name)
+                           .catalog_entry())
         (self.images / "catalog.toml").write_text("\n".join(entries))
 
     def plane(self, **env: str) -> ControlPlane:

@@ -305,7 +305,7 @@ def test_an_installation_that_ended_takes_its_token_with_it(images: Images) -> N
     assert fetch(images.url("disk"), auth(machine, token), "HEAD")[0] == 200
 
     images.session.transact(
-        lambda tx: bmdb.settle_installation(tx, machine, generation, installed=True))
+        lambda tx: bmdb.settle_installation(tx, machine, generation, "installed"))
 
     assert fetch(images.url("disk"), auth(machine, token), "HEAD")[0] == 401
 

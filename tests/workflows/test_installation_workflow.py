@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import serialization
 import bmdb
 from shepherd.agent.protocol import InstallationRequest
 from shepherd.answer_key import AnswerKey
+from shepherd.images import Catalog, Image
 from shepherd.power import BootDevice
 from shepherd.server.heartbeat import with_secrets
 from shepherd.workflows.booting import BootSettings
@@ -62,6 +63,16 @@ def write_catalog(directory: Path, *images: dict[str, Any]) -> None:
                  for key, value in image.items()]
         tables.append("[[images]]\n" + "\n".join(lines))
     (directory / "catalog.toml").write_text("\n\n".join(tables) + "\n")
+
+
+def test_a_catalog_entry_reads_back_as_the_same_image(tmp_path: Path) -> None:
+    """``Image.catalog_entry``, which the simulator and the tests write catalogs with,
+    is what ``Catalog.load`` reads: served and elsewhere, quotes in a URL included."""
+    images = [Image("debian-12", "ab" * 32, 4096, "zstd", file="debian-12.raw.zst"),
+              Image("ubuntu", "cd" * 32, 8192, "gzip", url='https://x.test/a"b.raw.gz')]
+    (tmp_path / "catalog.toml").write_text("\n".join(i.catalog_entry() for i in images))
+    catalog = Catalog.load(tmp_path)
+    assert [catalog.get(image.name) for image in images] == images
 
 
 @pytest.fixture
