@@ -2,11 +2,14 @@
 
 Four figures from one run, on one PostgreSQL (fsync on) with ``--machines`` agents:
 
-(a) one ``shepherd serve`` process (its defaults: 16 heartbeat threads), loaded by
-    ``--clients`` concurrent clients, each heartbeat on a new connection as an agent
-    sends it every minute;
+(a) one ``shepherd serve`` process (its defaults: group commit, 4 batches at
+    once), loaded by ``--clients`` concurrent clients, each heartbeat on a new
+    connection as an agent sends it every minute; then the same clients paced at 80 %
+    of the rate it sustained (``PACED``), for the latency of a busy server that
+    keeps up. Each run also counts PostgreSQL's commits per accepted heartbeat (the
+    batches: ``shepherd.server.group_commit``; the bare loop commits each one);
 (b) the bare loop: the same checks and writes with nothing around them, in one
-    process with as many threads as the server has (``--threads``), each on its own
+    process with ``--threads`` threads (16: at fewer it does less), each on its own
     psycopg2 connection: the session check, the credentials' row lock and read (which
     brings the pending installation and the heartbeat_seen marker), the ed25519
     verification of the same pre-signed heartbeats, the upsert, the marker's update
@@ -22,7 +25,7 @@ The load generator (``load``) is cheap so that it is not what is measured: reque
 are signed before the clock starts, and sent as raw bytes from asyncio in a process
 of its own.
 
-    .venv/bin/python -m bench.heartbeat_ingest [--pg-url URL] [--requests 6000]
+    .venv/bin/python -m bench.heartbeat_ingest [--pg-url URL] [--requests 6000] [--json FILE]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import datetime as dt
 import json
 import multiprocessing
 import os
+import random
 import re
 import shlex
 import ssl
@@ -147,6 +151,8 @@ class Outcome:
     latencies: list[float]
     statuses: list[int]
     cpu: dict[str, float]
+    #: PostgreSQL commits in the bench's database meanwhile (None: not measured).
+    commits: int | None = None
 
     @property
     def ok(self) -> int:
@@ -164,17 +170,21 @@ class Outcome:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(share * len(ordered)))] * 1000
 
+    @property
+    def commits_per_heartbeat(self) -> float:
+        return float("nan") if self.commits is None else self.commits / max(self.ok, 1)
+
     def line(self, name: str) -> str:
         per = {k: v / max(self.ok, 1) * 1000 for k, v in self.cpu.items()}
         cpu = "  ".join(f"{per.get(k, float('nan')):>5.2f}" for k in CPU_COLUMNS)
         return (f"{name:<34} {len(self.statuses):>6} {self.errors:>6} {self.rate:>8.0f} "
                 f"{statistics.median(self.latencies) * 1000:>8.1f} "
-                f"{self.percentile(0.99):>8.1f}  {cpu}")
+                f"{self.percentile(0.99):>8.1f} {self.commits_per_heartbeat:>7.3f}  {cpu}")
 
 
 CPU_COLUMNS = ("server", "postgres", "load")
 HEADER = (f"{'':<34} {'sent':>6} {'errors':>6} {'hb/s':>8} {'p50 ms':>8} {'p99 ms':>8}"
-          "  CPU ms per heartbeat: server, PostgreSQL, load generator")
+          f" {'commits':>7}  CPU ms per heartbeat: server, PostgreSQL, load generator")
 
 
 # -- CPU accounting (Linux /proc) ----------------------------------------------------------
@@ -234,8 +244,16 @@ async def _send(addresses: Sequence[tuple[str, int]], raw: bytes, tls: ssl.SSLCo
 
 async def _client(addresses: Sequence[tuple[str, int]], heartbeats: Sequence[bytes],
                   tls: ssl.SSLContext | None, timeout: float,
-                  latencies: list[float], statuses: list[int]) -> None:
+                  latencies: list[float], statuses: list[int],
+                  every: float | None = None) -> None:
+    """Send one heartbeat after the other; with ``every``, one each ``every`` seconds
+    from a random phase (an open schedule: a late answer does not delay the next
+    send's slot, it only makes the send itself late)."""
+    slot = time.perf_counter() + (random.uniform(0, every) if every else 0.0)
     for raw in heartbeats:
+        if every:
+            await asyncio.sleep(max(0.0, slot - time.perf_counter()))
+            slot += every
         started = time.perf_counter()
         try:
             status = await _send(addresses, raw, tls, timeout)
@@ -246,17 +264,19 @@ async def _client(addresses: Sequence[tuple[str, int]], heartbeats: Sequence[byt
 
 
 def _burst(addresses: list[tuple[str, int]], per_client: list[list[bytes]],
-           ca_file: str | None, timeout: float
+           ca_file: str | None, timeout: float, rate: float | None = None
            ) -> tuple[float, list[float], list[int], float]:
     tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
     latencies: list[float] = []
     statuses: list[int] = []
 
+    every = len(per_client) / rate if rate else None
+
     async def run() -> float:
         started = time.perf_counter()
         await asyncio.gather(*(
             _client([addresses[i % len(addresses)]], heartbeats, tls, timeout, latencies,
-                    statuses)
+                    statuses, every)
             for i, heartbeats in enumerate(per_client)))
         return time.perf_counter() - started
 
@@ -266,22 +286,39 @@ def _burst(addresses: list[tuple[str, int]], per_client: list[list[bytes]],
 
 
 def load(servers: Sequence[Server], per_client: list[list[Heartbeat]],
-         ca_file: str | None = None, timeout: float = 30.0) -> Outcome:
+         ca_file: str | None = None, timeout: float = 30.0,
+         rate: float | None = None) -> Outcome:
     """Send every client's heartbeats (client i to ``servers[i % n]``), from a process
-    of its own; each heartbeat on a new connection."""
+    of its own; each heartbeat on a new connection. ``rate``: heartbeats per second
+    in all, paced (``_client``); else each client sends as soon as it is answered."""
     raw = [[h.raw for h in heartbeats] for heartbeats in per_client]
     addresses = [(server.host, server.port) for server in servers]
     postgres_pid = servers[0].postgres if servers else None
+    database = servers[0].database if servers else None
     before = (sum(cpu_seconds(server.pid) for server in servers),
-              cpu_seconds(postgres_pid, children=True) if postgres_pid else 0.0)
+              cpu_seconds(postgres_pid, children=True) if postgres_pid else 0.0,
+              commits(database) if database else 0)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         elapsed, latencies, statuses, load_cpu = pool.apply(
-            _burst, (addresses, raw, ca_file, timeout))
+            _burst, (addresses, raw, ca_file, timeout, rate))
     cpu = {"server": sum(cpu_seconds(server.pid) for server in servers) - before[0],
            "load": load_cpu}
     if postgres_pid:
         cpu["postgres"] = cpu_seconds(postgres_pid, children=True) - before[1]
-    return Outcome(elapsed, latencies, statuses, cpu)
+    committed = commits(database) - before[2] if database else None
+    return Outcome(elapsed, latencies, statuses, cpu, committed)
+
+
+def commits(url: str) -> int:
+    """The database's commits so far (``pg_stat_database``). Backends report their
+    counts at most once a second, so this waits that long first: a reading taken
+    right after a burst would miss its last second."""
+    time.sleep(1.2)
+    with contextlib.closing(psycopg2.connect(psycopg2_dsn(url))) as conn, \
+            conn.cursor() as cur:
+        cur.execute("SELECT xact_commit FROM pg_stat_database "
+                    "WHERE datname = current_database()")
+        return int(fetch_one(cur)[0])
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -296,6 +333,8 @@ class Server:
     port: int
     pid: int
     postgres: int | None
+    #: The BMDB's URL (its commits are counted: ``commits``).
+    database: str | None = None
 
 
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
@@ -358,7 +397,7 @@ def serve(url: str, workdir: Path, name: str, env: dict[str, str] | None = None,
             database = sa.make_url(url)
             postgres_pid = listener_pid(database.port or 5432) if database.host in (
                 "127.0.0.1", "localhost") else None
-            yield Server("127.0.0.1", port, process.pid, postgres_pid)
+            yield Server("127.0.0.1", port, process.pid, postgres_pid, url)
     finally:
         process.terminate()
         try:
@@ -457,7 +496,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6000, help="per measurement")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--threads", type=int, default=16,
-                        help="the server's SHEPHERD_SERVE_THREADS and the bare loop's")
+                        help="the bare loop's threads (the server runs on its defaults, "
+                             "but for --server-env)")
     parser.add_argument("--server-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="more settings for the servers (SHEPHERD_...)")
     parser.add_argument("--server-argv", type=shlex.split, default=[],
@@ -465,18 +505,23 @@ def main() -> None:
     parser.add_argument("--capped", type=float, default=0.35, metavar="CORES",
                         help="also run 1 and 2 server processes each capped at CORES of "
                              "CPU (cgroup quota; 0: skip)")
+    parser.add_argument("--warmup", type=int, default=500,
+                        help="heartbeats sent to each set of servers before measuring")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-bench-{uuid.uuid4().hex[:8]}"
-    env = {"SHEPHERD_SERVE_THREADS": str(args.threads),
-           **dict(item.split("=", 1) for item in args.server_env)}
+    env = dict(item.split("=", 1) for item in args.server_env)
     with postgres(args.pg_url) as url:
         agents = seed(url, args.machines)
         load([], [])  # start the spawn machinery once, outside the clock
         print(HEADER)
         with serve(url, workdir, "one", env, args.server_argv) as server:
-            load([server], sign(agents, 500, args.clients))  # warm up
+            load([server], sign(agents, args.warmup, args.clients))  # warm up
             one = load([server], sign(agents, args.requests, args.clients))
-        print(one.line("1 server process"))
+            print(one.line("1 server process"))
+            paced = load([server], sign(agents, args.requests, args.clients),
+                         rate=PACED * one.rate)
+        print(paced.line(f"1 server process, paced at {PACED:.0%}"))
         elapsed, accepted, cpu = bare(url, sign(agents, args.requests, args.clients),
                                       args.threads)
         per = {k: v / max(accepted, 1) * 1000 for k, v in cpu.items()}
@@ -485,15 +530,44 @@ def main() -> None:
               f"{'':>8} {'':>8}  {per['server']:>5.2f}  {per.get('postgres', float('nan')):>5.2f}")
         with serve(url, workdir, "first", env, args.server_argv) as first, \
                 serve(url, workdir, "second", env, args.server_argv) as second:
-            load([first, second], sign(agents, 500, args.clients))
+            load([first, second], sign(agents, args.warmup, args.clients))
             two = load([first, second], sign(agents, args.requests, args.clients))
         print(two.line("2 server processes"))
         capped = scaling_capped(url, workdir, env, args, agents) if args.capped else None
     print(f"1 server process vs the bare loop: {one.rate / (accepted / elapsed):.2f}x "
-          f"(aim >= 0.5x); 2 processes vs 1: {two.rate / one.rate:.2f}x (aim >= 1.6x)")
+          f"(aim >= 1.0x), {one.commits_per_heartbeat:.3f} commits per heartbeat (aim <= "
+          f"0.2); paced at {PACED:.0%} of its rate, p99 {paced.percentile(0.99):.0f} ms "
+          f"(aim < 100 ms); 2 processes vs 1: {two.rate / one.rate:.2f}x")
     if capped:
         print(f"capped at {args.capped:g} core each, 2 processes vs 1: {capped:.2f}x "
               f"(aim >= 1.6x)")
+    if args.json:
+        bare_figures = {"sent": args.requests, "errors": args.requests - accepted,
+                        "heartbeats_per_s": accepted / elapsed,
+                        **{f"{k}_cpu_ms_per_heartbeat": v for k, v in per.items()}}
+        args.json.write_text(json.dumps({
+            "one_process": summary(one), "one_process_paced": summary(paced),
+            "bare_loop": bare_figures,
+            "two_processes": summary(two),
+            "one_process_to_bare": one.rate / (accepted / elapsed),
+            "two_processes_to_one": two.rate / one.rate, "capped_two_to_one": capped},
+            indent=1))
+
+
+#: The paced run's rate, as a share of the rate the server sustained unpaced: the
+#: latency an operator sees when the server is busy but keeping up.
+PACED = 0.8
+
+
+def summary(outcome: Outcome) -> dict[str, float]:
+    """A burst's line of the table, for ``--json`` (CPU: ms per accepted heartbeat)."""
+    return {"sent": len(outcome.statuses), "errors": outcome.errors,
+            "heartbeats_per_s": outcome.rate,
+            "p50_ms": statistics.median(outcome.latencies) * 1000,
+            "p99_ms": outcome.percentile(0.99),
+            "commits_per_heartbeat": outcome.commits_per_heartbeat,
+            **{f"{k}_cpu_ms_per_heartbeat": v / max(outcome.ok, 1) * 1000
+               for k, v in outcome.cpu.items()}}
 
 
 def scaling_capped(url: str, workdir: Path, env: dict[str, str], args: Any,

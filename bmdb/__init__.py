@@ -104,6 +104,7 @@ from bmdb.inspection import (
     WorkInfo,
     in_backlog,
     list_machines,
+    list_machines_at_a_glance,
     list_sessions,
     machine_backoffs,
     machine_created_at,
@@ -124,7 +125,7 @@ from bmdb.installations import settle as settle_installation
 from bmdb.installations import sync_inventory as sync_inventory_installations
 from bmdb.installations import want as want_installation
 from bmdb.installations import withdraw as withdraw_installation
-from bmdb.listing import ListedView, open_listing
+from bmdb.listing import Applied, ListedView, open_listing
 from bmdb.power_states import PowerObservation
 from bmdb.power_states import of_machine as power_of
 from bmdb.power_states import record_action as record_power_action
@@ -158,6 +159,7 @@ from bmdb.singletons import release as release_singleton
 from bmdb.singletons import try_acquire as try_acquire_singleton
 from bmdb.sweep import SweepResult
 from bmdb.tags import (
+    Beat,
     create_machine,
     delete_agent_started,
     delete_hardware_report,
@@ -169,6 +171,7 @@ from bmdb.tags import (
     forget_every_agent,
     mark_provided_missing,
     record_heartbeat,
+    record_heartbeats,
     refresh_provided,
     set_agent_started,
     set_hardware_report,
@@ -195,6 +198,7 @@ from bmdb.vocabulary import (
     exclusion_group,
 )
 from bmdb.work import Work, any_claimable, clear_backoff, eligible
+from bmdb.work import adopt_in as adopt_work
 
 __all__ = [
     "AGENT_START_BACKOFF",
@@ -216,10 +220,12 @@ __all__ = [
     "RECOVERY_BACKOFF",
     "TAG_NAMES",
     "AgentCredentials",
+    "Applied",
     "BMDBError",
     "Backoff",
     "BackoffInfo",
     "BadURL",
+    "Beat",
     "CommitOutcomeUnknown",
     "CutoffTooRecent",
     "DatabaseURL",
@@ -266,6 +272,7 @@ __all__ = [
     "WorkGone",
     "WorkInfo",
     "active_work",
+    "adopt_work",
     "advance_installation",
     "agent_credentials",
     "agents_started",
@@ -309,6 +316,7 @@ __all__ = [
     "latest_failures",
     "lift_hold",
     "list_machines",
+    "list_machines_at_a_glance",
     "list_sessions",
     "load_driver",
     "lock_agent_credentials",
@@ -335,6 +343,7 @@ __all__ = [
     "quarantine_if_due",
     "read_clock",
     "record_heartbeat",
+    "record_heartbeats",
     "record_history",
     "record_installation_progress",
     "record_intent",

@@ -123,6 +123,11 @@ def create_engine(url: str, pool_size: int = 5) -> Engine:
         # connection already surfaces as a transient error that run_transaction retries.
         pool_size=pool_size,
         max_overflow=10,
+        # An UPDATE run with many parameter sets (a batch of heartbeats:
+        # ``tags.record_heartbeats``) goes as one round trip (psycopg2's execute_batch),
+        # not one per row. Nothing reads the rowcount of such an UPDATE.
+        executemany_mode="values_plus_batch",
+        executemany_batch_page_size=1000,
         connect_args={"connect_timeout": 5, "application_name": "shepherd"},
     )
 

@@ -7,6 +7,7 @@ Fleet-wide counts live in ``fleet``; what operators list and inspect lives in
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 from collections.abc import Iterable
@@ -201,43 +202,57 @@ class AgentCredentials:
         return None if reported == generation else {"generation": generation,
                                                     "request": request}
 
+    def after(self, signed_at: dt.datetime, reported: int | None) -> AgentCredentials:
+        """The credentials once a heartbeat signed at ``signed_at`` (reporting on
+        generation ``reported``, if any) is recorded: what the next request of the
+        machine in the same batch is checked against, as it would read them alone."""
+        return dataclasses.replace(
+            self, last_signed_at=signed_at, heartbeat_seen=True,
+            reported_generation=self.reported_generation if reported is None else reported)
+
 
 def _credentials_statements() -> tuple[AnySelect, AnySelect]:
     s, h = schema.agent_started, schema.agent_heartbeat
     q, r = schema.os_installation_request, schema.os_installation_report
+    machines: sa.BindParameter[list[uuid.UUID]] = sa.bindparam("machines", expanding=True)
     lock = (sa.select(s.c.machine_id)
-            .where(s.c.machine_id == sa.bindparam("machine"))
+            .where(s.c.machine_id.in_(machines))
+            .order_by(s.c.machine_id)
             .with_for_update(key_share=True))  # FOR NO KEY UPDATE on PostgreSQL
-    read = (sa.select(s.c.public_key, s.c.nonce, s.c.heartbeat_seen, h.c.last_signed_at,
-                      q.c.generation.label("requested"), q.c.request,
+    read = (sa.select(s.c.machine_id, s.c.public_key, s.c.nonce, s.c.heartbeat_seen,
+                      h.c.last_signed_at, q.c.generation.label("requested"), q.c.request,
                       r.c.generation.label("reported"))
             .select_from(s.outerjoin(h, h.c.machine_id == s.c.machine_id)
                          .outerjoin(q, q.c.machine_id == s.c.machine_id)
                          .outerjoin(r, r.c.machine_id == s.c.machine_id))
-            .where(s.c.machine_id == sa.bindparam("machine")))
+            .where(s.c.machine_id.in_(machines)))
     return lock, read
 
 
-#: Built once: every heartbeat runs both (see ``backlog.Backlog`` for why).
-_LOCK_AGENT, _CREDENTIALS = _credentials_statements()
+#: Built once: every heartbeat batch runs both (see ``backlog.Backlog`` for why).
+_LOCK_AGENTS, _CREDENTIALS = _credentials_statements()
+
+
+def _read_credentials(tx: Tx, machine_ids: list[uuid.UUID]) -> dict[uuid.UUID, AgentCredentials]:
+    return {row.machine_id: AgentCredentials(
+        bytes(row.public_key), row.nonce, row.last_signed_at, bool(row.heartbeat_seen),
+        None if row.requested is None else (row.requested, row.request), row.reported)
+        for row in tx.execute(_CREDENTIALS, {"machines": machine_ids})}
 
 
 def agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
     """The key and nonce a heartbeat must be signed with, and the newest timestamp
     already accepted."""
-    row = tx.execute(_CREDENTIALS, {"machine": machine_id}).one_or_none()
-    if row is None:
-        return None
-    return AgentCredentials(
-        bytes(row.public_key), row.nonce, row.last_signed_at, bool(row.heartbeat_seen),
-        None if row.requested is None else (row.requested, row.request), row.reported)
+    return _read_credentials(tx, [machine_id]).get(machine_id)
 
 
-def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | None:
-    """The machine's key, nonce and last accepted timestamp, with its heartbeats
-    serialised; one read, which also brings what the heartbeat's answer and writes
-    need (the ``heartbeat_seen`` marker, the pending installation), so a heartbeat
-    costs no statement more than these two and its upsert.
+def lock_agent_credentials(tx: Tx, machine_ids: Iterable[uuid.UUID]
+                           ) -> dict[uuid.UUID, AgentCredentials]:
+    """Each machine's key, nonce and last accepted timestamp, with its heartbeats
+    serialised (machines without an AgentStarted tag are simply absent); one read,
+    which also brings what the heartbeats' answers and writes need (the
+    ``heartbeat_seen`` marker, the pending installation), so a batch of heartbeats
+    costs no statement more than these two and its writes.
 
     No replay, ever (enforced here and in ``shepherd.server.heartbeat.accept``): a
     signature verifies only against the machine's current AgentStarted (key,
@@ -247,14 +262,17 @@ def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | 
     ``last_signed_at`` does not reopen old requests. Within one takeover,
     ``last_signed_at`` only grows: a request must be signed strictly after it.
 
-    On PostgreSQL the machine's ``agent_started`` row is locked first (FOR NO KEY
-    UPDATE) until ``tx`` ends. Two requests for one machine, say a replay racing the
-    original, therefore run one after the other: the second reads the first's
-    committed ``last_signed_at`` and is refused. SQLite transactions begin
+    On PostgreSQL the machines' ``agent_started`` rows are locked first (FOR NO KEY
+    UPDATE) until ``tx`` ends, in the order of their ids, so that two batches
+    sharing machines wait for each other instead of deadlocking. Two requests for
+    one machine in different transactions, say a replay racing the original,
+    therefore run one after the other: the second reads the first's committed
+    ``last_signed_at`` and is refused (within one batch, ``accept`` carries the
+    newest timestamp from one request to the next). SQLite transactions begin
     IMMEDIATE, so writers are serialised there already.
 
-    Invariant: every request runs the same two statements, in the same order,
-    whether or not the machine exists or has an AgentStarted tag: a locking
+    Invariant: every batch runs the same two statements, in the same order,
+    whether or not its machines exist or have an AgentStarted tag: a locking
     primary-key probe of ``agent_started``, then the credentials join, each of
     which simply finds no row for a stranger. No statement is skipped on the
     unknown path, so the BMDB work (and so the time) does not tell a caller
@@ -269,8 +287,9 @@ def lock_agent_credentials(tx: Tx, machine_id: uuid.UUID) -> AgentCredentials | 
     too (``test_concurrent_replays_are_accepted_once`` fails so). The second
     statement takes a fresh snapshot after the lock is granted.
     """
-    tx.execute(_LOCK_AGENT, {"machine": machine_id}).scalar_one_or_none()
-    return agent_credentials(tx, machine_id)
+    machines = sorted(set(machine_ids))
+    tx.execute(_LOCK_AGENTS, {"machines": machines}).all()
+    return _read_credentials(tx, machines)
 
 
 # -- work ---------------------------------------------------------------------------
@@ -297,11 +316,6 @@ def work_holder(tx: Tx, work_id: uuid.UUID) -> uuid.UUID | None:
 # -- at a glance: flat in the fleet's size, like the pages themselves (``glances`` reads
 # only the machines it is given: primary-key probes, one statement) ---------------------
 
-#: The longest hostname read from a stored report (the rest is not fetched at all).
-MAX_HOSTNAME = 255
-#: JSON escapes PostgreSQL's json operators refuse to decode (surrogates, NUL).
-UNSAFE_ESCAPES = r"\\u(d[89a-f]|0000)"
-
 
 @dataclass(frozen=True)
 class Glance:
@@ -313,51 +327,39 @@ class Glance:
     agent_started_at: dt.datetime | None = None
     #: The last accepted heartbeat (AgentHeartbeat), or None.
     last_heartbeat_at: dt.datetime | None = None
-    #: The ``hostname`` string of the stored hardware report, at most ``MAX_HOSTNAME``
-    #: characters, as stored (callers escape it); None when the report has none.
+    #: The stored hardware report's ``hostname`` column (``tags.report_hostname``), as
+    #: stored (callers escape it); None when the report has none.
     hostname: str | None = None
     power: PowerObservation | None = None
 
 
 def glances(tx: Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]:
-    """Heartbeat, hostname and power of each of ``machine_ids`` the BMDB has."""
+    """Heartbeat, hostname and power of each of ``machine_ids`` the BMDB has (a page of
+    the list reads them with the page instead: ``inspection.list_machines_at_a_glance``)."""
     ids = list(machine_ids)
     if not ids:
         return {}
-    m, a, h = schema.machines, schema.agent_started, schema.agent_heartbeat
+    m = schema.machines
+    joined, columns = glance_joins(m, m.c.id)
+    query = sa.select(m.c.id, *columns).select_from(joined).where(m.c.id.in_(ids))
+    return {row["id"]: glance_of(row) for row in tx.execute(query).mappings()}
+
+
+def glance_joins(source: sa.FromClause, machine_id: sa.ColumnElement[uuid.UUID]
+                 ) -> tuple[sa.FromClause, list[sa.ColumnElement[Any]]]:
+    """``source`` with the glance's tables joined on ``machine_id`` (primary-key probes,
+    one per table and row), and the columns ``glance_of`` reads."""
+    a, h = schema.agent_started, schema.agent_heartbeat
     r, p = schema.hardware_report, schema.power_states
-    query = (sa.select(m.c.id, a.c.started_at, h.c.last_heartbeat_at,
-                       _hostname(tx, r.c.report).label("hostname"),
-                       p.c.state, p.c.observed_at, p.c.action, p.c.acted_at, p.c.via)
-             .select_from(m.outerjoin(a, a.c.machine_id == m.c.id)
-                          .outerjoin(h, h.c.machine_id == m.c.id)
-                          .outerjoin(r, r.c.machine_id == m.c.id)
-                          .outerjoin(p, p.c.machine_id == m.c.id))
-             .where(m.c.id.in_(ids)))
-    return {row.id: Glance(row.started_at, row.last_heartbeat_at, row.hostname,
-                           None if row.via is None else power_states.observation(row))
-            for row in tx.execute(query)}
+    joined = (source.outerjoin(a, a.c.machine_id == machine_id)
+              .outerjoin(h, h.c.machine_id == machine_id)
+              .outerjoin(r, r.c.machine_id == machine_id)
+              .outerjoin(p, p.c.machine_id == machine_id))
+    return joined, [a.c.started_at, h.c.last_heartbeat_at, r.c.hostname, p.c.state,
+                    p.c.observed_at, p.c.action, p.c.acted_at, p.c.via]
 
 
-def _hostname(tx: Tx, report: sa.ColumnElement[Any]) -> sa.ColumnElement[str | None]:
-    """The report's top-level ``hostname`` when it is a string, else NULL; never an
-    error, whatever the row holds (on SQLite a report may be text that is not JSON, or
-    a JSON array: ``shepherd.operations.stored`` says why), and cut in SQL, so a page
-    never fetches a whole report."""
-    if tx.dialect == "postgresql":
-        # The json operators give NULL for what is not an object, but raise on escapes
-        # the json type stored without complaint (a lone surrogate, \u0000): such a
-        # report is not looked into (CASE evaluates its branches lazily). Its machine
-        # page still shows the report, decoded by ``shepherd.operations.stored``.
-        risky = report.cast(sa.Text).op("~*")(sa.literal(UNSAFE_ESCAPES))
-        is_text = sa.func.json_typeof(report.op("->")(sa.literal("hostname"))) == "string"
-        text = report.op("->>")(sa.literal("hostname"))
-        return sa.case((risky, sa.null()),
-                       else_=sa.case((is_text, sa.func.substr(text, 1, MAX_HOSTNAME)),
-                                     else_=sa.null()))
-    # SQLite: json_type raises on text that is not JSON, so it is asked only inside a
-    # CASE on json_valid (a CASE evaluates its branches lazily; an AND need not).
-    is_string = sa.func.json_type(report, "$.hostname") == "text"
-    cut = sa.func.substr(sa.func.json_extract(report, "$.hostname"), 1, MAX_HOSTNAME)
-    return sa.case((sa.func.json_valid(report) == 1,
-                    sa.case((is_string, cut), else_=sa.null())), else_=sa.null())
+def glance_of(row: sa.RowMapping) -> Glance:
+    """The glance of a row carrying ``glance_joins``' columns."""
+    return Glance(row["started_at"], row["last_heartbeat_at"], row["hostname"],
+                  None if row["via"] is None else power_states.observation(row))

@@ -12,8 +12,8 @@ import datetime as dt
 import functools
 import secrets
 import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -215,20 +215,40 @@ def forget_every_agent(tx: Tx) -> list[uuid.UUID]:
     return started
 
 
+class Beat(NamedTuple):
+    """One machine's heartbeat to record: the newest accepted signed timestamp, and
+    whether ``heartbeat_seen`` was read already set under the AgentStarted row's lock."""
+
+    machine_id: uuid.UUID
+    signed_at: dt.datetime
+    marked: bool = False
+
+
 def record_heartbeat(tx: Tx, machine_id: uuid.UUID, signed_at: dt.datetime, *,
                      marked: bool = False) -> None:
-    """``marked``: the caller read ``heartbeat_seen`` already set while holding the
+    record_heartbeats(tx, [Beat(machine_id, signed_at, marked)])
+
+
+def record_heartbeats(tx: Tx, beats: Sequence[Beat]) -> None:
+    """Record each machine's heartbeat (one ``Beat`` per machine) at ``tx.now``.
+
+    ``marked``: the caller read ``heartbeat_seen`` already set while holding the
     AgentStarted row's lock (``queries.lock_agent_credentials``), so nobody can
     have cleared it since: the marker's UPDATE is skipped, and since the marker says
     the AgentHeartbeat row exists, a plain UPDATE of it is enough. That keeps the
     hot path clear of the INSERT triggers an upsert fires even when it only updates
-    (``counters``)."""
-    values = {"last_heartbeat_at": tx.now, "last_signed_at": signed_at}
+    (``counters``); the marked beats of a batch go in one executemany, which the
+    PostgreSQL engine sends as one round trip (``_database.create_engine``).
+    """
+    marked = [{"beating": b.machine_id, "last_heartbeat_at": tx.now,
+               "last_signed_at": b.signed_at} for b in beats if b.marked]
     if marked:
-        tx.execute(_HEARTBEAT_UPDATE, {"beating": machine_id, **values})
-        return
-    upsert(tx, schema.agent_heartbeat, {"machine_id": machine_id}, values)
-    _mark(tx, schema.agent_started, machine_id, heartbeat_seen=True)
+        tx.execute(_HEARTBEAT_UPDATE, marked)
+    for beat in beats:
+        if not beat.marked:
+            upsert(tx, schema.agent_heartbeat, {"machine_id": beat.machine_id},
+                   {"last_heartbeat_at": tx.now, "last_signed_at": beat.signed_at})
+            _mark(tx, schema.agent_started, beat.machine_id, heartbeat_seen=True)
 
 
 _HEARTBEAT_UPDATE = (sa.update(schema.agent_heartbeat)
@@ -240,11 +260,33 @@ def delete_heartbeat(tx: Tx, machine_id: uuid.UUID) -> None:
     _mark(tx, schema.agent_started, machine_id, heartbeat_seen=False)
 
 
+#: The longest hostname kept from a report (``hardware_report.hostname``).
+MAX_HOSTNAME = 255
+
+
 def set_hardware_report(tx: Tx, machine_id: uuid.UUID, report: Mapping[str, Any]) -> None:
+    """Store ``report``, and beside it its hostname (``report_hostname``): what list
+    pages show per row, read from a column so that no page parses a report."""
     upsert(
         tx, schema.hardware_report, {"machine_id": machine_id},
-        {"reported_at": tx.now, "report": dict(report)},
+        {"reported_at": tx.now, "report": dict(report),
+         "hostname": report_hostname(report)},
     )
+
+
+def report_hostname(report: Mapping[str, Any]) -> str | None:
+    """The report's top-level ``hostname`` when it is a string, cut to ``MAX_HOSTNAME``
+    characters; None otherwise, and None for text a database column cannot hold (NUL,
+    lone surrogates: PostgreSQL refuses both), which a report's JSON may still carry.
+    Kept as stored otherwise: readers make it printable."""
+    hostname = report.get("hostname")
+    if not isinstance(hostname, str) or "\x00" in hostname:
+        return None
+    try:
+        hostname.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return hostname[:MAX_HOSTNAME]
 
 
 def delete_hardware_report(tx: Tx, machine_id: uuid.UUID) -> None:

@@ -212,7 +212,11 @@ class Settings:
     serve_clock_window: float = setting(60.0, "seconds a heartbeat's timestamp may differ from "
                                         "the server's clock")
     serve_operator_views: bool = setting(True, "serve the web view (/machines, /sessions)")
-    serve_threads: int = setting(16, "threads recording heartbeats in the BMDB", minimum=1)
+    serve_threads: int = setting(4, "heartbeat batches written at once (each a thread "
+                                 "and a BMDB connection)", minimum=1)
+    serve_batch_window: float = setting(0.002, "seconds a heartbeat waits for others to "
+                                        "share its BMDB transaction (group commit)",
+                                        minimum=0.0)
     # Limits against clients on an open network (``shepherd.server.limits``).
     serve_max_headers: int = setting(100, "header lines of a request, at most (431 "
                                      "beyond)", minimum=1)

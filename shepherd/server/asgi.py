@@ -18,7 +18,7 @@ Operators' listener (``--operator-listen``):
 
 Threads: the event loop only parses, reads bodies and writes answers. BMDB work runs
 in thread pools, one per kind of work, so that one kind cannot starve another:
-heartbeats (``serve_threads`` threads), health checks (2), metrics (1, with a BMDB
+heartbeat batches (``serve_threads`` threads), health checks (2), metrics (1, with a BMDB
 connection of its own), the web view's pages (4), the images' authorizations (2) and
 file reads (8). A slow scrape therefore never delays ``/healthz``, heartbeats
 queueing behind a slow BMDB never make the health check wait behind them (it then
@@ -27,12 +27,10 @@ answers what the BMDB says), and downloads never hold a heartbeat's thread.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,9 +51,11 @@ from shepherd.agent.protocol import (
 from shepherd.runtime import Runtime
 from shepherd.server import auth
 from shepherd.server.answers import AnswerSigner
-from shepherd.server.heartbeat import BadRequest, accept
+from shepherd.server.group_commit import GroupCommit
+from shepherd.server.heartbeat import BadRequest, Outcome, SignedRequest, accept
 from shepherd.server.limits import LogThrottle, clip, log_internal_error
 from shepherd.server.options import ServeOptions
+from shepherd.server.pool import Pool
 from shepherd.workflows.guard import GuardLimits
 
 log = logging.getLogger("shepherd.server")
@@ -143,22 +143,21 @@ def json_response(status: int, payload: Any, headers: Mapping[str, str] | None =
                     media_type="application/json")
 
 
-class Pool:
-    """A named thread pool the event loop hands blocking work to."""
+@dataclass(frozen=True)
+class Arrived:
+    """A heartbeat request waiting for its batch, with what its answer echoes."""
 
-    def __init__(self, threads: int, name: str) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-
-    async def run(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+    request: SignedRequest
+    peer: str
+    machine: str | None
+    stamp: str | None
 
 
 class AgentAPI:
-    """``POST /agent/v1/heartbeat``: limits, then authentication and recording in the
-    heartbeat pool, then a signed answer (``answers.AnswerSigner``; every status).
+    """``POST /agent/v1/heartbeat``: limits and the clock on the event loop, then
+    authentication and recording in a batch (``group_commit``, ``heartbeat.accept``)
+    in the heartbeat pool, then a signed answer (``answers.AnswerSigner``; every
+    status), each only once its batch committed.
 
     A bare ASGI endpoint, not a Starlette route: it is the one hot path (every
     machine, every minute), and Starlette's request, response and middleware objects
@@ -173,6 +172,8 @@ class AgentAPI:
         self.pool = pool
         self.refusals = refusals
         self.signer = AnswerSigner(runtime.transact)
+        self.batches: GroupCommit[Arrived, Answer] = GroupCommit(
+            self.write, pool, window=options.batch_window, writers=options.threads)
         self._key_ready = False  # once true, signing needs no BMDB: done on the loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -202,32 +203,49 @@ class AgentAPI:
                                      stamp, {"connection": "close"})
         client = scope.get("client")
         peer = clip(client[0] if client else "?")
-        path = scope["path"]
-        return await self.pool.run(
-            lambda: self.handle(headers, method, path, body, peer, machine, stamp))
-
-    def handle(self, headers: Mapping[str, str], method: str, path: str, body: bytes,
-               peer: str, machine: str | None, stamp: str | None) -> Answer:
-        """Authenticate and record (blocking: in the heartbeat pool); the signed answer."""
         try:
             signed = auth.parse_headers(headers)
             auth.check_clock(signed, dt.datetime.now(dt.UTC), self.options.clock_window)
-            answer = self.runtime.transact(
-                lambda tx: accept(tx, signed, method, path, body, self.signer.key))
-            status, payload = 200, answer
         except auth.Unauthorized as error:
-            self.refusals(logging.INFO, "heartbeat refused from %s: %s", peer, clip(error, 160))
-            status, payload = 401, UNAUTHORIZED
-        except BadRequest as error:
-            status, payload = 400, {"error": f"bad request: {clip(error, 200)}"}
+            self.refused(peer, error)
+            return await self.signed(401, UNAUTHORIZED, machine, stamp)
+        request = SignedRequest(signed, method, scope["path"], body)
+        return await self.batches.submit(Arrived(request, peer, machine, stamp))
+
+    def write(self, batch: Sequence[Arrived]) -> list[Answer]:
+        """One batch in one transaction (blocking: in the heartbeat pool); each
+        request's signed answer. A batch that fails other than by the BMDB being
+        unavailable is written again one request at a time, so that a request that
+        cannot be written fails alone, with the answer it would have had alone."""
+        try:
+            outcomes = self.runtime.transact(
+                lambda tx: accept(tx, [a.request for a in batch], self.signer.key))
         except UNAVAILABLE as error:
-            self.refusals(logging.WARNING, "heartbeat from %s: BMDB unavailable: %s", peer,
-                          type(error).__name__)
-            status, payload = 503, {"error": "BMDB unavailable"}
+            self.refusals(logging.WARNING, "%d heartbeats from %s...: BMDB unavailable: %s",
+                          len(batch), batch[0].peer, type(error).__name__)
+            return [self.sign(503, {"error": "BMDB unavailable"}, a.machine, a.stamp)
+                    for a in batch]
         except Exception as error:
+            if len(batch) > 1:
+                return [answer for arrived in batch for answer in self.write([arrived])]
             log_internal_error(log, "heartbeat", error)
-            status, payload = 500, {"error": "internal error"}
-        return self.sign(status, payload, machine, stamp)
+            return [self.sign(500, {"error": "internal error"}, batch[0].machine,
+                              batch[0].stamp)]
+        return [self.answer(arrived, outcome)
+                for arrived, outcome in zip(batch, outcomes, strict=True)]
+
+    def answer(self, arrived: Arrived, outcome: Outcome) -> Answer:
+        if isinstance(outcome, auth.Unauthorized):
+            self.refused(arrived.peer, outcome)
+            status, payload = 401, UNAUTHORIZED
+        elif isinstance(outcome, BadRequest):
+            status, payload = 400, {"error": f"bad request: {clip(outcome, 200)}"}
+        else:
+            status, payload = 200, outcome
+        return self.sign(status, payload, arrived.machine, arrived.stamp)
+
+    def refused(self, peer: str, error: auth.Unauthorized) -> None:
+        self.refusals(logging.INFO, "heartbeat refused from %s: %s", peer, clip(error, 160))
 
     async def signed(self, status: int, payload: Any, machine: str | None,
                      stamp: str | None, headers: Mapping[str, str] | None = None) -> Answer:

@@ -1,19 +1,25 @@
-"""Accepting one heartbeat: authenticate, then record it, all in one BMDB transaction.
+"""Accepting heartbeats: authenticate each, then record a batch of them in one transaction.
 
-Reading the agent's credentials and writing the new ``last_signed_at`` happen in
-the same transaction, and on PostgreSQL that transaction first locks the
-machine's ``agent_started`` row (``bmdb.lock_agent_credentials``, whose
-docstring holds the invariants). Two requests for one machine, say a replay racing
-the original, therefore run one after the other: the second reads the first's
-committed ``last_signed_at`` (READ COMMITTED takes a new snapshot per statement,
-after the lock was granted) and is refused. SQLite transactions begin IMMEDIATE, so
-writers are serialised there already.
+A batch (``group_commit``: the requests that arrived within a short window) is one
+BMDB transaction. It first locks the ``agent_started`` rows of all its machines
+(``bmdb.lock_agent_credentials``, whose docstring holds the invariants) and reads
+their credentials; then each request, in the order it arrived, is verified and
+checked against them (nothing is written yet, so a refused request changes
+nothing); then the accepted ones are written together, and the transaction commits
+before any of them is answered. Two requests for one machine, say a replay racing
+the original, therefore run one after the other: in two batches, the row lock makes
+the second read the first's committed ``last_signed_at`` (READ COMMITTED takes a new
+snapshot per statement, after the lock was granted); within one batch, ``accept``
+checks the second against the timestamp the first left (``AgentCredentials.after``),
+as it would read it alone. SQLite transactions begin IMMEDIATE, so writers are
+serialised there already.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import bmdb
@@ -39,12 +45,28 @@ def parse_body(body: bytes) -> Heartbeat:
 KeyReader = Callable[[], AnswerKey]
 
 
-def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
-           body: bytes, key: KeyReader | None = None) -> dict[str, Any]:
-    """Authenticate and record one heartbeat; returns the answer for the agent.
+@dataclass(frozen=True)
+class SignedRequest:
+    """One heartbeat request whose headers parsed and whose clock is in the window:
+    what a batch checks and records."""
 
-    Raises ``Unauthorized`` or ``BadRequest`` before writing anything, so a refused
-    request leaves the BMDB as it was (the transaction rolls back in any case).
+    signed: SignedHeaders
+    method: str
+    path: str
+    body: bytes
+
+
+#: What a request of a batch gets: the answer for the agent, or why it is refused.
+Outcome = dict[str, Any] | Unauthorized | BadRequest
+
+
+def accept(tx: bmdb.Tx, requests: Sequence[SignedRequest], key: KeyReader | None = None
+           ) -> list[Outcome]:
+    """Authenticate and record a batch of heartbeats; one outcome per request.
+
+    Every request is checked before anything is written (``check``), so a refused one
+    leaves the BMDB as it was; an error while writing rolls the whole batch back
+    (the caller then answers each request as it would be answered alone).
 
     No replay, ever (with ``bmdb.lock_agent_credentials``, whose one read
     gives the key, the nonce and ``last_signed_at``): the signature must verify
@@ -52,23 +74,50 @@ def accept(tx: bmdb.Tx, signed: SignedHeaders, method: str, path: str,
     a fresh nonce the shepherd chose, so nothing signed before a takeover verifies
     after it, whatever the agent did with its key; within one takeover the signed
     timestamp must be strictly newer than the last accepted one (``check_fresh``),
-    and the row lock makes that hold for racing copies too.
+    and the row lock makes that hold for racing copies in other batches, the
+    credentials carried from request to request for copies in this one.
     """
-    credentials = bmdb.lock_agent_credentials(tx, signed.machine_id)
+    credentials = bmdb.lock_agent_credentials(tx, (r.signed.machine_id for r in requests))
+    outcomes: list[Outcome] = []
+    beats: dict[uuid.UUID, bmdb.Beat] = {}
+    accepted: list[Heartbeat] = []
+    for request in requests:
+        machine = request.signed.machine_id
+        try:
+            heartbeat = check(request, credentials.get(machine))
+        except (Unauthorized, BadRequest) as refusal:
+            outcomes.append(refusal)
+            continue
+        current = credentials[machine]
+        reporting = heartbeat.installation_report[0] if heartbeat.installation_report else None
+        pending = current.pending_installation(reporting)
+        first = beats.get(machine)  # the marker as read under the lock, not as carried
+        beats[machine] = bmdb.Beat(machine, request.signed.signed_at,
+                                   first.marked if first else current.heartbeat_seen)
+        credentials[machine] = current.after(request.signed.signed_at, reporting)
+        accepted.append(heartbeat)
+        outcomes.append(heartbeat_answer(None if pending is None else with_secrets(
+            machine, InstallationRequest.from_json(pending), key)))
+    bmdb.record_heartbeats(tx, list(beats.values()))
+    for heartbeat in accepted:
+        record_reports(tx, heartbeat)
+    return outcomes
+
+
+def check(request: SignedRequest, credentials: bmdb.AgentCredentials | None) -> Heartbeat:
+    """The request's heartbeat, if it is signed by the machine's current agent, newer
+    than the last one accepted, and well formed; else ``Unauthorized`` or ``BadRequest``
+    (in that order: an unauthenticated body is never parsed)."""
+    signed = request.signed
     verify(credentials.public_key if credentials else None,
-           credentials.nonce if credentials else None, signed, method, path, body)
+           credentials.nonce if credentials else None, signed, request.method,
+           request.path, request.body)
     assert credentials is not None
     check_fresh(signed, credentials.last_signed_at)
-    heartbeat = parse_body(body)
+    heartbeat = parse_body(request.body)
     if heartbeat.machine_id != signed.machine_id:
         raise Unauthorized("machine_id in the body differs from the signed header")
-    record(tx, heartbeat, signed, credentials)
-    reporting = heartbeat.installation_report[0] if heartbeat.installation_report else None
-    pending = credentials.pending_installation(reporting)
-    if pending is None:
-        return heartbeat_answer(None)
-    return heartbeat_answer(with_secrets(signed.machine_id,
-                                         InstallationRequest.from_json(pending), key))
+    return heartbeat
 
 
 def with_secrets(machine_id: uuid.UUID, pending: InstallationRequest,
@@ -94,10 +143,8 @@ def with_secrets(machine_id: uuid.UUID, pending: InstallationRequest,
     return pending._replace(request=request)
 
 
-def record(tx: bmdb.Tx, heartbeat: Heartbeat, signed: SignedHeaders,
-           credentials: bmdb.AgentCredentials) -> None:
-    bmdb.record_heartbeat(tx, heartbeat.machine_id, signed.signed_at,
-                               marked=credentials.heartbeat_seen)
+def record_reports(tx: bmdb.Tx, heartbeat: Heartbeat) -> None:
+    """What a heartbeat carries besides itself (the heartbeat is ``record_heartbeats``')."""
     if heartbeat.hardware_report is not None:
         bmdb.set_hardware_report(tx, heartbeat.machine_id, heartbeat.hardware_report)
     if heartbeat.installation_progress is not None:

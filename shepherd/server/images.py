@@ -61,8 +61,9 @@ from shepherd.agent.protocol import HEADER_MACHINE, IMAGES_PATH
 from shepherd.answer_key import AnswerKey
 from shepherd.images import NAME_PATTERN, Catalog, CatalogError, UnknownImage
 from shepherd.runtime import Runtime
-from shepherd.server.asgi import UNAUTHORIZED, UNAVAILABLE, Answer, Pool, RequestHeaders
+from shepherd.server.asgi import UNAUTHORIZED, UNAVAILABLE, Answer, RequestHeaders
 from shepherd.server.limits import LogThrottle, clip
+from shepherd.server.pool import Pool
 
 log = logging.getLogger("shepherd.server.images")
 

@@ -38,8 +38,10 @@ class ServeOptions:
     #: The operators' own listener (web view, /metrics, /healthz), if any.
     operator_listen: tuple[str, int] | None
     tls: TlsFiles | None
-    #: Threads recording heartbeats in the BMDB.
+    #: Heartbeat batches written at once (threads, each with a BMDB connection).
     threads: int
+    #: Seconds the first heartbeat of a batch waits for others (``group_commit``).
+    batch_window: float
     #: Largest heartbeat body in bytes.
     max_body: int
     #: Seconds a heartbeat's timestamp may differ from the server's clock.
@@ -67,7 +69,8 @@ class ServeOptions:
         return cls(
             listen=parse_listen(settings.serve_listen),
             operator_listen=parse_listen(operator) if operator else None,
-            tls=tls, threads=settings.serve_threads, max_body=settings.serve_max_body,
+            tls=tls, threads=settings.serve_threads,
+            batch_window=settings.serve_batch_window, max_body=settings.serve_max_body,
             clock_window=settings.serve_clock_window,
             operator_views=settings.serve_operator_views,
             metrics_cache=settings.metrics_cache, limits=ServerLimits.from_settings(settings),

@@ -42,6 +42,7 @@ from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_con
 from shepherd.server.images import ImageRoute, bmdb_authorizer
 from shepherd.server.limits import LogThrottle
 from shepherd.server.options import COMPONENT, ServeOptions
+from shepherd.server.pool import Pool
 from shepherd.server.web import WebView
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,8 @@ def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], N
                          views=options.operator_views, _closers=closers)
 
 
-def _pool(threads: int, name: str, closers: list[Callable[[], None]]) -> asgi.Pool:
-    pool = asgi.Pool(threads, name)
+def _pool(threads: int, name: str, closers: list[Callable[[], None]]) -> Pool:
+    pool = Pool(threads, name)
     closers.append(pool.close)
     return pool
 
@@ -243,8 +244,8 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
                         help="seconds a heartbeat's timestamp may differ from the server "
                              "clock (env SHEPHERD_SERVE_CLOCK_WINDOW)")
     parser.add_argument("--threads", type=int, default=settings.serve_threads,
-                        help="threads recording heartbeats in the BMDB (env "
-                             "SHEPHERD_SERVE_THREADS)")
+                        help="heartbeat batches written at once, each a thread and a "
+                             "BMDB connection (env SHEPHERD_SERVE_THREADS)")
     parser.add_argument("--operator-listen", type=optional_listen_flag,
                         default=settings.serve_operator_listen,
                         help="host:port of the operators' own listener (web view, "

@@ -98,7 +98,7 @@ def flight(session: bmdb.Session, machine: uuid.UUID) -> bmdb.InFlight:
 def pending_answer(session: bmdb.Session, machine: uuid.UUID) -> dict[str, Any] | None:
     """What the machine's next heartbeat answer would carry (no report in it)."""
     def body(tx: bmdb.Tx) -> dict[str, Any] | None:
-        credentials = bmdb.lock_agent_credentials(tx, machine)
+        credentials = bmdb.lock_agent_credentials(tx, [machine]).get(machine)
         assert credentials is not None
         return credentials.pending_installation()
 
@@ -247,7 +247,7 @@ def test_heartbeat_answer_carries_the_request_until_its_generation_is_reported(d
 
     def reporting(tx: bmdb.Tx) -> tuple[Any, Any]:
         """What a heartbeat that carries the report of generation 1 is answered."""
-        credentials = bmdb.lock_agent_credentials(tx, machine)
+        credentials = bmdb.lock_agent_credentials(tx, [machine]).get(machine)
         assert credentials is not None
         return credentials.pending_installation(1), credentials.pending_installation(0)
 

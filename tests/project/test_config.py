@@ -80,13 +80,13 @@ def test_server_worker_and_pool_settings():
             defaults.serve_max_body, defaults.serve_clock_window, defaults.serve_threads,
             defaults.serve_operator_views, defaults.reconcile_wait,
             defaults.worker_metrics_port, defaults.prometheus_multiproc_dir) == (
-        5, "127.0.0.1:8470", "", 256 * 1024, 60.0, 16, True, 300.0, 0, "")
+        5, "127.0.0.1:8470", "", 256 * 1024, 60.0, 4, True, 300.0, 0, "")
     settings = Settings.from_env({
         "SHEPHERD_BMDB_POOL_SIZE": "12", "SHEPHERD_SERVE_LISTEN": "[::1]:9000",
         "SHEPHERD_SERVE_OPERATOR_LISTEN": ":9001", "SHEPHERD_SERVE_TLS_CERT": "c.pem",
         "SHEPHERD_SERVE_TLS_KEY": "k.pem", "SHEPHERD_SERVE_MAX_BODY": "1000",
         "SHEPHERD_SERVE_CLOCK_WINDOW": "5", "SHEPHERD_SERVE_OPERATOR_VIEWS": "off",
-        "SHEPHERD_SERVE_THREADS": "4", "SHEPHERD_RECONCILE_WAIT": "12.5",
+        "SHEPHERD_SERVE_THREADS": "9", "SHEPHERD_RECONCILE_WAIT": "12.5",
         "SHEPHERD_WORKER_METRICS_PORT": "9101", "SHEPHERD_WORKER_METRICS_ADDR": "0.0.0.0",
         "PROMETHEUS_MULTIPROC_DIR": "/run/prom",
     })
@@ -95,7 +95,7 @@ def test_server_worker_and_pool_settings():
     assert config.parse_listen(settings.serve_operator_listen) == ("0.0.0.0", 9001)
     assert (settings.serve_tls_cert, settings.serve_tls_key) == ("c.pem", "k.pem")
     assert (settings.serve_max_body, settings.serve_clock_window, settings.serve_threads,
-            settings.serve_operator_views) == (1000, 5.0, 4, False)
+            settings.serve_operator_views) == (1000, 5.0, 9, False)
     assert settings.reconcile_wait == 12.5
     assert (settings.worker_metrics_port, settings.worker_metrics_addr,
             settings.prometheus_multiproc_dir) == (9101, "0.0.0.0", "/run/prom")

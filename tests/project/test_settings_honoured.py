@@ -161,6 +161,8 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "serve_operator_views": {S: "tests/server/test_web.py::test_operator_views_can_be_turned_off"},
     "serve_threads": {S: "tests/server/test_callback_server.py::"
                          "test_serve_main_runs_until_sigterm"},
+    "serve_batch_window": {S: "tests/server/test_heartbeat_batches.py::"
+                              "test_heartbeats_arriving_together_share_one_transaction"},
     "serve_max_headers": {S: ATTACKS + "test_many_header_lines_get_431"},
     "serve_max_header_bytes": {S: ATTACKS + "test_a_huge_header_gets_431_before_it_is_read_whole"},
     "serve_header_timeout": {S: ATTACKS + "test_slow_headers_get_408_while_honest_heartbeats_pass"},

@@ -32,10 +32,10 @@ from shepherd.agent.protocol import HEADER_MACHINE, HEARTBEAT_PATH
 from shepherd.answer_key import AnswerKey
 from shepherd.config import Settings
 from shepherd.server import RunningServer, ServerLimits, serve
-from shepherd.server.asgi import Pool
 from shepherd.server.asgi_server import EventLoopServer, Listener, bind
 from shepherd.server.images import ImageRoute
 from shepherd.server.limits import LogThrottle
+from shepherd.server.pool import Pool
 from tests.support.agent_fixtures import add_machine, heartbeat_body, new_key, signed_headers
 from tests.support.waiting import wait_until
 

@@ -1,0 +1,23 @@
+"""Named thread pools the event loop hands blocking work to (see ``asgi`` for which)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Pool:
+    """A named thread pool the event loop hands blocking work to."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+
+    async def run(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
