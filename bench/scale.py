@@ -167,6 +167,11 @@ MACHINE_ROWS = [
     f"SELECT {ID}, CASE WHEN {QUIET} THEN now() - interval '1 day' "
     "ELSE now() + interval '6 hours' END, now() - interval '1 day' "
     f"{SERIES} WHERE n > %(a)s AND NOT ({NEVER})",
+    # Every machine that heartbeated sent its hardware report: the hostname column
+    # written beside it, as ``bmdb.tags.set_hardware_report`` does.
+    "INSERT INTO hardware_report (machine_id, reported_at, report, hostname) "
+    f"SELECT {ID}, now() - interval '1 day', replace(%(report)s, '@host@', 'bench-' || n)::json, "
+    f"'bench-' || n {SERIES} WHERE n > %(a)s AND NOT ({NEVER})",
     "INSERT INTO machine_holds (machine_id, kind, reason, actor, since) "
     f"SELECT {ID}, 'maintenance', 'bench: planned work', 'bench', now() {SERIES} "
     "WHERE n > %(v)s AND mod(n, %(held_every)s) = 0",
@@ -200,6 +205,21 @@ HISTORY_ROWS = (
     "WHERE n >= %(first)s AND n <= %(last)s"
 )
 
+#: A hardware report in the agent's shape (``shepherd.agent.agent.hardware_report``) of an
+#: ordinary server; ``@host@`` is each machine's hostname.
+REPORT = json.dumps({
+    "hostname": "@host@",
+    "cpu": {"model": "Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz", "sockets": 2, "cores": 64,
+            "threads": 128},
+    "memory_bytes": 512 * 1024 ** 3,
+    "block_devices": [{"name": f"nvme{i}n1", "size_bytes": 3840755982336,
+                       "rotational": False} for i in range(2)],
+    "network_interfaces": [{"name": f"eno{i}", "mac": f"b4:96:91:00:00:0{i}"}
+                           for i in range(1, 3)],
+    "installation": None,
+    "warnings": [],
+})
+
 Pattern = Sequence[tuple[str, str, int | None]]
 #: Every machine's own three rows: its takeover, and the host key pinned during it.
 BASE_HISTORY: Pattern = [(Process.AGENT_START.value, Event.STARTED, 1),
@@ -220,7 +240,7 @@ RECENT_HISTORY: Pattern = [(Process.RECOVERY.value, Event.STARTED, 9),
 
 def _values(shape: Shape, lo: int, hi: int) -> dict[str, Any]:
     return {"lo": lo, "hi": hi, "epoch": EPOCH, "provider": PROVIDER,
-            "running": bmdb.ProviderStatus.RUNNING.value, "key": bytes(32),
+            "running": bmdb.ProviderStatus.RUNNING.value, "key": bytes(32), "report": REPORT,
             "session": str(SESSION_ID), "agent_start": Process.AGENT_START.value,
             "recovery": Process.RECOVERY.value,
             "start_group": bmdb.exclusion_group(Process.AGENT_START),

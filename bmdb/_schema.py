@@ -144,6 +144,9 @@ hardware_report = Table(
     _machine_key(),
     Column("reported_at", UTCDateTime, nullable=False),
     Column("report", JSON, nullable=False),
+    # The report's hostname as pages list it, written with the report
+    # (``tags.report_hostname``): a list page reads a column, never parses a report.
+    Column("hostname", String(255)),
 )
 
 os_installation_request = Table(
@@ -383,6 +386,32 @@ history_counts = Table(
     Column("event", String(16), primary_key=True),
     Column("shard", Integer, primary_key=True),
     Column("rows", BigInteger, nullable=False),
+)
+
+provided_revisions = Table(
+    "provided_revisions",
+    metadata,
+    # A revision per provider of its Provided tags, in shards like ``state_counts``:
+    # the sum over shards grows with every change of a tag's view, kept by triggers
+    # (``provided_revisions.py`` states the invariant). Read by the updater only.
+    Column("provider", String(64), primary_key=True),
+    Column("shard", Integer, primary_key=True),
+    Column("changes", BigInteger, nullable=False),
+)
+
+listing_digests = Table(
+    "listing_digests",
+    metadata,
+    # The updater's last pass per provider that left the tags agreeing with the
+    # listing: the listing's digest, the provider's revision then, and the counts
+    # it reported (``listing.py``: a pass that finds both unchanged writes nothing).
+    Column("provider", String(64), primary_key=True),
+    Column("digest", String(64), nullable=False),
+    Column("revision", BigInteger, nullable=False),
+    Column("stored", BigInteger, nullable=False),
+    Column("gone", BigInteger, nullable=False),
+    Column("unregistered", BigInteger, nullable=False),
+    Column("recorded_at", UTCDateTime, nullable=False),
 )
 
 singletons = Table(

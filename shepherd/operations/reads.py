@@ -81,13 +81,26 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
     )
 
 
+def list_machines_at_a_glance(tx: bmdb.Tx, f: MachineFilter
+                              ) -> tuple[MachineList, dict[uuid.UUID, Glance]]:
+    """``list_machines`` and each listed machine's glance (as ``glances`` gives them),
+    from the same statement."""
+    found, looks = bmdb.list_machines_at_a_glance(tx, f)
+    return found, _printable(looks)
+
+
 def glances(tx: bmdb.Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]:
-    """Heartbeat, hostname and recorded power of each machine of a page (``bmdb.Glance``,
+    """Heartbeat, hostname and recorded power of each of ``machine_ids`` (``bmdb.Glance``,
     the hostname made printable): one statement over those machines only (no BMC, no
     provider is asked)."""
+    return _printable(bmdb.glances(tx, machine_ids))
+
+
+def _printable(looks: dict[uuid.UUID, Glance]) -> dict[uuid.UUID, Glance]:
+    """The glances with their hostnames (the agent's text) made printable."""
     return {machine_id: g if g.hostname is None
             else dataclasses.replace(g, hostname=stored.printable(g.hostname))
-            for machine_id, g in bmdb.glances(tx, machine_ids).items()}
+            for machine_id, g in looks.items()}
 
 
 def problems(tx: bmdb.Tx) -> Problems:

@@ -23,7 +23,7 @@ answer carries a Content-Security-Policy that allows only the stylesheet
 (``CSP``), so escaped-but-hostile report content can never run or load anything.
 
 Threads: a page's BMDB reads, its callback check (an HTTP request) and its rendering
-run in the view's own thread pool (``asgi.Pool``), never on the event loop the agents'
+run in the view's own thread pool (``pool.Pool``), never on the event loop the agents'
 heartbeats share, and never in the heartbeats' pool.
 
 The list shows, per machine, its hostname (from the stored hardware report), its
@@ -39,6 +39,7 @@ the same network boundary as the BMDB, or run it with ``--no-operator-views``.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import math
 import threading
@@ -47,10 +48,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import urlencode
 
 import jinja2
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -64,8 +66,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import bmdb
 from shepherd import operations, text_tables
 from shepherd.runtime import Runtime
-from shepherd.server.asgi import UNAVAILABLE, Pool, json_http_error, json_response
+from shepherd.server.asgi import UNAVAILABLE, json_http_error, json_response
 from shepherd.server.limits import log_internal_error
+from shepherd.server.pool import Pool
 from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
 
@@ -88,25 +91,29 @@ REFRESH_CHOICES = (10, 30, 60)
 #: How long one check of the callback server serves every page: a page load must not
 #: cost an HTTP round trip (up to the interactive timeout) each time.
 CALLBACK_CHECK_TTL = 5.0
+#: How long one guard decision serves the banners of the pages that do not explain a
+#: machine: fleet-wide counts, like /metrics' cache (the machine page asks it afresh).
+GUARD_TTL = 2.0
+T = TypeVar("T")
 
 
-class CallbackChecks:
-    """``guard.check_callback`` at most once per ``CALLBACK_CHECK_TTL`` seconds, shared
-    by the banner and the machine page (so both say the same)."""
+class Recent(Generic[T]):
+    """``compute()`` at most once per ``ttl`` seconds, by one thread at a time, the
+    last value served meanwhile: for what every page shows of the whole fleet."""
 
-    def __init__(self, limits: GuardLimits, ttl: float = CALLBACK_CHECK_TTL) -> None:
-        self.limits = limits
+    _value: T
+
+    def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self._lock = threading.Lock()
         self._at = -math.inf
-        self._last: guard.CallbackCheck | None = None
 
-    def get(self) -> guard.CallbackCheck | None:
+    def get(self, compute: Callable[[], T]) -> T:
         with self._lock:
             if time.monotonic() - self._at >= self.ttl:
-                self._last = guard.check_callback(self.limits)
+                self._value = compute()
                 self._at = time.monotonic()
-            return self._last
+            return self._value
 
 
 def parse_refresh(raw: str | None) -> int | None:
@@ -182,15 +189,17 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Banner:
-    """What is wrong fleet-wide, for the top of every page."""
+    """What is wrong fleet-wide, for the top of every page: read in the page's own
+    transaction (``WebView.banner``), so a page is one round of BMDB reads."""
 
     problems: operations.Problems
-    decision: guard.GuardDecision
+    #: Why the guard pauses Recovery (``GuardDecision.paused``), or None.
+    recovery_paused: str | None
     callback: guard.CallbackCheck | None
 
     @property
     def any(self) -> bool:
-        return bool(self.problems.refusals or self.decision.paused or self.unhealthy
+        return bool(self.problems.refusals or self.recovery_paused or self.unhealthy
                     or self.problems.dead_sessions.sessions)
 
     @property
@@ -200,7 +209,7 @@ class Banner:
     @property
     def paused(self) -> str | None:
         """Why Recovery is paused, without the prefix the banner's heading says."""
-        reasons = self.decision.paused
+        reasons = self.recovery_paused
         return reasons and reasons.replace(guard.PAUSED_PREFIX, "")
 
 
@@ -226,22 +235,96 @@ class AtAGlance:
                    operations.provider_shown(provider))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MachineRow:
-    """One line of the list: the BMDB's summary, and what is shown beside it."""
+    """One line of the list, each cell's text and classes worked out once, here: the
+    template only places these strings (escaping each), so a page of 500 rows costs
+    a few milliseconds, not a Jinja filter and lookup chain per cell. Not frozen: a
+    frozen dataclass's ``__init__`` costs several times more, 500 times a page."""
 
-    m: bmdb.MachineSummary
-    shown: AtAGlance
+    id: str
+    href: str
+    #: Hold kinds, space separated ("" when not held).
+    held: str
+    provider_class: str
+    provider_title: str
+    provider: str
+    simulated: bool
+    provider_id: str
+    status_class: str
+    status: str
+    address: str
+    hostname: str
+    power_class: str
+    power_title: str
+    power: str
+    heartbeat_class: str
+    heartbeat_title: str
+    heartbeat: str
+    #: The tag columns and the held column (``_tag_cells``, ``_hold_cell``).
+    tags: Markup
+    holds: Markup
+    work_title: str
+    work: str
+    backoffs_title: str
+    backoffs: str
+
+    @classmethod
+    def of(cls, m: bmdb.MachineSummary, look: bmdb.Glance | None, now: dt.datetime,
+           thresholds: bmdb.Thresholds, link: Callable[[str], str]) -> MachineRow:
+        shown = AtAGlance.of(look, m.provider, m.provider_status, now, thresholds)
+        provider, power, heartbeat = shown.provider, shown.power, shown.heartbeat
+        machine = str(m.id)
+        return cls(
+            id=machine, href=link(f"{PATHS['machines']}/{machine}"), held=" ".join(m.holds),
+            provider_class=f"provider {provider.source}", provider_title=provider.title,
+            provider=provider.text, simulated=provider.source == "simulated",
+            provider_id=m.provider_id or "",
+            status_class="status gone" if m.provider_status == MISSING else "status",
+            status=operations.status_text(m.provider_status, m.provider),
+            address=m.address or "—", hostname=shown.hostname or "",
+            power_class=f"power {power.source} late" if power.late else f"power {power.source}",
+            power_title=power.title, power=power.text,
+            heartbeat_class="heartbeat late" if heartbeat.late else "heartbeat",
+            heartbeat_title=heartbeat.title, heartbeat=heartbeat.text,
+            tags=_tag_cells(tuple(m.tags)), holds=_hold_cell(tuple(m.holds)),
+            work_title=", ".join(m.work), work=_process(m.work),
+            backoffs_title=", ".join(m.backoffs), backoffs=_process(m.backoffs))
+
+
+MISSING = bmdb.ProviderStatus.MISSING.value
+_YES = Markup('<td class="yes" data-tag="{}">✓</td>')
+_NO = Markup('<td class="no">·</td>')
+_BADGE = Markup('<span class="badge {0}">{0}</span>')
+
+
+@functools.cache
+def _tag_cells(tags: tuple[str, ...]) -> Markup:
+    """The list's tag columns for a machine carrying ``tags``: one per name of
+    ``operations.TAGS``, made once per combination (a page has a few). Only our own
+    tag names go in, escaped by ``Markup.format`` all the same."""
+    return Markup("").join(_YES.format(tag) if tag in tags else _NO
+                           for tag in operations.TAGS)
+
+
+@functools.cache
+def _hold_cell(holds: tuple[str, ...]) -> Markup:
+    """The held column for hold kinds ``holds`` (our own words, escaped all the same)."""
+    if not holds:
+        return Markup('<td class="held">—</td>')
+    badges = Markup(", ").join(_BADGE.format(kind) for kind in holds)
+    return Markup('<td class="held active">{}</td>').format(badges)
 
 
 def template_environment() -> jinja2.Environment:
     """The pages' templates, autoescaped, with the CLI's wording as filters
     (``shepherd.operations.views``), so the pages say what the CLI says."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
-                             autoescape=jinja2.select_autoescape(["html"]))
+                             autoescape=jinja2.select_autoescape(["html"]),
+                             auto_reload=False)  # compiled once: the files never change
     env.filters.update({
         "when": text_tables.when, "relative": text_tables.relative,
-        "process": _process, "short": _short,
+        "short": _short,
         "hold": operations.hold_text, "lift_command": operations.lift_command,
         "refusal": operations.refusal_text, "status": operations.status_text,
         "printable": operations.printable})
@@ -289,7 +372,9 @@ class WebView:
         self.runtime = runtime
         self.limits = limits
         self.pool = pool
-        self.callback = CallbackChecks(limits)
+        #: Shared by the banners and the machine page, so they say the same.
+        self.callback: Recent[guard.CallbackCheck | None] = Recent(CALLBACK_CHECK_TTL)
+        self.recovery_paused: Recent[str | None] = Recent(GUARD_TTL)
         self.templates = template_environment()
 
     def app(self) -> Starlette:
@@ -343,22 +428,28 @@ class WebView:
             return 200, page(query)
         except (Refused, operations.BadArgument) as error:
             status = error.status if isinstance(error, Refused) else 400
-            return status, self.render(query, "error.html", status=status,
+            callback = self.checked_callback()
+            banner = self.db.read(lambda tx: self.banner(tx, callback))
+            return status, self.render(query, "error.html", banner, status=status,
                                        message=str(error))
 
-    def render(self, query: PageQuery, template: str, **values: Any) -> str:
+    def render(self, query: PageQuery, template: str, banner: Banner, **values: Any) -> str:
         return self.templates.get_template(template).render(
             refresh=query.refresh, refresh_url=query.refresh_url,
-            keep_refresh=query.keep_refresh, banner=self.banner(), **values)
+            keep_refresh=query.keep_refresh, banner=banner, **values)
 
-    def banner(self) -> Banner:
-        """Cheap reads only: the refusals and dead sessions (a few rows through indexes),
-        the guard's figures (counters and the Recovery backlog's indexes) and the cached
-        callback check."""
-        db, callback = self.db, self.callback.get()
-        problems, decision = db.read(lambda tx: (operations.problems(tx), guard.decide(
-            tx, db.thresholds, self.limits, callback)))
-        return Banner(problems, decision, callback)
+    def checked_callback(self) -> guard.CallbackCheck | None:
+        """``guard.check_callback`` (an HTTP request) at most once per
+        ``CALLBACK_CHECK_TTL``: call it outside the page's transaction."""
+        return self.callback.get(lambda: guard.check_callback(self.limits))
+
+    def banner(self, tx: bmdb.Tx, callback: guard.CallbackCheck | None) -> Banner:
+        """The banner, in the page's transaction. Cheap reads only: the refusals and
+        dead sessions (a few rows through indexes) and the guard's decision (counters
+        and the Recovery backlog's indexes; at most once per ``GUARD_TTL``)."""
+        paused = self.recovery_paused.get(
+            lambda: guard.decide(tx, self.db.thresholds, self.limits, callback).paused)
+        return Banner(operations.problems(tx), paused, callback)
 
     def machines_page(self, query: PageQuery) -> str:
         try:
@@ -370,19 +461,22 @@ class WebView:
         except operations.BadArgument as error:
             raise Refused(400, str(error)) from None
 
-        def read(tx: bmdb.Tx) -> tuple[operations.MachineList,
-                                       dict[uuid.UUID, bmdb.Glance]]:
-            found = operations.list_machines(tx, f)
-            return found, operations.glances(tx, [m.id for m in found.machines])
+        callback = self.checked_callback()
 
-        found, looks = self.db.read(read)
+        def read(tx: bmdb.Tx) -> tuple[operations.MachineList,
+                                       dict[uuid.UUID, bmdb.Glance], Banner]:
+            found, looks = operations.list_machines_at_a_glance(tx, f)
+            return found, looks, self.banner(tx, callback)
+
+        found, looks, banner = self.db.read(read)
         next_page = None
         if found.next_cursor:
             next_page = query.url({**query.grouped(), "after": [found.next_cursor]})
-        rows = [MachineRow(m, AtAGlance.of(looks.get(m.id), m.provider, m.provider_status,
-                                           found.now, self.db.thresholds))
+        thresholds = self.db.thresholds
+        rows = [MachineRow.of(m, looks.get(m.id), found.now, thresholds, query.keep_refresh)
                 for m in found.machines]
-        return self.render(query, "machines.html", found=found, f=f, tags=operations.TAGS,
+        return self.render(query, "machines.html", banner, found=found, f=f,
+                           tags=operations.TAGS,
                            next_page=next_page, rows=rows, short_tags=operations.SHORT_TAGS,
                            held=found.held_counts,
                            processes=[p.value for p in bmdb.Process])
@@ -393,27 +487,37 @@ class WebView:
         except operations.BadArgument as error:
             raise Refused(404, str(error)) from None
         db = self.db
-        callback = self.callback.get()  # HTTP (or its cached answer): before the read
+        callback = self.checked_callback()  # HTTP (or its cached answer): before the read
 
         def read(tx: bmdb.Tx) -> tuple[operations.MachineDetail, operations.Explanation,
-                                       bmdb.Glance | None]:
-            return (operations.show_machine(tx, machine_id, HISTORY_ROWS),
-                    operations.explain(tx, machine_id, db.thresholds, self.limits, callback),
-                    operations.glances(tx, [machine_id]).get(machine_id))
+                                       bmdb.Glance | None, Banner]:
+            detail = operations.show_machine(tx, machine_id, HISTORY_ROWS)
+            why = operations.explain(tx, machine_id, db.thresholds, self.limits, callback)
+            # The banner's guard decision is the one explain just made: not asked twice.
+            banner = Banner(operations.problems(tx), recovery_paused(why), callback)
+            return detail, why, operations.glances(tx, [machine_id]).get(machine_id), banner
 
         try:
-            detail, why, look = db.read(read)
+            detail, why, look, banner = db.read(read)
         except operations.UnknownMachine as error:
             raise Refused(404, str(error)) from None
         provided = detail.tags.get("Provided") or {}
         report = (detail.tags.get("HardwareReport") or {}).get("report")
         return self.render(
-            query, "machine.html", d=detail, why=why, history_rows=HISTORY_ROWS,
+            query, "machine.html", banner, d=detail, why=why, history_rows=HISTORY_ROWS,
             shown=AtAGlance.of(look, provided.get("provider"), provided.get("provider_status"),
                                detail.now, db.thresholds),
             observed=look.power if look else None,
             hardware=None if report is None else operations.hardware_sections(report))
 
     def sessions_page(self, query: PageQuery) -> str:
-        now, found = self.db.read(lambda tx: operations.list_sessions(tx))
-        return self.render(query, "sessions.html", now=now, sessions=found)
+        callback = self.checked_callback()
+        (now, found), banner = self.db.read(
+            lambda tx: (operations.list_sessions(tx), self.banner(tx, callback)))
+        return self.render(query, "sessions.html", banner, now=now, sessions=found)
+
+
+def recovery_paused(why: operations.Explanation) -> str | None:
+    """What the guard decided for Recovery in ``why`` (``explain`` asks it for Recovery,
+    with the same limits and callback check as the banner)."""
+    return next(p.paused for p in why.processes if p.process == bmdb.Process.RECOVERY.value)

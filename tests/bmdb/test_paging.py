@@ -130,3 +130,29 @@ def test_a_provider_count_is_exact_up_to_a_bound_then_estimated(db, session, mon
         assert found.matched_estimated and found.matched >= 3
     else:  # SQLite fleets are one host's: always counted
         assert (found.matched, found.matched_estimated) == (5, False)
+
+
+def test_a_page_at_a_glance_reads_what_glances_reads(db, session) -> None:
+    """The list page's glances come with the page (one statement) and say what
+    ``glances`` says of the same machines: heartbeat, hostname, power, or nothing."""
+    bare, started, full = seed_provided(session, 3)
+    start_agent(session, started)
+    start_agent(session, full)
+
+    def seed(tx: bmdb.Tx) -> None:
+        bmdb.record_heartbeat(tx, full, tx.now)
+        bmdb.set_hardware_report(tx, full, {"hostname": "rack1-u07"})
+        bmdb.record_power_observed(tx, full, "On", "redfish http://bmc")
+
+    db.read(seed)
+    found, looks = db.read(lambda tx: inspection.list_machines_at_a_glance(
+        tx, MachineFilter(limit=2)))
+    alone = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(limit=2)))
+    assert found.machines == alone.machines and found.next_cursor == alone.next_cursor
+    assert list(looks) == [m.id for m in found.machines]
+    assert list(looks) == creation_order(db, [bare, started, full])[:2]
+    _, looks = db.read(lambda tx: inspection.list_machines_at_a_glance(tx, MachineFilter()))
+    assert looks == db.read(lambda tx: bmdb.glances(tx, [bare, started, full]))
+    assert looks[bare] == bmdb.Glance() and looks[started].agent_started_at is not None
+    assert looks[full].hostname == "rack1-u07" and looks[full].power.state == "On"
+    assert looks[full].last_heartbeat_at is not None

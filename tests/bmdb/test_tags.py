@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 import bmdb
 from bmdb import Process
+from bmdb.tags import MAX_HOSTNAME
 from tests.support.bmdb_helpers import backlog_ids, seed_provided, start_agent
 
 KEY = b"k" * 32
@@ -203,3 +204,29 @@ def test_any_claimable_is_whether_a_claim_would_find_a_machine(db, session):
     assert claimable()
     start_agent(session, machine)
     assert not claimable()  # out of the backlog
+
+
+#: Reports and the hostname written beside them (``tags.report_hostname``).
+HOSTNAMES: list[tuple[dict[str, object], str | None]] = [
+    ({"hostname": "rack1-u07", "cpu": {"cores": 8}}, "rack1-u07"),
+    ({"hostname": "h" * 300}, "h" * MAX_HOSTNAME),
+    ({"hostname": ["not", "a", "name"]}, None),
+    ({"hostname": 7}, None),
+    ({"hostname": "nul\x00"}, None),  # PostgreSQL text holds no NUL
+    ({"hostname": "half \ud800"}, None),  # nor a lone surrogate
+    ({}, None),
+]
+
+
+def test_a_report_is_stored_with_its_hostname_and_replaced_with_it(db):
+    machines = db.read(lambda tx: [bmdb.create_machine(tx) for _ in HOSTNAMES])
+
+    def store(tx: bmdb.Tx) -> None:
+        for machine, (report, _) in zip(machines, HOSTNAMES, strict=True):
+            bmdb.set_hardware_report(tx, machine, report)
+
+    db.read(store)
+    found = db.read(lambda tx: bmdb.glances(tx, machines))
+    assert [found[m].hostname for m in machines] == [want for _, want in HOSTNAMES]
+    db.read(lambda tx: bmdb.set_hardware_report(tx, machines[0], {"cpu": {}}))
+    assert db.read(lambda tx: bmdb.glances(tx, machines[:1]))[machines[0]].hostname is None

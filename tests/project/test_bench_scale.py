@@ -1,22 +1,30 @@
-"""``bench/scale.py``'s fleet builder writes a fleet the BMDB's invariants hold for.
+"""``bench/scale.py``'s fleet builder writes a fleet the BMDB's invariants hold for, and
+the whole bench runs end to end at a tiny size.
 
 Why a test for a benchmark's helper: the builder writes raw SQL into the real tables,
 so a schema change could make it write rows no Shepherd code ever would (a marker out
 of step with its tag, work of a dead session, a listing that no longer matches), and
 the benchmark would then measure a fleet that cannot exist. Built here at 200
 machines, in two growth steps of several chunks, as the benchmark grows its fleets.
+The end-to-end run checks only that every path produced a figure (speed is the
+bench's to report, never asserted here), so the bench cannot break unnoticed.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 import bmdb
-from bench.scale import BenchProvider, Listing, Shape, grow_fleet, grow_history
+from bench.scale import PATHS, BenchProvider, Listing, Shape, grow_fleet, grow_history
 from bmdb import Event, Process
+from bmdb.tags import report_hostname
 from shepherd.workflows import updater
 
 SIZE = 200
@@ -51,6 +59,18 @@ def test_markers_follow_their_tags(fleet: tuple[sa.Engine, bmdb.BMDB]) -> None:
     assert scalar(engine, "SELECT count(*) FROM agent_started s WHERE s.heartbeat_seen <> "
                           "EXISTS (SELECT 1 FROM agent_heartbeat h "
                           "WHERE h.machine_id = s.machine_id)") == 0
+
+
+def test_reports_are_stored_with_their_hostname(fleet: tuple[sa.Engine, bmdb.BMDB]) -> None:
+    """Each machine that heartbeated has a report, its hostname column what
+    ``bmdb.set_hardware_report`` would have written for it."""
+    engine, _ = fleet
+    assert scalar(engine, "SELECT count(*) FROM hardware_report") == (
+        SIZE - SHAPE.awaiting - SHAPE.never)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT report, hostname FROM hardware_report")).all()
+    assert all(hostname == report_hostname(report) for report, hostname in rows)
+    assert scalar(engine, "SELECT count(*) FROM hardware_report WHERE hostname IS NULL") == 0
 
 
 def test_work_belongs_to_a_live_session(fleet: tuple[sa.Engine, bmdb.BMDB]) -> None:
@@ -120,3 +140,25 @@ def test_the_listing_matches_the_fleet(fleet: tuple[sa.Engine, bmdb.BMDB]) -> No
         result = updater.update(session, BenchProvider(Listing(SIZE)))
     assert (result.updated, result.unchanged, result.missing, result.unregistered) == (
         0, SIZE, 0, 0)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(150)
+def test_the_bench_runs_end_to_end_at_a_tiny_size(pg_admin_url: str, tmp_path: Path) -> None:
+    """``python -m bench.scale`` at 200 machines, one run per path, a little more history:
+    every path at both columns has a positive figure, and the report says so."""
+    figures = tmp_path / "scale.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--pg-url", pg_admin_url, "--sizes", "200",
+         "--runs", "1", "--history-rows", "1000", "--chunk", "100", "--json", str(figures)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(figures.read_text())
+    assert set(found) == {p.key for p in PATHS}
+    for key, columns in found.items():
+        expected = {"200"} | (set() if key == "updater" else {"200 + 1k history"})
+        assert set(columns) == expected, key
+        assert all(c["median_ms"] > 0 and len(c["runs_ms"]) == 1 for c in columns.values()), key
+    assert "failed" not in done.stdout and "| `GET /machines` (500 rows) |" in done.stdout
