@@ -8,13 +8,17 @@ made as it is read, like ``bench.scale.Listing``: its time is printed apart, as 
 provider's share, and it holds no memory; "listing held" makes it before timing and
 holds it, so what is measured is the updater's alone.
 
-Scenarios alternate so that every run sees the same amount of change: "1 % changed"
-moves every 100th address and the next run moves it back (both are 1 % changed);
-"1 % missing" drops every 100th machine from the listing, and the run after it (not
-timed as such) lists them again.
+"Nothing changed" is what a periodic run meets most: the listing and the tags as
+the last run left them, so the updater skips the comparison (``bmdb.listing``); an
+untimed run first makes sure the last run was one. "Nothing changed, full
+comparison" forgets that last run before each one (as a first run, or one after a
+change elsewhere, compares in full). Scenarios alternate so that every run sees the
+same amount of change: "1 % changed" moves every 100th address and the next run
+moves it back (both are 1 % changed); "1 % missing" drops every 100th machine from
+the listing, and the run after it (not timed as such) lists them again.
 
     .venv/bin/python -m bench.updater [--pg-url URL] [--size 1000000] [--runs 5]
-        [--batch-size 100] [--old PATH/TO/updater.py [--only-old]]
+        [--batch-size 100] [--old PATH/TO/updater.py [--only-old]] [--json FILE]
 
 ``--old`` also times a copy of the previous updater (e.g. from ``git show``) once on
 "nothing changed, listing held", for the ratio.
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
+import json
 import multiprocessing
 import os
 import resource
@@ -118,6 +124,17 @@ class Figures:
     grown_mb: float
     result: dict[str, Any]
 
+    def to_json(self) -> dict[str, Any]:
+        """Seconds (median wall, runs, CPU), the listing's own cost, MB grown."""
+        return {"scenario": self.scenario,
+                "median_wall_s": statistics.median(s.wall for s in self.samples),
+                "runs_wall_s": [s.wall for s in self.samples],
+                "median_updater_cpu_s": statistics.median(s.python for s in self.samples),
+                "median_postgres_cpu_s": None if any(s.postgres is None for s in self.samples)
+                else statistics.median(s.postgres or 0.0 for s in self.samples),
+                "listing": dataclasses.asdict(self.listing),
+                "peak_rss_growth_mb": self.grown_mb, "last_result": self.result}
+
     def line(self) -> str:
         walls = ", ".join(f"{s.wall:.2f}" for s in self.samples)
         return (f"| {self.scenario} | {_median(self.samples, 'wall')} | {walls} | "
@@ -185,10 +202,14 @@ def run_scenario(url: str, size: int, scenario: str, runs: int, batch_size: int,
     samples: list[Sample] = []
     result: Any = None
     with db.start_session("bench-updater", interval=30) as session:
+        if scenario.startswith("nothing changed"):
+            module.update(session, provider, settings)  # the last run left it so
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         for _ in range(runs):
             for moved, dropped, counted in _steps(scenario):
                 provider.moved, provider.dropped = moved, dropped
+                if "full comparison" in scenario:
+                    forget_last_run(url)
                 sample, outcome = timed(lambda: module.update(session, provider, settings),
                                         postgres_cpu)
                 if counted:
@@ -201,7 +222,16 @@ def run_scenario(url: str, size: int, scenario: str, runs: int, batch_size: int,
                    result.to_json())
 
 
-SCENARIOS = ("nothing changed", "nothing changed, listing held", "1% changed", "1% missing")
+def forget_last_run(url: str) -> None:
+    """As if no run had left the tags agreeing with a listing: the next compares."""
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM listing_digests")
+    engine.dispose()
+
+
+SCENARIOS = ("nothing changed", "nothing changed, listing held",
+             "nothing changed, full comparison", "1% changed", "1% missing")
 
 
 def _steps(scenario: str) -> list[tuple[bool, bool, bool]]:
@@ -209,6 +239,7 @@ def _steps(scenario: str) -> list[tuple[bool, bool, bool]]:
     return {
         "nothing changed": [(False, False, True)],
         "nothing changed, listing held": [(False, False, True)],
+        "nothing changed, full comparison": [(False, False, True)],
         "1% changed": [(True, False, True), (False, False, True)],
         "1% missing": [(False, True, True), (False, False, False)],
     }[scenario]
@@ -235,18 +266,25 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=updater.UpdaterSettings().batch_size)
     parser.add_argument("--old", help="a copy of the previous shepherd/workflows/updater.py")
     parser.add_argument("--only-old", action="store_true", help="time only --old")
+    parser.add_argument("--json", help="also write the figures to this file")
     args: argparse.Namespace = parser.parse_args()
+    figures: list[Figures] = []
     with postgres(args.pg_url) as url:
         started = time.perf_counter()
         build_fleet(url, args.size)
         print(f"fleet of {args.size:,} built in {time.perf_counter() - started:.0f} s")
         print(HEADER)
         for scenario in [] if args.only_old else SCENARIOS:
-            print(in_child(url, args.size, scenario, args.runs, args.batch_size).line(),
-                  flush=True)
+            figures.append(in_child(url, args.size, scenario, args.runs, args.batch_size))
+            print(figures[-1].line(), flush=True)
         if args.old:
-            print(in_child(url, args.size, "nothing changed, listing held", 1,
-                           args.batch_size, args.old).line())
+            figures.append(in_child(url, args.size, "nothing changed, listing held", 1,
+                                    args.batch_size, args.old))
+            print(figures[-1].line(), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"size": args.size, "scenarios": [f.to_json() for f in figures]},
+                      handle, indent=2)
 
 
 if __name__ == "__main__":

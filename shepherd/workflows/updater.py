@@ -16,9 +16,15 @@ comparison would save nothing, and remembering a timer would need a BMDB column.
 How often machines are looked at is the caller's schedule (``update_interval``).
 
 At any size: the comparison runs in the BMDB (``bmdb.listing``). The listing is
-consumed once, as it comes, and loaded a chunk at a time; only the machines that
-differ are written, ``batch_size`` per transaction. Python holds one chunk (a few
-MB) whatever the fleet; ``bench/updater.py`` measures a million machines.
+consumed once, as it comes, a chunk at a time; only the machines that differ are
+written, ``batch_size`` per transaction. Python holds one chunk (a few MB) whatever
+the fleet; ``bench/updater.py`` measures a million machines.
+
+Nothing changed, nothing compared: a run whose listing has the digest of the last
+run that left the tags agreeing with it, while the provider's tags have not changed
+since (their revision, which the database keeps), writes nothing and skips the
+comparison; it reports that run's counts. ``bmdb.listing`` states the invariant that
+makes this safe (a change on either side, or a crash, means a full comparison).
 
 Ordering: the BMDB's clock is read *before* the provider is listed, and a tag
 written since is left to the next run. A machine registered in between is then
@@ -58,11 +64,14 @@ class UpdateResult:
     ``updated``: tags rewritten with a changed view; ``unchanged``: left alone;
     ``missing``: BMDB machines the provider no longer lists (``marked_missing`` of
     them written this run, the rest were Missing already); ``unregistered``: machines
-    the provider lists but the BMDB lacks (reconcile's business, reported here too).
+    the provider lists but the BMDB lacks (reconcile's business, reported here too);
+    ``compared``: False when neither side had changed since the last run that left
+    them agreeing, so nothing was compared (its counts are then that state's).
     """
 
     provider: str
     busy: bool = False
+    compared: bool = False
     updated: int = 0
     unchanged: int = 0
     missing: int = 0
@@ -70,7 +79,8 @@ class UpdateResult:
     unregistered: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"provider": self.provider, "busy": self.busy, "updated": self.updated,
+        return {"provider": self.provider, "busy": self.busy, "compared": self.compared,
+                "updated": self.updated,
                 "unchanged": self.unchanged, "missing": self.missing,
                 "marked_missing": self.marked_missing, "unregistered": self.unregistered}
 
@@ -92,15 +102,21 @@ def update(session: bmdb.Session, provider: Provider,
 def _update_held(session: bmdb.Session, provider: Provider,
                  settings: UpdaterSettings) -> UpdateResult:
     wishes: list[tuple[str, str, str]] = []
+    done = bmdb.Applied()
     with bmdb.open_listing(session, provider.name) as listing:
         listing.load(listed_views(with_os_entries(provider.list_machines(), wishes)))
-        seen = listing.compare()
-        done = listing.apply(settings.batch_size)
+        seen = listing.unchanged()
+        compared = seen is None
+        if seen is None:
+            seen = listing.compare()
+            done = listing.apply(settings.batch_size)
+            listing.remember(seen, done)
     if wishes:
         session.transact(lambda tx: bmdb.sync_inventory_installations(tx, provider.name,
                                                                       wishes))
     return UpdateResult(
         provider.name,
+        compared=compared,
         updated=done.updated,
         unchanged=seen.stored - seen.changed - seen.to_mark,
         missing=seen.gone,

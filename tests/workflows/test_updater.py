@@ -249,7 +249,7 @@ def test_odd_values_travel_exactly_and_then_compare_equal(session):
 
 def test_listing_loads_in_many_chunks(session, monkeypatch):
     monkeypatch.setattr(bmdb.listing, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(bmdb.listing, "_BLOCK_ROWS", 1)
+    monkeypatch.setattr(bmdb.listing, "_COPY_READ", 7)
     machines = [machine(f"m{i}") for i in range(7)]
     register(session, *machines)
     moved = [dataclasses.replace(m, address="198.51.100.1") if i % 3 == 0 else m
