@@ -16,13 +16,24 @@ the SSH takeover, chosen by ``BENCH_AGENT``:
   measures how work spreads over workers rather than how fast crypto runs.
 
 Also ``bench.noop``: the raw Celery baseline on the same broker and worker.
+
+With ``BENCH_PROFILE`` set to a directory, each pool process runs under cProfile (wall
+time, or CPU time with ``BENCH_PROFILE_CLOCK=cpu``) and
+counts, per task name, the tasks it ran and the BMDB statements, transactions and
+Redis commands they cost; it writes ``<pid>.prof`` and ``<pid>.json`` there when it
+exits (``bench.control_plane --profile`` reads them).
 """
 
 from __future__ import annotations
 
+import cProfile
+import json
 import os
 import socket
+import time
 import uuid
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import bmdb
@@ -78,6 +89,71 @@ if MODE == "instant-nolookup":
 @app.task(name="bench.noop")
 def noop() -> None:
     """Nothing at all: what Celery itself costs per task."""
+
+
+class Profiling:
+    """cProfile and round-trip counts of one pool process (``BENCH_PROFILE``)."""
+
+    def __init__(self, directory: Path, clock: str = "wall") -> None:
+        self.directory = directory
+        self.profiler = (cProfile.Profile(time.process_time) if clock == "cpu"
+                         else cProfile.Profile())
+        self.task = "(between tasks)"
+        #: (what, task name) -> how many: "tasks", "statements", "transactions", "redis".
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def install(self) -> None:
+        import redis.connection
+        import sqlalchemy as sa
+        from celery.signals import (
+            task_postrun,
+            task_prerun,
+            worker_process_init,
+            worker_process_shutdown,
+        )
+        from sqlalchemy.engine import Engine
+
+        def count(what: str) -> None:
+            self.counts[what, self.task] += 1
+
+        sa.event.listen(Engine, "before_cursor_execute", lambda *_: count("statements"))
+        sa.event.listen(Engine, "begin", lambda *_: count("transactions"))
+        send = redis.connection.Connection.send_packed_command
+
+        def counted(connection: Any, command: Any, check_health: bool = True) -> None:
+            count("redis")
+            send(connection, command, check_health)
+
+        redis.connection.Connection.send_packed_command = counted  # type: ignore[method-assign]
+
+        def prerun(task: Any = None, **_: Any) -> None:
+            self.task = task.name
+            count("tasks")
+
+        def postrun(**_: Any) -> None:
+            self.task = "(between tasks)"
+
+        task_prerun.connect(prerun, weak=False)
+        task_postrun.connect(postrun, weak=False)
+        worker_process_init.connect(lambda **_: self.start(), weak=False)
+        worker_process_shutdown.connect(lambda **_: self.dump(), weak=False)
+
+    def start(self) -> None:
+        self.counts.clear()
+        self.profiler.enable()
+
+    def dump(self) -> None:
+        self.profiler.disable()
+        self.profiler.dump_stats(self.directory / f"{os.getpid()}.prof")
+        counts: dict[str, dict[str, int]] = {}
+        for (what, task), n in self.counts.items():
+            counts.setdefault(task, {})[what] = n
+        (self.directory / f"{os.getpid()}.json").write_text(json.dumps(counts))
+
+
+if os.environ.get("BENCH_PROFILE"):
+    Profiling(Path(os.environ["BENCH_PROFILE"]),
+              os.environ.get("BENCH_PROFILE_CLOCK", "wall")).install()
 
 
 __all__ = ["app", "noop"]

@@ -218,6 +218,12 @@ class EquinixClient:
             session.headers.update({"X-Auth-Token": self.config.token,
                                     "Accept": "application/json",
                                     "User-Agent": "shepherd/0.1"})
+            # The environment's proxies and CA bundle for the API, read once: with
+            # trust_env, requests reads the whole environment at every request.
+            found = session.merge_environment_settings(self.base_url, {}, None, None, None)
+            session.proxies.update(found["proxies"])
+            session.verify = found["verify"]
+            session.trust_env = False
             self._local.session = session
         return session
 

@@ -83,12 +83,18 @@ class InitializerSettings:
     permanent_backoff: bmdb.Backoff = PERMANENT_BACKOFF
 
 
-def initialize(work: bmdb.Work, provider: Provider,
-               settings: InitializerSettings) -> WorkflowResult:
-    """Start the agent on ``work``'s machine; finish with AgentStarted or fail with a cause."""
+def initialize(work: bmdb.Work, provider: Provider, settings: InitializerSettings,
+               known: Known | None = None) -> WorkflowResult:
+    """Start the agent on ``work``'s machine; finish with AgentStarted or fail with a cause.
+
+    ``known``: what ``read_known_in`` read in the transaction that adopted the claim
+    (``machine_work``); without it, it is read here."""
 
     def body() -> Callable[[bmdb.Tx], None]:
-        known = read_known(work)
+        nonlocal known
+        known = known or read_known(work)
+        # Its transaction has committed: the answer key it holds is the fleet's.
+        _remember_answer_key(work.session.db, known.answer_key)
         machine = reachable_machine(work, provider, settings.permanent_backoff,
                                     known.view.provided)
         pin = pin_for(work.machine_id, machine, known.view.host_key)
@@ -149,13 +155,22 @@ class Known(NamedTuple):
 
 
 def read_known(work: bmdb.Work) -> Known:
-    """Everything AgentStart reads from the BMDB, in one transaction and (once the
-    answer key is known) one statement: every round trip here is paid per machine.
+    """Everything AgentStart reads from the BMDB (``read_known_in``), in a transaction of
+    its own: for a claim made here, by hand; a dispatched claim's is read in the
+    transaction that adopts it (``machine_work``), one commit fewer per machine.
 
     Outside the session (``BMDB.read``): a session's transaction locks the session
     row, so even a read writes and its COMMIT waits for the WAL to reach the disk.
     Nothing read here needs the lease; the takeover checks it (``ensure_held``) right
     before acting, and the finish checks it again in its own transaction.
+    """
+    db = work.session.db
+    return db.read(lambda tx: read_known_in(tx, db, work.machine_id))
+
+
+def read_known_in(tx: bmdb.Tx, db: bmdb.BMDB, machine_id: uuid.UUID) -> Known:
+    """What AgentStart reads from the BMDB, in one statement once the answer key is
+    known: every round trip here is paid per machine.
 
     Why reading it all before the provider call is safe: while this claim is held,
     nothing else writes these rows. AgentStarted and the recorded host key change
@@ -165,14 +180,7 @@ def read_known(work: bmdb.Work) -> Known:
     takeover fails with a mismatch). The inventory's pin comes with the provider's
     answer, fresh.
     """
-    db = work.session.db
-
-    def read(tx: bmdb.Tx) -> Known:
-        return Known(bmdb.takeover_view(tx, work.machine_id), _answer_key(tx, db))
-
-    known = db.read(read)
-    _remember_answer_key(db, known.answer_key)
-    return known
+    return Known(bmdb.takeover_view(tx, machine_id), _answer_key(tx, db))
 
 
 #: The fleet's answer key (public half) per BMDB, once a transaction that read it has

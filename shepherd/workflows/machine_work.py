@@ -4,9 +4,10 @@ The rules, in one place (the Celery tasks ``shepherd.agent_start``,
 ``shepherd.recovery`` and ``shepherd.install`` are glue over ``run_machine_work``):
 
 * **Dispatched** (a work id, from sourcing or ``shepherd start``): the claim is
-  adopted into this process's session. A claim that is gone (adopted already: a
-  redelivered message; or released: dispatched too late) ends as ``gone``, the
-  machine untouched.
+  adopted into this process's session, and what the workflow needs from the BMDB is
+  read in the same transaction (one commit per machine fewer). A claim that is gone
+  (adopted already: a redelivered message; or released: dispatched too late) ends
+  as ``gone``, the machine untouched.
 * **By hand** (no work id): the machine is claimed now under the same rules as any
   named claim (``recovery_claims.claim_one``: Recovery under the fleet-wide hold,
   after the guard with its hourly budget); a refusal raises and touches nothing.
@@ -27,7 +28,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import bmdb
 from shepherd.power import PowerControl
@@ -35,7 +36,7 @@ from shepherd.providers.base import Provider, ProviderMachine
 from shepherd.workflows import guard
 from shepherd.workflows.common import NOT_OURS, WorkflowResult, fail
 from shepherd.workflows.guard import GuardDecision, GuardLimits
-from shepherd.workflows.initializer import InitializerSettings, initialize
+from shepherd.workflows.initializer import InitializerSettings, initialize, read_known_in
 from shepherd.workflows.installation import InstallationSettings, install
 from shepherd.workflows.recoverer import RecovererSettings, recover
 from shepherd.workflows.recovery_claims import RecoveryPaused, claim_one
@@ -44,6 +45,15 @@ log = logging.getLogger(__name__)
 
 Outcome = Literal["finished", "failed", "canceled", "gone", "paused", "lost"]
 OnDecision = Callable[[GuardDecision], None]
+
+
+class Workflow(NamedTuple):
+    """A process's workflow: ``run`` works the claim with what ``read`` read from the
+    BMDB in the transaction that adopted it (None for a claim made by hand, or a
+    process with no ``read``: its workflow reads for itself)."""
+
+    run: Callable[[bmdb.Work, Any], WorkflowResult]
+    read: Callable[[bmdb.Tx, bmdb.BMDB, uuid.UUID], Any] | None = None
 
 
 class MachineParts(Protocol):
@@ -94,11 +104,12 @@ def run_machine_work(parts: MachineParts, process: bmdb.Process, machine_id: uui
     ``bmdb.NotClaimable`` or ``RecoveryPaused`` when the machine cannot be claimed now.
     """
     workflow = _workflow(parts, process)
+    read = None
     if work_id is None:
         work = _claim_by_hand(parts, process, machine_id, on_decision)
     else:
         try:
-            work = parts.session.adopt(work_id, machine_id=machine_id, process=process)
+            work, read = _adopt(parts.session, workflow, process, machine_id, work_id)
         except bmdb.WorkGone:
             log.info("%s on %s: claim %s is gone (already adopted or released); nothing "
                      "done", process.value, machine_id, work_id)
@@ -110,21 +121,49 @@ def run_machine_work(parts: MachineParts, process: bmdb.Process, machine_id: uui
                 log.error("RECOVERY PAUSED, not rebooting %s: %s", machine_id, paused)
                 work.cancel(paused)
                 return MachineWorkResult(machine_id, process, work_id, "paused", paused)
-    return run(work, workflow)
+    return run(work, lambda adopted: workflow.run(adopted, read))
 
 
-def _workflow(parts: MachineParts,
-              process: bmdb.Process) -> Callable[[bmdb.Work], WorkflowResult]:
+def _workflow(parts: MachineParts, process: bmdb.Process) -> Workflow:
     """The workflow of ``process``; its provider and settings are built when it runs."""
     if process is bmdb.Process.AGENT_START:
-        return lambda work: initialize(work, parts.provider, parts.initializer_settings())
+        return Workflow(lambda work, known: initialize(
+            work, parts.provider, parts.initializer_settings(), known), read_known_in)
     if process is bmdb.Process.RECOVERY:
-        return lambda work: recover(work, parts.provider, parts.power_for,
-                                    parts.recoverer_settings())
+        return Workflow(lambda work, _: recover(work, parts.provider, parts.power_for,
+                                                parts.recoverer_settings()))
     if process is bmdb.Process.OS_INSTALL:
-        return lambda work: install(work, parts.installation_settings(), parts.provider,
-                                    parts.power_for)
+        return Workflow(lambda work, _: install(work, parts.installation_settings(),
+                                                parts.provider, parts.power_for))
     raise ValueError(f"no per-machine workflow for process {process.value!r}")
+
+
+def _adopt(session: bmdb.Session, workflow: Workflow, process: bmdb.Process,
+           machine_id: uuid.UUID, work_id: uuid.UUID) -> tuple[bmdb.Work, Any]:
+    """Adopt the claim ``work_id`` into ``session`` and read what ``workflow`` needs, in
+    one transaction (``WorkGone`` when the claim is not there to adopt).
+
+    Should the read fail, the transaction rolls back with it: the claim is then adopted
+    alone and the workflow reads for itself, so that the failure fails the claim with
+    its backoff instead of leaving it to the sweep, which would hand it out again at
+    once. Only a BMDB that cannot be reached, or a claim that is not ours, stops here.
+    """
+    read = workflow.read
+    if read is None:
+        return session.adopt(work_id, machine_id=machine_id, process=process), None
+
+    def body(tx: bmdb.Tx) -> tuple[bmdb.Work, Any]:
+        work = bmdb.adopt_work(tx, session, work_id, machine_id=machine_id, process=process)
+        return work, read(tx, session.db, work.machine_id)
+
+    try:
+        return session.transact(body)
+    except (*NOT_OURS, bmdb.Unavailable):
+        raise
+    except Exception:
+        log.exception("%s on %s: reading with the adoption failed; adopting alone",
+                      process.value, machine_id)
+        return session.adopt(work_id, machine_id=machine_id, process=process), None
 
 
 def _claim_by_hand(parts: MachineParts, process: bmdb.Process, machine_id: uuid.UUID,

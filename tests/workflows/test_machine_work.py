@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import bmdb
+from shepherd import answer_key
 from shepherd.power import PowerControl, ProviderPower
 from shepherd.providers.base import ConfigError, Provider, ProviderMachine, register_provided
 from shepherd.providers.equinix import EquinixProvider
@@ -213,6 +214,24 @@ def test_a_workflow_that_cannot_start_fails_the_claim_with_the_configured_backof
 
     assert result.outcome == "failed", result
     assert (result.cause or "").startswith("worker: ConfigError: SHEPHERD_PROVIDER=static")
+    assert result.backoff_seconds == CONFIGURED.initial
+    assert events(db, machine_id) == ["Failed", "Started"] and work_held(db) == 0
+
+
+def test_a_dispatched_claim_whose_reads_fail_is_failed_with_a_backoff(
+        db: bmdb.BMDB, parts: Parts, provider: EquinixProvider,
+        simulator: Simulator) -> None:
+    """AgentStart reads what it needs in the transaction that adopts its claim. Should
+    that read fail (here the fleet's answer key in the BMDB is not a key), the claim is
+    still adopted and failed with its backoff: never left for the sweep to release and
+    sourcing to hand out again at once."""
+    machine_id = provision(db, provider, simulator)
+    db.read(lambda tx: bmdb.ensure_server_key(tx, answer_key.KEY_NAME, b"not a key"))
+    work = dispatched(db, AGENT_START)
+
+    result = run_machine_work(parts, AGENT_START, machine_id, work.id)
+
+    assert result.outcome == "failed" and "ValueError" in (result.cause or ""), result
     assert result.backoff_seconds == CONFIGURED.initial
     assert events(db, machine_id) == ["Failed", "Started"] and work_held(db) == 0
 
