@@ -14,7 +14,7 @@ time over the heartbeat interval (``--interval``, 60 s: the default, a tenth of 
 10-minute heartbeat timeout).
 
     .venv/bin/python -m bench.agent_signing [--rounds 500] [--interval 60]
-        [--rootfs /var/cache/shepherd-tests/rootfs/bullseye-stock-...]
+        [--rootfs /var/cache/shepherd-tests/rootfs/bullseye-stock-...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=60.0)
     parser.add_argument("--rootfs", type=Path, action="append", default=[],
                         help="a stock root filesystem whose python3 to measure too")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temporary:
         bundle = Path(temporary) / BUNDLE_NAME
@@ -106,6 +107,15 @@ def main() -> None:
             for root in args.rootfs:
                 (root / "tmp" / "shepherd-agent-bench.pyz").unlink(missing_ok=True)
     report(results, args.interval)
+    if args.json:
+        args.json.write_text(json.dumps(as_json(results, args.interval), indent=1))
+
+
+def as_json(results: list[tuple[str, Measured]], interval: float) -> dict[str, object]:
+    """Each run's figures in seconds, and its share of one core at ``interval``."""
+    return {"interval_s": interval, "runs": [
+        {"run": label, **result._asdict(), "per_heartbeat_s": result.per_heartbeat,
+         "core_share": result.per_heartbeat / interval} for label, result in results]}
 
 
 def report(results: list[tuple[str, Measured]], interval: float) -> None:

@@ -7,12 +7,15 @@ is the median time of the claim's candidate query (backlog minus busy and
 backing-off machines), which is what every idle sourcing poll pays.
 
     .venv/bin/python -m bench.backlog_latency [--pg-url URL] [--sizes 10000 100000 1000000]
+        [--json FILE]
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 
 import bmdb
 from bench.common import arguments, postgres
@@ -79,9 +82,11 @@ def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, 
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     results: dict[Process, dict[int, float]] = {p: {} for p in (Process.AGENT_START,
                                                                Process.RECOVERY)}
+    figures: dict[int, dict[str, dict[str, float]]] = {}
     print(f"{'machines':>9} {'process':>20} {'library ms':>10} {'bare SQL ms':>11} {'found':>6}")
     for size in args.sizes:
         with postgres(args.pg_url) as url:
@@ -90,12 +95,18 @@ def main() -> None:
             for process, by_size in results.items():
                 library, bare, found = median_ms(db, process)
                 by_size[size] = bare
+                figures.setdefault(size, {})[process.value] = {
+                    "library_ms": library, "bare_ms": bare, "found": found}
                 print(f"{size:>9} {process.value:>20} {library:>10.3f} {bare:>11.3f} {found:>6}")
             db.close()
     smallest, largest = min(args.sizes), max(args.sizes)
+    ratios = {}
     for process, by_size in results.items():
-        ratio = by_size[largest] / by_size[smallest]
+        ratios[process.value] = ratio = by_size[largest] / by_size[smallest]
         print(f"{process.value}: bare SQL at {largest} vs {smallest} machines: {ratio:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"handful": HANDFUL, "sizes": figures,
+                                         "largest_to_smallest": ratios}, indent=1))
 
 
 if __name__ == "__main__":

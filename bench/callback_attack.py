@@ -13,13 +13,15 @@ twice: first alone, then while an attacker process holds
 Reported: the honest heartbeats' errors (aim: 0) and p99 latency (aim: <= 500 ms on
 a 2-core machine), and how many attack connections were held.
 
-    .venv/bin/python -m bench.callback_attack [--pg-url URL] [--requests 2000]
+    .venv/bin/python -m bench.callback_attack [--pg-url URL] [--requests 2000] [--clients 64]
+        [--slow 200] [--idle 20] [--json FILE]
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import ssl
@@ -30,7 +32,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 from bench.common import arguments, postgres
-from bench.heartbeat_ingest import HEADER, load, seed, serve, sign
+from bench.heartbeat_ingest import HEADER, load, seed, serve, sign, summary
 from tests.support.servers import self_signed
 
 
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--slow", type=int, default=200)
     parser.add_argument("--idle", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-attack-{uuid.uuid4().hex[:8]}"
     workdir.mkdir(parents=True)
@@ -138,6 +141,10 @@ def main() -> None:
     print(attacked.line(f"... with {args.slow} slow + {args.idle} idle"))
     print(f"attack connections held at once: {peak[0]} slow-header, {peak[1]} idle TCP "
           f"(aims: 0 errors, p99 <= 500 ms)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "alone": summary(calm), "attacked": summary(attacked),
+            "held": {"slow": peak[0], "idle": peak[1]}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,17 +5,20 @@ AgentStarted tag, in two transactions, as a worker does. The raw baseline sends
 the same statements (as the library emits them, written out by hand) through
 psycopg2 on one connection, with the same session check and the same commits.
 
-    .venv/bin/python -m bench.claim_throughput [--pg-url URL] [--seconds 10]
+    .venv/bin/python -m bench.claim_throughput [--pg-url URL] [--seconds 10] [--clients 1 2 4]
+        [--machines 40000] [--json FILE]
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import json
 import multiprocessing
 import secrets
 import time
 import uuid
+from pathlib import Path
 
 import psycopg2
 
@@ -134,16 +137,24 @@ def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--machines", type=int, default=40_000,
+                        help="awaiting AgentStart: more than the loops can claim in --seconds")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
+    figures: dict[int, dict[str, float]] = {}
     print(f"{'clients':>7} {'library m/s':>12} {'raw m/s':>9} {'ratio':>6}")
     for clients in args.clients:
         rates = {}
         for name, loop in (("raw", raw_loop), ("library", library_loop)):
             with postgres(args.pg_url) as url:
-                seed(url, 40_000)
+                seed(url, args.machines)
                 rates[name] = measure(loop, url, clients, args.seconds)
         ratio = rates["library"] / rates["raw"]
+        figures[clients] = {"library_per_s": rates["library"], "raw_per_s": rates["raw"],
+                            "ratio": ratio}
         print(f"{clients:>7} {rates['library']:>12.0f} {rates['raw']:>9.0f} {ratio:>6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"clients": figures}, indent=1))
 
 
 if __name__ == "__main__":
