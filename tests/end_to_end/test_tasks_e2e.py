@@ -158,8 +158,17 @@ def test_callback_server_outage_pauses_recovery(control_plane) -> None:
     cp.stop_callback_server()
     cp.wait_for(lambda c: c.heartbeating == 0, timeout=15, what="every agent silent")
     wait_until(lambda: "RECOVERY PAUSED" in cp.log("w1"), 10, "the pause in the log", cp)
-    paused = cp.client.send_task("shepherd.source", args=["ShepherdRecovery"]).get(timeout=20)
-    assert "callback server" in paused["paused"] and paused["guard"]["silent"] == 5, paused
+
+    def decided() -> dict | None:
+        """A sourcing's answer by hand; None while the beat's own sourcing holds the
+        process (``skipped``: no decision in it), as it does every 0.1 s here."""
+        answer = cp.client.send_task("shepherd.source", args=["ShepherdRecovery"]).get(
+            timeout=20)
+        return None if "skipped" in answer else answer
+
+    paused = wait_until(decided, 30, "a sourcing by hand that the beat's did not skip", cp)
+    assert "callback server" in paused.get("paused", ""), paused
+    assert paused["guard"]["silent"] == 5, paused
     time.sleep(2)  # a few more beats of sourcing while silent
 
     cp.start_callback_server()
