@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
 
 import bmdb
 from bench.common import arguments, postgres
@@ -82,7 +81,6 @@ def median_ms(db: bmdb.BMDB, process: Process, runs: int = 200) -> tuple[float, 
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     results: dict[Process, dict[int, float]] = {p: {} for p in (Process.AGENT_START,
                                                                Process.RECOVERY)}

@@ -110,7 +110,6 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--slow", type=int, default=200)
     parser.add_argument("--idle", type=int, default=20)
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-attack-{uuid.uuid4().hex[:8]}"
     workdir.mkdir(parents=True)

@@ -18,7 +18,6 @@ import multiprocessing
 import secrets
 import time
 import uuid
-from pathlib import Path
 
 import psycopg2
 
@@ -139,7 +138,6 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--machines", type=int, default=40_000,
                         help="awaiting AgentStart: more than the loops can claim in --seconds")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     figures: dict[int, dict[str, float]] = {}
     print(f"{'clients':>7} {'library m/s':>12} {'raw m/s':>9} {'ratio':>6}")

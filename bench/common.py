@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -18,11 +19,14 @@ if TYPE_CHECKING:
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
+    """The options every bench on PostgreSQL takes: where to run, and where to write its
+    figures as JSON (what ``tests/project/test_bench_*.py`` read)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--pg-url",
         help="an existing PostgreSQL server (admin URL); default: a throw-away one with fsync on",
     )
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     return parser
 
 

@@ -308,7 +308,6 @@ def main() -> int:
                         help="machines run before each figure of (b), not measured")
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds a figure's machines may take before the bench fails")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="only profile (a)'s pipeline (--warmup, then --machines "
                              "machines), keeping the profiles in DIR")

@@ -464,7 +464,6 @@ def main() -> None:
     parser.add_argument("--signers", type=int, default=1, help="signing worker processes")
     parser.add_argument("--server-env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="more settings for the servers (SHEPHERD_...)")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-bench-{uuid.uuid4().hex[:8]}"
     env = dict(item.split("=", 1) for item in args.server_env)

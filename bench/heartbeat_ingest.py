@@ -507,7 +507,6 @@ def main() -> None:
                              "CPU (cgroup quota; 0: skip)")
     parser.add_argument("--warmup", type=int, default=500,
                         help="heartbeats sent to each set of servers before measuring")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-bench-{uuid.uuid4().hex[:8]}"
     env = dict(item.split("=", 1) for item in args.server_env)

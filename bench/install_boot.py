@@ -60,7 +60,7 @@ The image is the end-to-end tests' stock Debian image (``--size`` MiB: its root
 filesystem needs about 300), each disk a loop device 64 MiB larger.
 
     .venv/bin/python -m bench.install_boot [--size 320] [--machines 8] [--cap 3]
-        [--shared N] [--pg-url URL] [--redis-url URL] [--dir /var/tmp] [--json]
+        [--shared N] [--pg-url URL] [--redis-url URL] [--dir /var/tmp] [--json FILE]
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -841,19 +840,20 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds any one wait may take")
     parser.add_argument("--dir", default="/var/tmp", help="where the disks' files go")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     shared = args.machines // 2 if args.shared is None else args.shared
     if args.machines < 1 or args.cap < 1 or not 0 <= shared <= args.machines:
         parser.error("--machines and --cap must be positive, --shared within --machines")
     reason = missing()
     if reason:
-        print(json.dumps({"skipped": reason}) if args.json else f"skipped: {reason}")
+        print(f"skipped: {reason}")
+        if args.json:
+            args.json.write_text(json.dumps({"skipped": reason}))
         return
     signal.signal(signal.SIGTERM, terminated)
 
     def say(line: str) -> None:
-        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+        print(line, flush=True)
 
     started = time.monotonic()
     with rack(args, say) as bench:
@@ -864,8 +864,7 @@ def main() -> None:
     result = {"one_machine": one, "at_once": many,
               "seconds": round(time.monotonic() - started, 1)}
     if args.json:
-        print(json.dumps(result, default=str))
-        return
+        args.json.write_text(json.dumps(result, default=str))
     print(json.dumps(result, default=str, indent=1))
     print("\n".join(table(one, many)))
 

@@ -789,7 +789,6 @@ def parse_args() -> argparse.Namespace:
                         help="10k and 100k only, no extra history (a smoke run)")
     parser.add_argument("--paths", default=",".join(p.key for p in PATHS),
                         help="which paths to time, comma-separated (default: all)")
-    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     args.paths = {p.strip() for p in args.paths.split(",") if p.strip()}

@@ -266,7 +266,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=updater.UpdaterSettings().batch_size)
     parser.add_argument("--old", help="a copy of the previous shepherd/workflows/updater.py")
     parser.add_argument("--only-old", action="store_true", help="time only --old")
-    parser.add_argument("--json", help="also write the figures to this file")
     args: argparse.Namespace = parser.parse_args()
     figures: list[Figures] = []
     with postgres(args.pg_url) as url:

@@ -9,45 +9,29 @@ there and positive, and that the bench leaves no loop device or file behind.
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.install import missing
+from tests.support.benches import run_bench
 
 pytestmark = pytest.mark.timeout(150)
 
-REPO = Path(__file__).resolve().parents[2]
 FIGURES = 6
 RUNS = ("raw_writer", "raw_pipeline", "zstd_writer", "zstd_pipeline", "downloads", "installs")
-
-
-def run_bench(pg_admin_url: str, directory: Path) -> dict[str, object]:
-    """The bench's JSON; on a hang, SIGTERM first so that it cleans up after itself."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.install", "--size", "32", "--machines", "2", "--json",
-         "--pg-url", pg_admin_url, "--dir", str(directory)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = process.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        stdout, stderr = process.communicate(timeout=30)
-        pytest.fail(f"the bench did not finish in 100 s: {stderr[-2000:]}")
-    assert process.returncode == 0, stderr[-2000:]
-    result: dict[str, object] = json.loads(stdout)
-    return result
 
 
 def test_the_bench_produces_every_figure(pg_admin_url: str, tmp_path: Path) -> None:
     reason = missing()
     if reason:
         pytest.skip(reason)
-    result = run_bench(pg_admin_url, tmp_path)
+    disks = tmp_path / "disks"
+    disks.mkdir()
+    result = run_bench("install", ["--size", "32", "--machines", "2", "--pg-url",
+                                   pg_admin_url, "--dir", str(disks)], tmp_path, timeout=100)
     figures = result["figures"]
     assert isinstance(figures, list) and len(figures) == FIGURES
     for figure in figures:
@@ -60,7 +44,7 @@ def test_the_bench_produces_every_figure(pg_admin_url: str, tmp_path: Path) -> N
     assert all(run["bytes"] >= 32 << 20 for run in details["runs"].values())
     for window in ("idle", "during_downloads", "during_installs"):
         assert details["heartbeats"][window]["count"] > 0, window
-    assert list(tmp_path.iterdir()) == [], "the bench left files behind"
+    assert list(disks.iterdir()) == [], "the bench left files behind"
     attached = subprocess.run(["losetup", "--list", "--noheadings", "-O", "BACK-FILE"],
                               capture_output=True, text=True, check=True).stdout
-    assert str(tmp_path) not in attached, "the bench left loop devices attached"
+    assert str(disks) not in attached, "the bench left loop devices attached"

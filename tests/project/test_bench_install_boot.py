@@ -11,40 +11,19 @@ check is not vacuous), and nothing left behind.
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bench.install_boot import STEPS, missing
+from tests.support.benches import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.stock_machines, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[2]
 #: The bench's own bound: one machine each way, then two at once, one after the other.
 BENCH_TIMEOUT = 200
-
-
-def run_bench(pg_admin_url: str, redis_url: str, directory: Path) -> dict[str, Any]:
-    """The bench's JSON; on a hang, SIGTERM first so that it cleans up after itself."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.install_boot", "--machines", "2", "--cap", "1",
-         "--shared", "1", "--timeout", "120", "--json", "--pg-url", pg_admin_url,
-         "--redis-url", redis_url, "--dir", str(directory)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = process.communicate(timeout=BENCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        stdout, stderr = process.communicate(timeout=60)
-        pytest.fail(f"the bench did not finish in {BENCH_TIMEOUT} s: {stderr[-2000:]}")
-    assert process.returncode == 0, stderr[-3000:]
-    result: dict[str, Any] = json.loads(stdout)
-    return result
 
 
 def positive(value: object) -> bool:
@@ -56,7 +35,12 @@ def test_the_bench_installs_one_machine_each_way_then_two_under_a_cap_of_one(
     reason = missing()
     if reason:
         pytest.skip(reason)
-    result = run_bench(pg_admin_url, redis_url, tmp_path)
+    disks = tmp_path / "disks"
+    disks.mkdir()
+    result = run_bench("install_boot", [
+        "--machines", "2", "--cap", "1", "--shared", "1", "--timeout", "120", "--pg-url",
+        pg_admin_url, "--redis-url", redis_url, "--dir", str(disks)], tmp_path,
+        timeout=BENCH_TIMEOUT)
 
     one = result["one_machine"]
     assert sorted(one["steps"]) == sorted(STEPS)
@@ -77,7 +61,7 @@ def test_the_bench_installs_one_machine_each_way_then_two_under_a_cap_of_one(
     assert many["most_in_flight"] == many["cap"] == 1
     assert many["bmc_overlaps"] == 0, many["bmcs"]
     assert all(bmc["calls"] > 0 for bmc in many["bmcs"].values()), many["bmcs"]
-    assert list(tmp_path.iterdir()) == [], "the bench left files behind"
+    assert list(disks.iterdir()) == [], "the bench left files behind"
     attached = subprocess.run(["losetup", "--list", "--noheadings", "-O", "BACK-FILE"],
                               capture_output=True, text=True, check=True).stdout
     assert str(tmp_path) not in attached, "the bench left loop devices attached"
