@@ -35,14 +35,23 @@ def agent_started(n: int):
     return lambda c: c.provided == n and c.agent_started == n
 
 
+def start_deployed_workers(cp: FaultPlane) -> None:
+    """The workers as deployed (``shepherd up``, the compose stack): ``control`` on the
+    control queue alone, ``w1`` on the machines queue, and the beat. The sweep's bound
+    (a sweep period and ``SWEEP_SLACK``) holds only where control work never waits for
+    a pool process that SSH work keeps busy (``celeryconfig.ROUTING``)."""
+    cp.start_worker("control", queues="shepherd.control")
+    cp.start_worker("w1", queues="shepherd.machines")
+    cp.start_beat()
+
+
 def test_worker_killed_mid_ssh_releases_the_machine_once(fault_plane) -> None:
     """SIGKILL the pool process that is in the middle of SSH to a machine: the machine is
     released (``Abandoned``) after the session interval and one sweep, and AgentStart is
     done on it later exactly once more; the redelivered message touches nothing."""
     cp: FaultPlane = fault_plane(reservations=3, SHEPHERD_SSH_CONNECT_TIMEOUT="10")
     cp.simulator.faults.set(ssh_latency=3.0)  # every SSH session waits 3 s for its banner
-    cp.start_worker("w1")
-    cp.start_beat()
+    start_deployed_workers(cp)
 
     def adopted_by_pool() -> tuple[uuid.UUID, int] | None:
         pools, holders = cp.pool_pids("w1"), cp.session_holders()
@@ -126,8 +135,7 @@ def test_postgres_restart_mid_run(fault_plane) -> None:
     not crash-loop, and the run completes."""
     cp: FaultPlane = fault_plane(reservations=6, own_pg=True)
     cp.simulator.faults.set(ssh_latency=1.0)
-    cp.start_worker("w1")
-    cp.start_beat()
+    start_deployed_workers(cp)
     cp.wait_for(lambda c: 1 <= c.agent_started < 6, timeout=60, what="a run in progress")
     sessions_before = set(cp.session_holders())
     assert cp.pg_server is not None
@@ -142,9 +150,10 @@ def test_postgres_restart_mid_run(fault_plane) -> None:
     assert worker_sessions and not worker_sessions & sessions_before, \
         "the workers did not re-establish their sessions"
     report = assert_invariants(cp, machines=6)
-    log = cp.log("w1")
-    assert "WorkerLostError" not in log and "exited with" not in log, \
-        "a pool process died (crash loop?)"
+    for worker in ("w1", "control"):
+        log = cp.log(worker)
+        assert "WorkerLostError" not in log and "exited with" not in log, \
+            f"a pool process of {worker} died (crash loop?)"
     record_recovery("PostgreSQL restarted", took, report)
 
 
@@ -238,8 +247,7 @@ def test_device_hanging_ssh_times_out_into_backoff(fault_plane) -> None:
     cp: FaultPlane = fault_plane(reservations=3,
                                  SHEPHERD_SSH_EXEC_TIMEOUT=str(exec_timeout))
     cp.simulator.faults.set(ssh_refused=True)  # nobody execs before the victim is chosen
-    cp.start_worker("w1")
-    cp.start_beat()
+    start_deployed_workers(cp)
     wait_until(lambda: len(cp.simulator.devices) == 3, 30, "3 devices", cp)
     victim_device = sorted(cp.simulator.devices)[0]
     cp.simulator.faults.set(victim_device, ssh_exec_hang=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import requests
+import sqlalchemy as sa
 
 import bmdb
 from shepherd.images import Image
@@ -204,7 +205,21 @@ class Rack:
             if wanted is None or wanted.generation < generation or wanted.pending:
                 return None
             return wanted.outcome
-        return wait_until(outcome, timeout, f"installation generation {generation}", self.cp)
+        return wait_until(outcome, timeout, lambda: self.stuck(machine_id, generation),
+                          self.cp)
+
+    def stuck(self, machine_id: uuid.UUID, generation: int) -> str:
+        """What a wait for an installation that never settled prints: the machine's
+        history, the other installations in flight (the cap) and the workers' errors."""
+        assert self.cp is not None
+        cp = self.cp
+        history = [f"{row['process']} {row['event']} {row['cause'] or ''}".strip()
+                   for row in self.history(machine_id)]
+        in_flight = [f"{row['machine_id']} {row['process']}" for row in cp.db.read(
+            lambda tx: tx.execute(sa.select(bmdb._schema.work)).all())]
+        return (f"installation generation {generation} of {machine_id}; its history: "
+                f"{history}; work in flight: {in_flight}; worker errors: "
+                f"{cp.log_problems('w1', 'beat')[-20:]}")
 
     def failure(self, machine_id: uuid.UUID, timeout: float = 300) -> str:
         """The cause of the machine's first failed installation."""

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.benches import assert_positive, run_bench
+from tests.support.benches import MARKS, assert_positive, run_bench
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [*MARKS, pytest.mark.timeout(120)]
 
 
 def test_the_bench_measures_both_paths(tmp_path: Path) -> None:

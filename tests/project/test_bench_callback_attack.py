@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.benches import assert_positive, run_bench
+from tests.support.benches import MARKS, assert_positive, run_bench
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [*MARKS, pytest.mark.timeout(150)]
 
 REQUESTS, SLOW, IDLE = 60, 4, 2
 

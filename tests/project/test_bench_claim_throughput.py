@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.benches import assert_positive, run_bench
+from tests.support.benches import MARKS, assert_positive, run_bench
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [*MARKS, pytest.mark.timeout(150)]
 
 
 def test_both_loops_claim_machines(pg_admin_url: str, tmp_path: Path) -> None:

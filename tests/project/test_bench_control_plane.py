@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.benches import run_bench
+from tests.support.benches import MARKS, run_bench
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [*MARKS, pytest.mark.timeout(300)]
 
 FIGURES = {"noop_tasks_per_s", "pipeline_machines_per_s", "nolookup_machines_per_s",
            "latency_1_workers_machines_per_s", "latency_3_workers_machines_per_s",

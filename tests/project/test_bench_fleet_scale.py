@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench.fleet_scale import Schedule, seed, simulate
+from tests.support.benches import MARKS
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [*MARKS, pytest.mark.timeout(240)]
 
 
 def test_the_schedule_spreads_each_agent_over_its_interval() -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from bench.install import missing
-from tests.support.benches import run_bench
+from tests.support.benches import MARKS, run_bench
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [*MARKS, pytest.mark.timeout(150)]
 
 FIGURES = 6
 RUNS = ("raw_writer", "raw_pipeline", "zstd_writer", "zstd_pipeline", "downloads", "installs")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from bench.install_boot import STEPS, missing
-from tests.support.benches import run_bench
+from tests.support.benches import MARKS, run_bench
 
-pytestmark = [pytest.mark.slow, pytest.mark.stock_machines, pytest.mark.timeout(240)]
+pytestmark = [*MARKS, pytest.mark.slow, pytest.mark.stock_machines, pytest.mark.timeout(240)]
 
 #: The bench's own bound: one machine each way, then two at once, one after the other.
 BENCH_TIMEOUT = 200

@@ -26,6 +26,9 @@ from bench.scale import PATHS, BenchProvider, Listing, Shape, grow_fleet, grow_h
 from bmdb import Event, Process
 from bmdb.tags import report_hostname
 from shepherd.workflows import updater
+from tests.support.benches import MARKS
+
+pytestmark = MARKS
 
 SIZE = 200
 SHAPE = Shape.for_fleet(SIZE)

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from bench.updater import EVERY, SCENARIOS
-from tests.support.benches import run_bench_printing
+from tests.support.benches import MARKS, run_bench_printing
+
+pytestmark = MARKS
 
 SIZE = 2000
 RUNS = 2

@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 
+from tests.support.workers import BENCHES
+
 REPO = Path(__file__).resolve().parents[2]
+#: Every bench test's marks: ``-m benches`` runs them alone; one at a time under xdist.
+MARKS = [pytest.mark.benches, BENCHES]
 
 
 def run_bench(module: str, args: list[str], directory: Path, timeout: float = 90) -> Any:

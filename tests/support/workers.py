@@ -44,6 +44,11 @@ RACK_DEVICES = pytest.mark.xdist_group("rack_devices")
 #: compared with them. So these never run beside each other; the compose stack has
 #: fixed published ports (8080, 8081, 5555) too, and the stock machines are chroots.
 HOST_NETWORK = pytest.mark.xdist_group("host_network")
+#: The benches at their tiny sizes (``tests/project/test_bench_*.py``): several drive the
+#: machine's cores flat out on purpose (a load generator against a server, no-op tasks as
+#: fast as Celery runs them), so two at once would starve each other and every
+#: time-bounded test beside them.
+BENCHES = pytest.mark.xdist_group("benches")
 #: The agent under a process limit, as the first user id no process runs as: two at
 #: once would pick the same user and count each other's processes.
 UNUSED_UID = pytest.mark.xdist_group("unused_uid")
