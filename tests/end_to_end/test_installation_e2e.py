@@ -215,8 +215,9 @@ class Rack:
         cp = self.cp
         history = [f"{row['process']} {row['event']} {row['cause'] or ''}".strip()
                    for row in self.history(machine_id)]
-        in_flight = [f"{row['machine_id']} {row['process']}" for row in cp.db.read(
-            lambda tx: tx.execute(sa.select(bmdb._schema.work)).all())]
+        work = bmdb._schema.work
+        in_flight = [f"{row.machine_id} {row.process}" for row in cp.db.read(
+            lambda tx: tx.execute(sa.select(work.c.machine_id, work.c.process)).all())]
         return (f"installation generation {generation} of {machine_id}; its history: "
                 f"{history}; work in flight: {in_flight}; worker errors: "
                 f"{cp.log_problems('w1', 'beat')[-20:]}")
