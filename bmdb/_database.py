@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from bmdb._types import AnyResult, db_now, sqlite_utcnow
 from bmdb.errors import BMDBError, CommitOutcomeUnknown, Unavailable
+from bmdb.urls import engine_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,11 +114,11 @@ def create_engine(url: str, pool_size: int = 5) -> Engine:
     ``pool_size``: PostgreSQL connections kept open (10 more may be opened at peaks);
     the caller's settings decide it, this package reads no environment.
     """
-    parsed = sa.make_url(url)
+    parsed = engine_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(url)
     return sa.create_engine(
-        url,
+        parsed,
         isolation_level="READ COMMITTED",  # the claim's re-check relies on it: see work.py
         # No pre-ping: it costs a round trip per transaction, and a dead pooled
         # connection already surfaces as a transient error that run_transaction retries.

@@ -24,10 +24,25 @@ class DatabaseURL:
     database: str | None
 
 
+#: What a URL naming PostgreSQL without a driver (``postgresql://user@host/db``, as libpq
+#: and every PostgreSQL tool write it) connects with: psycopg2, the driver Shepherd ships
+#: and is tested on. SQLAlchemy's own default for it became psycopg 3 in 2.1, which is not
+#: installed, so without this the URL operators write first failed on every request.
+POSTGRESQL = "postgresql+psycopg2"
+
+
+def engine_url(text: str) -> sa.URL:
+    """``text`` as the BMDB connects with it: SQLAlchemy's reading, with a bare
+    ``postgresql`` (or its alias ``postgres``) given its driver (``POSTGRESQL``)."""
+    url = sa.make_url(text)
+    return url.set(drivername=POSTGRESQL) if url.drivername in ("postgresql", "postgres") \
+        else url
+
+
 def parse_url(text: str) -> DatabaseURL:
-    """``text`` read as SQLAlchemy reads a database URL; ``BadURL`` if it is none."""
+    """``text`` read as the BMDB reads a database URL; ``BadURL`` if it is none."""
     try:
-        url = sa.make_url(text)
+        url = engine_url(text)
     except (sa.exc.ArgumentError, ValueError):
         raise BadURL("not a database URL") from None
     return DatabaseURL(url.drivername, url.username, url.password, url.database)

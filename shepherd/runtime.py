@@ -180,13 +180,22 @@ def backoffs(settings: Settings) -> dict[bmdb.Process, bmdb.Backoff]:
 
 
 def check_bmdb_url(url: str) -> None:
-    """``SettingsError`` for a BMDB URL whose user info SQLAlchemy would misread.
+    """``SettingsError`` for a BMDB URL whose user info SQLAlchemy would misread, or
+    whose database driver is not installed here.
 
     Why: with an unencoded '@' in the password, the rest of the password becomes the
     host, and every connection error (worker logs, task results, the CLI) would
-    print it. The URL is shown through ``redact_url`` only.
+    print it; a missing driver would fail every request of a process that had started
+    as if all was well. The URL is shown through ``redact_url`` only.
     """
     problem = database_url_problem(url)
+    if problem is None:
+        try:
+            bmdb.load_driver(bmdb.parse_url(url))
+        except (bmdb.UnknownDialect, bmdb.DriverMissing) as error:
+            problem = str(error)
+        except bmdb.BadURL:
+            problem = "not a database URL"
     if problem is not None:
         raise SettingsError(f"SHEPHERD_BMDB_URL={redact_url(url)!r}: {problem}")
 

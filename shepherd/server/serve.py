@@ -36,7 +36,7 @@ from starlette.routing import BaseRoute
 
 import bmdb
 from shepherd.config import Settings, SettingsError, parse_listen
-from shepherd.runtime import Runtime
+from shepherd.runtime import Runtime, check_bmdb_url
 from shepherd.server import asgi
 from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_context
 from shepherd.server.images import ImageRoute, bmdb_authorizer
@@ -285,6 +285,8 @@ def serve(settings: Settings, *, db: bmdb.BMDB | None = None) -> RunningServer:
     """Start the server ``settings`` describe, over a runtime built from the same
     settings (over ``db`` when given: tests, embedded use; ``stop()`` leaves it open)."""
     options = ServeOptions.from_settings(settings)  # refused before anything is opened
+    if db is None:
+        check_bmdb_url(settings.bmdb_url)  # not at the first request, in every request
     return start_server(Runtime(settings, COMPONENT, db=db), options)
 
 

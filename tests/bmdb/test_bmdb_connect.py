@@ -33,6 +33,23 @@ def test_pool_size_is_the_callers(pg_url: str, monkeypatch: pytest.MonkeyPatch) 
         db.close()
 
 
+def test_a_url_without_a_driver_connects_with_psycopg2(pg_url: str) -> None:
+    """``postgresql://`` (and ``postgres://``), as libpq and every PostgreSQL tool write
+    it, reaches the BMDB through the driver Shepherd ships, and the CLI's check of the URL
+    reads it the same way."""
+    assert pg_url.startswith("postgresql+psycopg2://")
+    for scheme in ("postgresql", "postgres"):
+        bare = scheme + pg_url.removeprefix("postgresql+psycopg2")
+        assert bmdb.parse_url(bare).drivername == "postgresql+psycopg2"
+        bmdb.load_driver(bmdb.parse_url(bare))
+        db = bmdb.connect(bare)
+        try:
+            db.ping()
+            assert db.engine.dialect.driver == "psycopg2"
+        finally:
+            db.close()
+
+
 def test_ping(db: bmdb.BMDB) -> None:
     db.ping()
 

@@ -428,6 +428,23 @@ def test_serve_main_runs_until_sigterm(sqlite_url: str, http: requests.Session) 
     assert big.status_code == 413
 
 
+@pytest.mark.parametrize("url, said", [
+    ("postgresql+pg8000://u:secret@127.0.0.1/db", "its driver 'pg8000' is not installed"),
+    ("nosuch://u:secret@127.0.0.1/db", "no database dialect 'nosuch'")])
+def test_serve_refuses_a_bmdb_url_it_could_not_connect_with(url: str, said: str) -> None:
+    """``shepherd serve`` stops at once with one line (exit 2), the password hidden,
+    instead of listening and failing every request that needs the BMDB."""
+    from tests.support.servers import free_port
+
+    argv = [sys.executable, "-m", "shepherd.server.serve", "--listen",
+            f"127.0.0.1:{free_port()}", "--bmdb-url", url]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "cannot start the callback server: SHEPHERD_BMDB_URL=" in done.stderr
+    assert said in done.stderr and "secret" not in done.stderr
+    assert "listening" not in done.stderr
+
+
 @pytest.mark.parametrize("half", [{"serve_tls_cert": "server.crt"},
                                   {"serve_tls_key": "server.key"}])
 def test_half_a_certificate_pair_is_refused_before_anything_starts(half: dict) -> None:
