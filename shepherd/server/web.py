@@ -243,7 +243,8 @@ class MachineRow:
     milliseconds, not a Jinja filter and lookup chain per cell. Not frozen: a frozen
     dataclass's ``__init__`` costs several times more, 500 times a page.
 
-    Every ``str`` field is HTML-escaped by ``of`` (``html.escape``, quotes included),
+    Every ``str`` field is HTML-escaped by ``of`` (``html.escape``, quotes included;
+    the two classes made of our own literals need none),
     and the template places the row with autoescape off: 12,000 autoescapes a page
     (each a ``Markup`` made) were a third of its time. ``tags`` and ``holds`` are
     ``Markup`` built with escaping (``_tag_cells``, ``_hold_cell``).

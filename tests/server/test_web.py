@@ -109,6 +109,8 @@ class Page(HTMLParser):
         self.text_parts: list[str] = []
         #: Every element's tag name seen (a ``script`` here would be an injected one).
         self.start_tags: set[str] = set()
+        #: Every attribute name seen (an ``onmouseover`` here would be an injected one).
+        self.attribute_names: set[str] = set()
         #: The attributes of every link, and the hidden inputs (name -> value).
         self.anchors: list[dict[str, str]] = []
         self.hidden_inputs: dict[str, str] = {}
@@ -126,6 +128,7 @@ class Page(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = {k: v or "" for k, v in attrs}
         self.start_tags.add(tag)
+        self.attribute_names.update(attributes)
         if tag == "a":
             self.anchors.append(attributes)
         if tag == "input" and attributes.get("type") == "hidden":
@@ -733,10 +736,18 @@ def test_the_hardware_report_is_tables_and_hostile_text_stays_text(web, browse) 
     assert page.by_id["hostname"] == HOSTILE
     assert "script" not in page.start_tags and "img" not in page.start_tags
     assert "HardwareReport" in {a["data-tag"] for a, _ in page.rows_with("data-tag")}
+    # A provider's words reach the list too: its device id and address.
+    hostile_provider = db.read(lambda tx: bmdb.create_machine(tx))
+    db.read(lambda tx: bmdb.upsert_provided(
+        tx, hostile_provider, provider="equinix", provider_id=f'x" onmouseover="{HOSTILE}',
+        provider_status="Running", address=HOSTILE))
     list_page = browse(f"{server.url}/machines")
     assert "script" not in list_page.start_tags and "img" not in list_page.start_tags
-    assert HOSTILE in {a["data-machine"]: t for a, t in list_page.rows_with("data-machine")
-                       }[str(fleet.healthy)]
+    rows = {a["data-machine"]: t for a, t in list_page.rows_with("data-machine")}
+    assert HOSTILE in rows[str(fleet.healthy)]
+    assert rows[str(hostile_provider)].count(HOSTILE) >= 2, rows[str(hostile_provider)]
+    assert f'x" onmouseover="{HOSTILE}' in rows[str(hostile_provider)]
+    assert "onmouseover" not in list_page.attribute_names
 
 
 def test_a_report_that_is_not_an_object_is_shown_not_failed(web, browse) -> None:
