@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,3 +67,31 @@ def fetch_one(cur: cursor) -> tuple[Any, ...]:
     row = cur.fetchone()
     assert row is not None
     return row
+
+
+def commits(url: str, others_gone_within: float = 0.0) -> int:
+    """The database's committed transactions so far (``pg_stat_database``).
+
+    A backend reports its counts at most once a second, and when it exits. So this
+    waits 1.2 s first; or, with ``others_gone_within``, up to that many seconds for
+    every other backend of the database to exit (the servers of a run that ended),
+    which makes the count exact.
+    """
+    import psycopg2
+
+    with contextlib.closing(psycopg2.connect(psycopg2_dsn(url))) as conn:
+        conn.autocommit = True
+        cur = conn.cursor()
+        if not others_gone_within:
+            time.sleep(1.2)
+        deadline = time.monotonic() + others_gone_within
+        while time.monotonic() < deadline:
+            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                        "current_database() AND pid <> pg_backend_pid()")
+            if fetch_one(cur)[0] == 0:
+                break
+            time.sleep(0.1)
+        cur.execute("SELECT pg_stat_clear_snapshot()")
+        cur.execute("SELECT xact_commit FROM pg_stat_database "
+                    "WHERE datname = current_database()")
+        return int(fetch_one(cur)[0])

@@ -55,11 +55,10 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bench.common import arguments, fetch_one, postgres, psycopg2_dsn
+from bench.common import arguments, commits, postgres
 from bench.heartbeat_ingest import Server, cpu_seconds, serve
 from bench.scale import Shape, grow_fleet, machine_id, vacuum
 from shepherd.agent import protocol
@@ -363,23 +362,8 @@ def generate(servers: Sequence[Server], fleet: Fleet, schedule: Schedule,
 # -- the measurements ----------------------------------------------------------------------------
 
 
-def commits(url: str, settle: float = 30.0) -> int:
-    """The bench database's committed transactions, once no other backend is on it
-    (a backend flushes its statistics when it exits)."""
-    with contextlib.closing(psycopg2.connect(psycopg2_dsn(url))) as conn:
-        conn.autocommit = True
-        cur = conn.cursor()
-        deadline = time.monotonic() + settle
-        while time.monotonic() < deadline:
-            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                        "current_database() AND pid <> pg_backend_pid()")
-            if fetch_one(cur)[0] == 0:
-                break
-            time.sleep(0.1)
-        cur.execute("SELECT pg_stat_clear_snapshot()")
-        cur.execute("SELECT xact_commit FROM pg_stat_database "
-                    "WHERE datname = current_database()")
-        return int(fetch_one(cur)[0])
+#: How long the commit count waits for the servers' backends to exit (``commits``).
+SETTLE = 30.0
 
 
 def percentile(values: Sequence[float], share: float) -> float:
@@ -396,7 +380,7 @@ def simulate(url: str, fleet: Fleet, interval: float, duration: float,
     The same load runs ``warmup`` seconds before, not measured: a server starts its
     BMDB session and fills its connection pool at its first heartbeats."""
     schedule = Schedule.spread(len(fleet.numbers), interval, warmup + duration)
-    before_commits = commits(url)
+    before_commits = commits(url, others_gone_within=SETTLE)
     with contextlib.ExitStack() as stack:
         running = [stack.enter_context(serve(url, workdir, f"server-{k}", env))
                    for k in range(servers)]
@@ -407,7 +391,8 @@ def simulate(url: str, fleet: Fleet, interval: float, duration: float,
                     cpu_seconds(postgres_pid, children=True) if postgres_pid else math.nan)
 
         generated = generate(running, fleet, schedule, signers, warmup, probe)
-    committed = commits(url) - before_commits  # over the warm-up too: see below
+    # Over the warm-up too: see below.
+    committed = commits(url, others_gone_within=SETTLE) - before_commits
     every = generated.sent.heartbeats
     measured = [h for h in every if h[0] >= warmup]
     outcomes = Counter(outcome for *_, outcome in measured)

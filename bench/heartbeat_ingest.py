@@ -59,7 +59,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 import bmdb
-from bench.common import arguments, fetch_one, postgres, psycopg2_dsn
+from bench.common import arguments, commits, fetch_one, postgres, psycopg2_dsn
 from shepherd.agent.protocol import (
     HEADER_MACHINE,
     HEADER_SIGNATURE,
@@ -307,18 +307,6 @@ def load(servers: Sequence[Server], per_client: list[list[Heartbeat]],
         cpu["postgres"] = cpu_seconds(postgres_pid, children=True) - before[1]
     committed = commits(database) - before[2] if database else None
     return Outcome(elapsed, latencies, statuses, cpu, committed)
-
-
-def commits(url: str) -> int:
-    """The database's commits so far (``pg_stat_database``). Backends report their
-    counts at most once a second, so this waits that long first: a reading taken
-    right after a burst would miss its last second."""
-    time.sleep(1.2)
-    with contextlib.closing(psycopg2.connect(psycopg2_dsn(url))) as conn, \
-            conn.cursor() as cur:
-        cur.execute("SELECT xact_commit FROM pg_stat_database "
-                    "WHERE datname = current_database()")
-        return int(fetch_one(cur)[0])
 
 
 # -- the server ----------------------------------------------------------------------------------
