@@ -69,6 +69,7 @@ import base64
 import contextlib
 import http.client
 import json
+import logging
 import os
 import re
 import selectors
@@ -110,6 +111,8 @@ from tests.support.celery_fixtures import ENDS, ControlPlane
 from tests.support.disk_images import MIB, ROOT_NAME, OsImage, os_image, partitions
 from tests.support.servers import listening
 from tests.support.waiting import wait_until
+
+log = logging.getLogger(__name__)
 
 OS_INSTALL = bmdb.Process.OS_INSTALL.value
 IMAGE = "bookworm"
@@ -515,24 +518,39 @@ class HttpRelay:
         self._thread.join(timeout=5)
 
     def forward(self, handler: BaseHTTPRequestHandler) -> None:
+        """Relay one request. When the emulator cannot be asked or answered nothing,
+        the client gets a 502 saying why (as any proxy would), never a dropped
+        connection, which would hide the cause behind "Remote end closed connection".
+
+        A request that says "Connection: close" gets it said back (RFC 9112, 9.6):
+        the relay closes that connection after answering, and a client not told so
+        keeps it for its next request (sushy's PATCH after its GET does), which then
+        meets the close and fails with "Remote end closed connection without
+        response", three attempts in a row on a busy machine."""
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else None
         headers = {name: value for name, value in handler.headers.items()
                    if name.lower() not in HOP_BY_HOP}
         connection = http.client.HTTPConnection(self.host, self.target_port, timeout=60)
+        first = time.monotonic()
         try:
-            first = time.monotonic()
             connection.request(handler.command, handler.path, body=body, headers=headers)
             answer = connection.getresponse()
-            data = answer.read()
-            last = time.monotonic()
+            status, answer_headers, data = answer.status, answer.getheaders(), answer.read()
+        except (OSError, http.client.HTTPException) as error:
+            log.warning("relay %s: %s %s: the emulator: %r", self.url, handler.command,
+                        handler.path, error)
+            status, answer_headers = 502, [("Content-Type", "text/plain")]
+            data = f"relay: the emulator: {error!r}\n".encode()
         finally:
             connection.close()
         with self._lock:
             self.calls.append(Call(f"{handler.client_address[0]}:{handler.client_address[1]}",
-                                   first, last))
-        handler.send_response(answer.status)
-        for name, value in answer.getheaders():
+                                   first, time.monotonic()))
+        handler.send_response(status)
+        if handler.close_connection:  # the client said "Connection: close"
+            handler.send_header("Connection", "close")
+        for name, value in answer_headers:
             if name.lower() not in HOP_BY_HOP:
                 handler.send_header(name, value.replace(self.target, self.url))
         handler.send_header("Content-Length", str(len(data)))

@@ -27,12 +27,17 @@ Additions of ours (the first two optional):
 * Systems that *ignore boot overrides* (``ignore_boot=`` or ``set_ignore_boot``): a
   PATCH of ``Boot.BootSourceOverrideTarget`` is answered 204 and never applied, the
   BMC that lies about the next boot. Wrapped the same way as frozen systems.
+
+And one repair (``_atomic_driver``): the fake driver's reads and changes of a system
+are made atomic, so that no acknowledged reset is lost (a real BMC loses none).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -437,6 +442,35 @@ def _boot_ignoring_driver() -> None:
     FakeDriver.set_boot_device = set_boot_device
 
 
+def _atomic_driver() -> None:
+    """Run each of the fake driver's methods under one lock of the emulator process.
+
+    Why: the fake driver changes a system by reading it whole from SQLite, changing
+    it and writing it back, and even a *read* writes (it lands a pending reset), while
+    Flask serves each request on a thread of its own. Two at once lose one write: a
+    read that lands a pending power off, begun before a power on is asked and written
+    after it, leaves the system Off with nothing pending, and the acknowledged power
+    on never happens. Slow writes (a busy disk) widen that window to seconds.
+    Idempotent: wrapping twice would only nest the same lock."""
+    from sushy_tools.emulator.resources.systems.fakedriver import FakeDriver
+
+    if getattr(FakeDriver, "_shepherd_atomic", False):
+        return
+    lock = threading.RLock()
+
+    def under_lock(method: Any) -> Any:
+        @functools.wraps(method)
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return method(*args, **kwargs)
+        return locked
+
+    for name, value in list(vars(FakeDriver).items()):
+        if inspect.isfunction(value) and not name.startswith("__"):
+            setattr(FakeDriver, name, under_lock(value))
+    FakeDriver._shepherd_atomic = True
+
+
 def _uuids_in(path: str | None) -> set[str]:
     """The uuids a ``_write_uuids`` file lists; none when there is no such file."""
     try:
@@ -452,6 +486,7 @@ def main() -> int:
 
     _freezable_driver()
     _boot_ignoring_driver()
+    _atomic_driver()  # last: its lock covers the two wrappers above
     return int(emulator.main() or 0)
 
 

@@ -257,7 +257,8 @@ def redfish(bmc: RedfishBmc, method: str, suffix: str, body: dict[str, object]) 
 
 
 def ssh(machine: BootableMachine, key_path: Path, command: str) -> str:
-    """``command``'s output as root on the machine, logged in with the test's key."""
+    """``command``'s output as root on the machine, logged in with the test's key.
+    A refused or dropped login fails with the machine's log (its sshd's own word)."""
     client = paramiko.SSHClient()
     client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
     try:
@@ -266,6 +267,8 @@ def ssh(machine: BootableMachine, key_path: Path, command: str) -> str:
                        timeout=10)
         _, stdout, _ = client.exec_command(command, timeout=20)
         return stdout.read().decode().strip()
+    except paramiko.SSHException as error:
+        raise AssertionError(f"ssh to {machine}: {error}; its log:\n{machine.log()}") from error
     finally:
         client.close()
 

@@ -297,3 +297,44 @@ def test_the_emulator_rejects_bad_systems() -> None:
                          ("x", "11111111-2222-3333-4444-555555555556", "On")])
     with pytest.raises(ValueError, match="both username and password"):
         RedfishEmulator([("x", "11111111-2222-3333-4444-555555555555", "On")], username="a")
+
+
+def test_the_emulator_loses_no_reset_to_a_read_landing_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read lands a pending power off, and its write is slow (a busy disk); a power
+    on asked meanwhile must stay pending. The fake driver alone writes the read's
+    stale copy last and loses it: a BMC that never powers on what it acknowledged
+    (``_atomic_driver``). In process, so that the slow write can be made to happen."""
+    from sushy_tools.emulator.memoize import PersistentDict
+    from sushy_tools.emulator.resources.systems.fakedriver import FakeDriver
+
+    for name, value in list(vars(FakeDriver).items()):  # restored after the test
+        monkeypatch.setattr(FakeDriver, name, value)
+    monkeypatch.setattr(FakeDriver, "_shepherd_atomic", False, raising=False)
+    emulator_module._atomic_driver()
+    uuid = "11111111-2222-3333-4444-555555555555"
+    FakeDriver.initialize({"SUSHY_EMULATOR_STATE_DIR": str(tmp_path),
+                           "SUSHY_EMULATOR_FAKE_SYSTEMS": [
+                               {"uuid": uuid, "name": "node-1", "power_state": "On"}]},
+                          logging.getLogger(__name__))
+    driver = FakeDriver()
+    driver._update(uuid, pending_power={"power_state": "Off", "apply_time": 0})
+
+    writing = threading.Event()
+    write = PersistentDict.__setitem__
+
+    def slow_from_the_reader(self: PersistentDict, key: object, value: object) -> None:
+        if threading.current_thread().name == "reader":
+            writing.set()
+            time.sleep(0.5)
+        write(self, key, value)
+
+    monkeypatch.setattr(PersistentDict, "__setitem__", slow_from_the_reader)
+    reader = threading.Thread(target=driver.get_power_state, args=(uuid,), name="reader")
+    reader.start()
+    assert writing.wait(10)
+    driver.set_power_state(uuid, "On")
+    reader.join(10)
+    system = driver._systems[uuid]  # as stored: reading through the driver would land it
+    assert system["power_state"] == "Off"
+    assert (system["pending_power"] or {}).get("power_state") == "On", system
