@@ -20,6 +20,7 @@ kept text ends with a note saying how much was dropped.
 from __future__ import annotations
 
 import io
+import logging
 import posixpath
 import select
 import threading
@@ -69,6 +70,22 @@ class NoSftp(RemoteError):
     sftp-server through the login shell, so a shell that runs no commands (nologin)
     shows up here first, as do a missing sftp-server and a shell that prints a banner."""
 
+
+class _AtDebug(logging.Filter):
+    """Every record passes, demoted to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+#: Where our SSH clients' paramiko transports log. paramiko logs a peer that never
+#: sends its banner (a hung machine: rung 0's everyday case) at ERROR, with its
+#: traceback one record per line, from its own thread; ``Remote`` raises the same
+#: failure as one classified line that the workflow records at the level it deserves.
+#: So paramiko's account is kept for whoever turns DEBUG on, and no louder.
+TRANSPORT_LOG = logging.getLogger(__name__ + ".transport")
+TRANSPORT_LOG.addFilter(_AtDebug())
 
 #: Bytes of stdout, and of stderr, kept from one command; the rest is read and dropped.
 OUTPUT_CAP = 1 << 20
@@ -151,6 +168,7 @@ class Remote:
         )
         self._policy = _PinPolicy(f"{address}:{port}", host_key)
         self.connection.client.set_missing_host_key_policy(self._policy)
+        self.connection.client.set_log_channel(TRANSPORT_LOG.name)
 
     @property
     def host_key(self) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict, Unpack
 
+import paramiko
 import pytest
 
 from shepherd.os_processes import marked_processes as find_processes
@@ -17,6 +19,7 @@ from shepherd.providers import ssh_keys
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.remote import (
     OUTPUT_CAP,
+    TRANSPORT_LOG,
     AuthenticationFailed,
     ConnectionRefused,
     ConnectTimeout,
@@ -131,6 +134,31 @@ def test_hung_device_times_out_on_connect(provider: EquinixProvider, simulator: 
     elapsed = time.monotonic() - started
     assert 0.4 <= elapsed < 2.0, elapsed  # the connect timeout, not the exec timeout
     remote.close()
+
+
+def test_a_hung_device_is_one_line_not_a_logged_traceback(
+        provider: EquinixProvider, simulator: Simulator, device: str, ssh_key: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rung 0's everyday failure: paramiko's own account ("Error reading SSH protocol
+    banner" and its traceback, one ERROR record per line) is kept at DEBUG only; what
+    is said is the one classified line."""
+    simulator.faults.set(device_id=device, ssh_hang=True)
+    caplog.set_level(logging.DEBUG)
+    remote = _remote(provider, device, ssh_key, connect_timeout=0.5)
+    before = set(threading.enumerate())
+    with pytest.raises(ConnectTimeout) as raised:
+        remote.connect()
+    remote.close()
+    for transport in set(threading.enumerate()) - before:  # paramiko logs from it as it ends
+        if isinstance(transport, paramiko.Transport):
+            transport.join(10)
+            assert not transport.is_alive()
+    assert "\n" not in str(raised.value) and "no SSH session" in str(raised.value)
+    loud = [f"{r.name} {r.levelname}: {r.getMessage()}" for r in caplog.records
+            if r.levelno >= logging.INFO and r.name.startswith(("paramiko", "shepherd.remote"))]
+    assert loud == []
+    details = [r.getMessage() for r in caplog.records if r.name == TRANSPORT_LOG.name]
+    assert any("banner" in message for message in details), details
 
 
 def test_long_command_times_out_on_exec(provider: EquinixProvider, simulator: Simulator,
