@@ -98,6 +98,7 @@ from bmdb.inspection import (
     BackoffInfo,
     MachineFilter,
     MachineList,
+    MachineName,
     MachineSummary,
     SessionInfo,
     StoredJSON,
@@ -110,6 +111,8 @@ from bmdb.inspection import (
     machine_created_at,
     machine_tags_as_stored,
     machine_work,
+    machines_by_id_prefix,
+    machines_by_provider_id,
 )
 from bmdb.installations import STEPS as INSTALLATION_STEPS
 from bmdb.installations import InFlight, Installation, Reported, Wanted, served_image_in_flight
@@ -244,6 +247,7 @@ __all__ = [
     "MachineFilter",
     "MachineInBackoff",
     "MachineList",
+    "MachineName",
     "MachineSummary",
     "MigrationRefused",
     "NotClaimable",
@@ -328,6 +332,8 @@ __all__ = [
     "machine_tags",
     "machine_tags_as_stored",
     "machine_work",
+    "machines_by_id_prefix",
+    "machines_by_provider_id",
     "mark_provided_missing",
     "next_interval",
     "open_listing",

@@ -139,6 +139,43 @@ def machine_created_at(tx: Tx, machine_id: uuid.UUID) -> dt.datetime | None:
                       ).scalar_one_or_none()
 
 
+@dataclass(frozen=True)
+class MachineName:
+    """A machine and the names operators know it by: its provider's id (an inventory's
+    own name for it, ``rack1-u01``, or a cloud's device id). None when not Provided."""
+
+    machine_id: uuid.UUID
+    provider: str | None
+    provider_id: str | None
+
+
+def machines_by_provider_id(tx: Tx, provider_id: str, limit: int = 10) -> list[MachineName]:
+    """Machines whose provider id is ``provider_id``, of any provider (each provider's
+    are unique; two providers may share one), at most ``limit``."""
+    p = schema.provided
+    rows = tx.execute(sa.select(p.c.machine_id, p.c.provider, p.c.provider_id)
+                      .where(p.c.provider_id == provider_id)
+                      .order_by(p.c.provider, p.c.machine_id).limit(limit)).all()
+    return [MachineName(*row) for row in rows]
+
+
+def machines_by_id_prefix(tx: Tx, hex_prefix: str, limit: int = 10) -> list[MachineName]:
+    """Machines whose id starts with ``hex_prefix`` (hex digits, no hyphens), at most
+    ``limit``, in id order. A range of ids, not a text match, so the primary key's
+    index finds them at any fleet size."""
+    digits = hex_prefix.lower()
+    if not 0 < len(digits) <= 32 or any(c not in "0123456789abcdef" for c in digits):
+        raise ValueError(f"not a hex prefix of a machine id: {hex_prefix!r}")
+    low = uuid.UUID(digits.ljust(32, "0"))
+    high = uuid.UUID(digits.ljust(32, "f"))
+    m, p = schema.machines, schema.provided
+    rows = tx.execute(sa.select(m.c.id, p.c.provider, p.c.provider_id)
+                      .select_from(m.outerjoin(p, p.c.machine_id == m.c.id))
+                      .where(m.c.id.between(low, high))
+                      .order_by(m.c.id).limit(limit)).all()
+    return [MachineName(*row) for row in rows]
+
+
 def _tag_counts(states: dict[int, int]) -> dict[str, int]:
     """Machines carrying each tag, in ``TAG_TABLES`` order."""
     return {name: counters.machines_with(states, _TAG_BIT[name]) for name in TAG_TABLES}

@@ -25,7 +25,7 @@ from shepherd.providers.base import ProviderError
 
 
 def clear_backoff(ctx: Context) -> int:
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     process = operations.parse_process(ctx.args.process)
     cleared = operations.clear_backoff(ctx.runtime.session, machine_id, process)
     ctx.emit({"machine": machine_id, "process": process.value, "cleared": cleared},
@@ -35,7 +35,7 @@ def clear_backoff(ctx: Context) -> int:
 
 def start(ctx: Context) -> int:
     process = operations.parse_process(ctx.args.process, operations.BACKLOG_PROCESSES)
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     wait = ctx.args.wait if ctx.args.wait is not None else ctx.settings.dispatch_ttl
     workers = ctx.workers()  # before the claim: no workers, nothing claimed
     session = ctx.runtime.session
@@ -102,7 +102,7 @@ def actor(ctx: Context) -> str:
 
 
 def maintenance(ctx: Context) -> int:
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     session = ctx.runtime.session
     if ctx.args.state == "on":
         if ctx.args.reason is None:
@@ -117,7 +117,7 @@ def maintenance(ctx: Context) -> int:
 
 
 def quarantine(ctx: Context) -> int:
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     change = operations.clear_quarantine(ctx.runtime.session, machine_id, actor(ctx),
                                        ctx.args.reason or "")
     ctx.emit(change, lambda: render.hold_change(change))
@@ -127,7 +127,7 @@ def quarantine(ctx: Context) -> int:
 def host_key(ctx: Context) -> int:
     """``host-key forget``: refused (exit 1) when the inventory itself pins the key, as
     forgetting the BMDB's copy would change nothing."""
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     session = ctx.runtime.session
     who = actor(ctx)
     provided = operations.provided_at(session, machine_id)

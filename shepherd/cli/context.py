@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,15 @@ class Context:
         if getattr(self.args, "bmdb_url", None):
             return "--bmdb-url"
         return config.source_of("SHEPHERD_BMDB_URL") or "the default"
+
+    def machine_id(self, text: str | None = None) -> uuid.UUID:
+        """The machine the command names (``args.machine`` unless ``text``): its UUID
+        at once, else resolved in one read (``operations.resolve_machine``)."""
+        name = self.args.machine if text is None else text
+        try:
+            return uuid.UUID(name.strip())
+        except ValueError:
+            return self.db.read(lambda tx: operations.resolve_machine(tx, name))
 
     def emit(self, data: Any, text: Callable[[], str]) -> None:
         """``data`` as one JSON document with ``--json``, else ``text()`` for people."""

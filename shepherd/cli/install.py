@@ -17,7 +17,7 @@ from shepherd.providers.base import ProviderError
 
 def install(ctx: Context) -> int:
     args = ctx.args
-    machine_id = operations.parse_machine_id(args.machine)
+    machine_id = ctx.machine_id()
     session = ctx.runtime.session
     if args.cancel:
         if args.image is not None or args.disk is not None:

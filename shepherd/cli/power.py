@@ -29,7 +29,7 @@ from shepherd.runtime import recoverer_settings
 def power(ctx: Context) -> int:
     command = ctx.args.command
     _check_arguments(command, ctx.args)
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     runtime = ctx.runtime
     who = actor(ctx)
     try:

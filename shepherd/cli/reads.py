@@ -30,7 +30,7 @@ def machines(ctx: Context) -> int:
 
 
 def show(ctx: Context) -> int:
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     history = ctx.args.history
     detail = ctx.db.read(lambda tx: operations.show_machine(tx, machine_id, history))
     ctx.emit(detail, lambda: render.show(detail))
@@ -38,7 +38,7 @@ def show(ctx: Context) -> int:
 
 
 def explain(ctx: Context) -> int:
-    machine_id = operations.parse_machine_id(ctx.args.machine)
+    machine_id = ctx.machine_id()
     found = operations.explain_machine(ctx.db, machine_id, ctx.guard_limits())
     data = {**operations.jsonable(found),
             "processes": [{**operations.jsonable(p), "claimable": p.claimable,

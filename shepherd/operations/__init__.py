@@ -30,10 +30,10 @@ from shepherd.operations.arguments import (
     UnknownMachine,
     machine_filter,
     parse_limit,
-    parse_machine_id,
     parse_process,
     parse_process_filter,
     parse_tag,
+    resolve_machine,
     short_tag,
 )
 from shepherd.operations.backoffs import clear_backoff
@@ -116,7 +116,6 @@ __all__ = [
     "list_sessions",
     "machine_filter",
     "parse_limit",
-    "parse_machine_id",
     "parse_process",
     "parse_process_filter",
     "parse_tag",
@@ -128,6 +127,7 @@ __all__ = [
     "put_maintenance",
     "refusal_text",
     "refusals",
+    "resolve_machine",
     "short_tag",
     "show_machine",
     "status_text",

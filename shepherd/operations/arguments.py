@@ -35,13 +35,45 @@ class UnknownMachine(BadArgument):
         self.machine_id = machine_id
 
 
-def parse_machine_id(text: str) -> uuid.UUID:
-    """A BMDB machine id from its canonical UUID text (with or without hyphens)."""
+#: Candidates named when a machine name is ambiguous.
+CANDIDATES_SHOWN = 10
+#: The shortest UUID prefix taken as a name: fewer digits match too much to be meant.
+MIN_PREFIX = 4
+_HEX = frozenset("0123456789abcdef")
+
+
+def resolve_machine(tx: bmdb.Tx, text: str) -> uuid.UUID:
+    """The machine ``text`` names, as operators name machines: its UUID, its provider's
+    or inventory's id (``rack1-u01``), or a unique prefix of its UUID (at least
+    ``MIN_PREFIX`` hex digits; hyphens ignored). In that order: an id that a provider
+    gave wins over a prefix it happens to spell. ``BadArgument`` when nothing matches,
+    or when several do (they are listed, so the operator can pick one)."""
+    name = text.strip()
     try:
-        return uuid.UUID(text.strip())
-    except (ValueError, AttributeError):
-        raise BadArgument(f"{text!r} is not a machine id (a UUID like "
-                          "0f8e5c3a-7b1d-4c2e-9a6f-3d2b1c0e9f8a)") from None
+        return uuid.UUID(name)
+    except ValueError:
+        pass
+    if not name:
+        raise BadArgument("no machine named: give a machine id, a provider or inventory "
+                          "id, or a UUID prefix")
+    found = bmdb.machines_by_provider_id(tx, name, CANDIDATES_SHOWN + 1)
+    digits = name.lower().replace("-", "")
+    if not found and len(digits) >= MIN_PREFIX and set(digits) <= _HEX:
+        found = bmdb.machines_by_id_prefix(tx, digits, CANDIDATES_SHOWN + 1)
+    if len(found) == 1:
+        return found[0].machine_id
+    if not found:
+        raise BadArgument(f"no machine named {name!r} (by UUID, provider or inventory id, "
+                          f"or a UUID prefix of at least {MIN_PREFIX} hex digits)")
+    listed = ", ".join(_candidate(m) for m in found[:CANDIDATES_SHOWN])
+    more = " and more" if len(found) > CANDIDATES_SHOWN else ""
+    raise BadArgument(f"{name!r} names several machines: {listed}{more}; give the UUID")
+
+
+def _candidate(machine: bmdb.MachineName) -> str:
+    if machine.provider is None:
+        return str(machine.machine_id)
+    return f"{machine.machine_id} ({machine.provider} {machine.provider_id})"
 
 
 def _normalise(name: str) -> str:

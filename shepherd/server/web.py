@@ -499,15 +499,15 @@ class WebView:
                            processes=[p.value for p in bmdb.Process])
 
     def machine_page(self, query: PageQuery, machine: str) -> str:
-        try:
-            machine_id = operations.parse_machine_id(machine)
-        except operations.BadArgument as error:
-            raise Refused(404, str(error)) from None
+        """``machine``: its UUID, provider or inventory id, or a UUID prefix
+        (``operations.resolve_machine``); one that names nothing, or several, is a 404
+        saying so."""
         db = self.db
         callback = self.checked_callback()  # HTTP (or its cached answer): before the read
 
         def read(tx: bmdb.Tx) -> tuple[operations.MachineDetail, operations.Explanation,
                                        bmdb.Glance | None, Banner]:
+            machine_id = operations.resolve_machine(tx, machine)
             detail = operations.show_machine(tx, machine_id, HISTORY_ROWS)
             why = operations.explain(tx, machine_id, db.thresholds, self.limits, callback)
             # The banner's guard decision is the one explain just made: not asked twice.
@@ -516,7 +516,7 @@ class WebView:
 
         try:
             detail, why, look, banner = db.read(read)
-        except operations.UnknownMachine as error:
+        except operations.BadArgument as error:  # an unknown machine too
             raise Refused(404, str(error)) from None
         provided = detail.tags.get("Provided") or {}
         report = (detail.tags.get("HardwareReport") or {}).get("report")

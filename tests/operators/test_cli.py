@@ -204,7 +204,7 @@ def test_show_has_tags_work_backoffs_and_history_newest_first(fleet: Fleet, caps
 @pytest.mark.parametrize("command", ["show", "explain"])
 def test_bad_machine_ids_are_one_line_and_status_2(fleet: Fleet, capsys, command: str) -> None:
     status, out, err = run(capsys, command, "not-a-uuid")
-    assert "'not-a-uuid' is not a machine id" in one_line_error(err, status)
+    assert "no machine named 'not-a-uuid'" in one_line_error(err, status)
     assert out == ""
     status, _, err = run(capsys, command, UNKNOWN)
     assert one_line_error(err, status) == f"shepherd {command}: no machine {UNKNOWN} in the BMDB"
@@ -342,12 +342,14 @@ def test_unmigrated_bmdb_is_one_line_and_status_1(tmp_path, capsys) -> None:
     assert "shepherd migrate" in one_line_error(err, status, expected=1)
 
 
-def test_invalid_uuid_in_a_real_process(tmp_path) -> None:
+def test_a_name_of_no_machine_in_a_real_process(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
-    result = shepherd("--bmdb-url", url, "explain", str(uuid.uuid4())[:-1])
+    assert shepherd("--bmdb-url", url, "migrate").returncode == 0
+    name = str(uuid.uuid4())[:-1]  # a UUID a digit short: a prefix of no machine
+    result = shepherd("--bmdb-url", url, "explain", name)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
-    assert "is not a machine id" in result.stderr
+    assert f"no machine named {name!r}" in result.stderr
 
 
 # -- migrate: bad revisions, --json --------------------------------------------------

@@ -209,7 +209,7 @@ def test_a_bmc_that_keeps_another_device_fails_the_command(racks: BootRacks,
     (["power", "bootdev", "MACHINE", "disk", "--wait", "3"], "--wait is for power on"),
     (["power", "on", "MACHINE", "disk"], "power on takes no DEVICE ('disk')"),
     (["power", "status", "MACHINE", "--persistent"], "--persistent is for power bootdev"),
-    (["power", "bootdev", "not-a-uuid", "disk"], "'not-a-uuid' is not a machine id"),
+    (["power", "bootdev", "not-a-uuid", "disk"], "no machine named 'not-a-uuid'"),
     (["power", "bootdev", UNKNOWN, "disk"], f"no machine {UNKNOWN} in the BMDB"),
 ])
 def test_bad_arguments_are_one_line_and_change_nothing(racks: BootRacks, capsys,

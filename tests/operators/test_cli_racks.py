@@ -141,12 +141,12 @@ def test_maintenance_names_work_already_running(fleet: Fleet, db: bmdb.BMDB, cap
     (["maintenance", "on", "MACHINE"], "maintenance on needs --reason TEXT"),
     (["maintenance", "on", "MACHINE", "--reason", "   "], "--reason is required and must not"),
     (["maintenance", "on", "MACHINE", "--reason", "x", "--by", " "], "--by is required"),
-    (["maintenance", "on", "not-a-uuid", "--reason", "x"], "'not-a-uuid' is not a machine id"),
+    (["maintenance", "on", "not-a-uuid", "--reason", "x"], "no machine named 'not-a-uuid'"),
     (["maintenance", "on", UNKNOWN, "--reason", "x"], f"no machine {UNKNOWN} in the BMDB"),
     (["maintenance", "sideways", "MACHINE"], "invalid choice: 'sideways'"),
     (["quarantine", "clear", UNKNOWN], f"no machine {UNKNOWN} in the BMDB"),
     (["quarantine", "lift", "MACHINE"], "invalid choice: 'lift'"),
-    (["host-key", "forget", "not-a-uuid"], "'not-a-uuid' is not a machine id"),
+    (["host-key", "forget", "not-a-uuid"], "no machine named 'not-a-uuid'"),
     (["power", "status", UNKNOWN], f"no machine {UNKNOWN} in the BMDB"),
     (["power", "reboot", "MACHINE"], "invalid choice: 'reboot'"),
 ])
@@ -352,6 +352,19 @@ def test_power_status_on_off_cycle_verified_at_the_bmc(racks: Racks, capsys) -> 
     status, out, _ = run(capsys, "power", "status", str(node2), "--json")
     assert json.loads(out) == {"machine": str(node2), "provider": "static",
                                "provider_id": "node-2", "bmc": result["bmc"], "power": "Off"}
+
+
+def test_machines_are_named_by_their_inventory_id_or_a_uuid_prefix(racks: Racks,
+                                                                   capsys) -> None:
+    """``./dev up --racks`` prints inventory ids: every command takes them."""
+    node1, node2 = racks.ids["node-1"], racks.ids["node-2"]
+    by_uuid = run(capsys, "power", "status", str(node1))
+    assert by_uuid[0] == 0 and run(capsys, "power", "status", "node-1") == by_uuid
+    status, out, err = run(capsys, "show", node2.hex[:10])
+    assert status == 0 and str(node2) in out, err
+    status, _, err = run(capsys, "maintenance", "on", "node-2", "--reason", "cabling")
+    assert status == 0, err
+    assert [hold[0] for hold in holds(racks.db, node2)] == [bmdb.MAINTENANCE]
 
 
 def test_power_is_refused_while_recovery_holds_the_machine(racks: Racks,

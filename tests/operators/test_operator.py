@@ -376,7 +376,54 @@ def test_parse_process_refuses(text: str) -> None:
         operations.parse_process(text)
 
 
-@pytest.mark.parametrize("text", ["", "xyz", "1234", "0f8e5c3a-7b1d-4c2e-9a6f"])
-def test_parse_machine_id_refuses(text: str) -> None:
-    with pytest.raises(operations.BadArgument, match="is not a machine id"):
-        operations.parse_machine_id(text)
+#: Machines named as operators name them (``operations.resolve_machine``): two of an
+#: inventory, one each of two providers that both call theirs "dup", one whose
+#: inventory id spells another's UUID prefix, one never Provided.
+RACK = uuid.UUID("1234abcd-0000-4000-8000-000000000001")
+TWIN = uuid.UUID("1234abce-0000-4000-8000-000000000002")
+CLOUD = uuid.UUID("55550000-0000-4000-8000-000000000003")
+SPELLED = uuid.UUID("abcdef00-0000-4000-8000-000000000004")
+BARE = uuid.UUID("99990000-0000-4000-8000-000000000005")
+
+
+@pytest.fixture
+def named(db: bmdb.BMDB, session: bmdb.Session) -> bmdb.BMDB:
+    provided = {RACK: ("inventory", "rack1-u01"), TWIN: ("inventory", "dup"),
+                CLOUD: ("equinix", "dup"), SPELLED: ("inventory", "5555")}
+
+    def seed(tx: bmdb.Tx) -> None:
+        for machine in (RACK, TWIN, CLOUD, SPELLED, BARE):
+            bmdb.create_machine(tx, machine)
+        for machine, (provider, provider_id) in provided.items():
+            bmdb.upsert_provided(tx, machine, provider=provider, provider_id=provider_id,
+                                 provider_status=bmdb.ProviderStatus.RUNNING)
+    session.transact(seed)
+    return db
+
+
+@pytest.mark.parametrize("text, expected", [
+    (str(RACK), RACK), (RACK.hex.upper(), RACK), ("rack1-u01", RACK), (" rack1-u01 ", RACK),
+    ("9999", BARE), ("99990000-00", BARE), ("1234abcd", RACK),
+    ("5555", SPELLED),  # a provider's id wins over the UUID prefix it spells
+    ("5555000", CLOUD),
+])
+def test_machines_are_found_by_the_names_operators_use(named: bmdb.BMDB, text: str,
+                                                      expected: uuid.UUID) -> None:
+    assert named.read(lambda tx: operations.resolve_machine(tx, text)) == expected
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1234ab", f"'1234ab' names several machines: {RACK} (inventory rack1-u01), "
+               f"{TWIN} (inventory dup); give the UUID"),
+    ("dup", f"'dup' names several machines: {CLOUD} (equinix dup), {TWIN} (inventory dup)"),
+    ("999", "no machine named '999' (by UUID, provider or inventory id, or a UUID prefix "
+            "of at least 4 hex digits)"),
+    ("rack9-u99", "no machine named 'rack9-u99'"),
+    ("0f8e5c3a-7b1d", "no machine named '0f8e5c3a-7b1d'"),
+    ("  ", "no machine named: give a machine id"),
+])
+def test_a_name_that_names_no_machine_or_several_says_so(named: bmdb.BMDB, text: str,
+                                                        says: str) -> None:
+    with pytest.raises(operations.BadArgument) as refused:
+        named.read(lambda tx: operations.resolve_machine(tx, text))
+    assert str(refused.value).startswith(says), str(refused.value)

@@ -349,6 +349,12 @@ def test_holds_gone_machines_and_refusals_are_shown(web, browse) -> None:
     assert gone.by_id["gone"] == "gone (no longer listed by test): left alone, never deleted"
 
 
+def test_a_machine_page_is_found_by_a_uuid_prefix(web) -> None:
+    server, _, fleet = web
+    answer = requests.get(f"{server.url}/machines/{fleet.healthy.hex[:10]}", timeout=10)
+    assert answer.status_code == 200 and str(fleet.healthy) in answer.text
+
+
 def test_unknown_and_malformed_machines_get_a_404_page(web, browse) -> None:
     server, _, _ = web
     missing = "00000000-0000-4000-8000-000000000000"
@@ -356,7 +362,7 @@ def test_unknown_and_malformed_machines_get_a_404_page(web, browse) -> None:
     assert page.by_id["error"] == f"no machine {missing} in the BMDB"
     assert requests.get(f"{server.url}/machines/{missing}", timeout=10).status_code == 404
     page = browse(f"{server.url}/machines/not-a-uuid")
-    assert "is not a machine id" in page.by_id["error"]
+    assert page.by_id["error"].startswith("no machine named 'not-a-uuid'")
     answer = requests.get(f"{server.url}/machines?work=dance", timeout=10)
     assert answer.status_code == 400 and "unknown process" in answer.text
 
