@@ -274,6 +274,23 @@ def test_a_paused_recovery_is_not_shown_as_claimable(web, browse) -> None:
     assert "blocked" in silent.classes_of("data-explain", "ShepherdRecovery")
     new = browse(f"{server.url}/machines/{fleet.new}")  # what green is for
     assert "claimable" in new.classes_of("data-explain", "ShepherdAgentStart")
+    assert new.by_id["state"] == "not held: in the backlog of ShepherdAgentStart"
+
+
+def test_a_healthy_machine_says_it_is_in_no_backlog_and_nothing_is_orange(web, browse
+                                                                         ) -> None:
+    """The verdict agrees with the table below it: no backlog, and a process with
+    nothing to do is shown plainly, not as blocked."""
+    server, _, fleet = web
+    healthy = browse(f"{server.url}/machines/{fleet.healthy}")
+    assert healthy.by_id["state"] == "not held: in no workflow's backlog, nothing to do"
+    processes = [attributes["data-explain"] for attributes, _ in
+                 healthy.rows_with("data-explain")]
+    assert processes and all("not in backlog" in text for _, text in
+                             healthy.rows_with("data-explain"))
+    for process in processes:
+        assert "idle" in healthy.classes_of("data-explain", process)
+        assert "blocked" not in healthy.classes_of("data-explain", process)
 
 
 def settings_from_env(url: str, port: int = 0) -> Settings:
