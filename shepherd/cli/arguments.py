@@ -27,13 +27,14 @@ Each takes --json (one JSON document on stdout; not up), --bmdb-url URL and --st
 before or after its name. Run where `shepherd up` runs (or with --state DIR, or
 SHEPHERD_STATE_DIR=DIR for `celery -A tasks ...` too), a command uses the BMDB, broker
 and settings that `up` chose (DIR/shepherd.env); your environment wins. MACHINE is a
-BMDB machine id (UUID); PROCESS a full name (ShepherdRecovery) or a short one
+machine's UUID, its inventory or provider id (rack1-u01), or a unique UUID prefix of 4
+hex digits or more; PROCESS a full name (ShepherdRecovery) or a short one
 (recovery). Exit status: 0 done; 1 could not be done now (machine busy, in backoff or
 not in the backlog, Recovery paused, no worker took the work, a BMC that failed, did
 not change in time or kept another boot device, a host key the inventory pins, BMDB
-unreadable); 2 a bad argument (malformed id, unknown machine, process, tag or
-revision, a missing --reason, a BMDB URL that is not one), with one line on stderr
-saying which. Changes are in the machine's history with who made them (--by NAME,
+unreadable); 2 a bad argument (a name of no machine or of several, an unknown
+process, tag or revision, a missing --reason, a BMDB URL that is not one), with one
+line on stderr saying which. Changes are in the machine's history with who made them (--by NAME,
 default: your login name).
 
 start and reconcile hand the work to the Celery workers through the broker
