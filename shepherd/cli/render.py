@@ -53,6 +53,12 @@ def machines(found: Any) -> str:
     return "\n".join(lines)
 
 
+#: Causes are shown whole: they are the answer to "why", and a rung's cause cut at 80
+#: characters ("ssh: ConnectionRefused: 127.10…") hid the address it failed at. The
+#: bound only keeps a runaway provider message from flooding the terminal.
+CAUSE_WIDTH = 2000
+
+
 def show(d: Any) -> str:
     lines = [f"machine {d.id}  (created {text_tables.when(d.created_at)}; "
              f"BMDB time {text_tables.when(d.now)} UTC)"]
@@ -88,7 +94,7 @@ def show(d: Any) -> str:
         lines.append(text_tables.table(
             ["AT", "PROCESS", "EVENT", "SESSION", "CAUSE"],
             [(h["at"], h["process"], h["event"], h["session_id"], _safe(h["cause"]))
-             for h in d.history], max_width=80))
+             for h in d.history], max_width=CAUSE_WIDTH))
     else:
         lines.append("  (none)")
     return "\n".join(lines)
@@ -106,12 +112,16 @@ def _backoffs(d: Any) -> str:
     return text_tables.table(
         ["PROCESS", "UNTIL", "STATE", "INTERVAL", "CAUSE"],
         [(b.process, b.until, "active, " + text_tables.relative(b.until, d.now) if b.active
-          else "expired", text_tables.duration(b.interval_s), _safe(b.cause)) for b in d.backoffs])
+          else "expired", text_tables.duration(b.interval_s), _safe(b.cause)) for b in d.backoffs],
+        max_width=CAUSE_WIDTH)
 
 
 def _value(value: Any) -> str:
     """A tag's value on one terminal line. Documents (reports) come bounded from
-    ``show_machine``; as JSON they are ASCII, their control characters escaped."""
+    ``show_machine``; as JSON they are ASCII, their control characters escaped.
+    Nothing (a machine of an inventory has no reservation) is ``-``, as in tables."""
+    if value is None:
+        return "-"
     if isinstance(value, bytes):
         return value.hex()[:16] + "…"
     if hasattr(value, "astimezone"):

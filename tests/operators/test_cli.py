@@ -201,6 +201,18 @@ def test_show_has_tags_work_backoffs_and_history_newest_first(fleet: Fleet, caps
     assert "DEAD since" in out and str(fleet.dead_session) in out
 
 
+def test_show_prints_whole_causes_and_no_python_none(fleet: Fleet, db: bmdb.BMDB,
+                                                     session: bmdb.Session, capsys) -> None:
+    """A rung's cause is the operator's answer: shown whole; a missing value is '-'."""
+    cause = ("ssh: ConnectionRefused: 127.10.20.30:2222 refused the connection; "
+             "rung 0 (restart the agent) cannot help, climbing to rung 1 (graceful restart)")
+    session.transact(lambda tx: bmdb.record_history(
+        tx, fleet.healthy, bmdb.Process.RECOVERY.value, bmdb.Event.RUNG.value, cause))
+    status, out, _ = run(capsys, "show", str(fleet.healthy))
+    assert status == 0 and cause in out
+    assert "None" not in out
+
+
 @pytest.mark.parametrize("command", ["show", "explain"])
 def test_bad_machine_ids_are_one_line_and_status_2(fleet: Fleet, capsys, command: str) -> None:
     status, out, err = run(capsys, command, "not-a-uuid")
