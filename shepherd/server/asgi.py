@@ -301,9 +301,10 @@ class Metrics:
     def _registry(self) -> Any:
         main = self.runtime.db
         self._db = bmdb.connect(main.url, thresholds=main.thresholds, pool_size=1)
+        settings = self.runtime.settings
         return metrics.server_registry(
-            self._db, self.limits,
-            multiproc_dir=self.runtime.settings.prometheus_multiproc_dir or None)
+            self._db, self.limits, multiproc_dir=settings.prometheus_multiproc_dir or None,
+            providers=(settings.provider,))
 
     async def scrape(self, request: Request) -> Response:
         try:

@@ -173,6 +173,16 @@ def test_provider_calls_of_this_process_show_on_the_endpoint(simulator: Simulato
     assert value(after, "shepherd_bmdb_up") == 1
 
 
+def test_the_served_refusal_gauge_has_a_sample_for_the_configured_provider(
+        sqlite_url: str) -> None:
+    """Its dashboard panel is not empty while nothing refuses: 0, not no series."""
+    settings = Settings(bmdb_url=sqlite_url, serve_listen="127.0.0.1:0", metrics_cache=0,
+                        provider="static")
+    with serve(settings) as server:
+        samples = scrape(server.url)
+    assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "static")}))] == 0
+
+
 def test_an_unreadable_bmdb_is_reported_not_raised(tmp_path: Path) -> None:
     db = bmdb.connect(f"sqlite:///{tmp_path / 'never-migrated.sqlite'}")
     registry = CollectorRegistry(auto_describe=False)
