@@ -79,7 +79,10 @@ def to_json(world: World) -> dict[str, Any]:
 
 def write_world(path: Path, world: World) -> None:
     """Replace ``path`` atomically and durably (``shepherd.files.write_private``: the
-    world holds host private keys, and must survive a power cut)."""
+    world holds host private keys, and must survive a power cut). Its directory is
+    made (owner only) when missing: the first change can come before anyone else
+    made it (a fresh ``shepherd up`` logged an error for every start)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(path, json.dumps(to_json(world), indent=1, sort_keys=True), durable=True)
 
 

@@ -26,7 +26,7 @@ from shepherd.providers import ssh_keys
 from shepherd.providers.equinix import EquinixClient, public_ipv4
 from shepherd.remote import Remote
 from shepherd.simulator import Simulator
-from shepherd.simulator.persist import WORLD_FILE, WorldError
+from shepherd.simulator.persist import WORLD_FILE, World, WorldError, read_world, write_world
 from shepherd.simulator.ssh import MARKER
 from tests.support.servers import free_port
 from tests.support.simulator_fixtures import (
@@ -160,6 +160,16 @@ def _body(sim: Simulator, index: int) -> dict[str, Any]:
     reservation = sim.state.project_reservations()[index]
     return {"metro": reservation.metro, "plan": "c3.small.x86",
             "operating_system": "ubuntu_22_04", "hardware_reservation_id": reservation.id}
+
+
+def test_the_world_is_written_into_a_directory_not_made_yet(tmp_path: Path) -> None:
+    """A fresh ``shepherd up``'s first change came before its var/simulator existed."""
+    path = tmp_path / "var" / "simulator" / WORLD_FILE
+    world = World(project_id="p", ssh_port=2222, device_count=0, reservations=[],
+                  devices=[], ssh_keys=[], shared_host_key="KEY", host_keys={})
+    write_world(path, world)
+    assert read_world(path) == world
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
 
 def test_another_project_is_refused_and_its_world_kept(tmp_path: Path) -> None:
