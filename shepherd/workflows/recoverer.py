@@ -2,7 +2,8 @@
 
 0. If the agent had been heard from and SSH still answers with the machine's pinned
    host key, only the agent is restarted (the initializer's takeover again): no
-   reboot. Finishing records the new agent in place of the old one.
+   reboot. Finishing records the new agent in place of the old one. If SSH answers
+   with another key, nothing is reset (``no_reset_can_help``).
 1.-3. Otherwise the verified reboot ladder (``ladder``) through the machine's power
    control (its BMC from the inventory, or its provider's reboot API).
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import bmdb
 from shepherd.power import PowerControl, PowerError
 from shepherd.providers.base import NotFound, Provider, ProviderMachine
+from shepherd.remote import HostKeyMismatch
 from shepherd.workflows import ladder
 from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
@@ -127,6 +129,8 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
     except WorkflowFailure as failure:
         note(ladder.RungOutcome(0, "agent restart", False, failure.cause,
                                 time.monotonic() - started))
+        if isinstance(failure.__cause__, HostKeyMismatch):
+            raise no_reset_can_help(failure) from failure
         return None
     note(ladder.RungOutcome(0, "agent restart", True, "a new agent answered over SSH",
                             time.monotonic() - started))
@@ -136,6 +140,18 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
         record_agent(tx, work.machine_id, taken)
 
     return replace_agent
+
+
+def no_reset_can_help(failure: WorkflowFailure) -> WorkflowFailure:
+    """Rung 0 met another host key than the pinned one: the machine answers SSH, so
+    it is up, and no reset changes the key it presents (a reinstall behind Shepherd's
+    back, or another machine at this address). Resetting it would power-cycle a
+    running machine for nothing, so the ladder stops here, before any BMC call, with
+    the failure's own (permanent) backoff: an operator has to look."""
+    return WorkflowFailure(
+        f"{failure.cause}; no reset tried: the machine answers SSH, and a reset cannot "
+        f"change the key it presents (reinstalled, or another machine at this address?)",
+        failure.backoff)
 
 
 def exhausted(work: bmdb.Work, power: PowerControl, limit: int) -> WorkflowFailure:

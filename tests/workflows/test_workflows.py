@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
+from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.power import ProviderPower
 from shepherd.providers.base import ProviderMachine, register_provided
 from shepherd.providers.equinix import EquinixProvider
@@ -229,6 +230,32 @@ def test_recovery_reboots_and_returns_the_machine_to_agent_start(
     assert tags_of(db, machine_id)["AgentStarted"]["public_key"] != first_key
     wait_until(lambda: "AgentHeartbeat" in tags_of(db, machine_id), timeout=8,
              what="a heartbeat from the restarted agent")
+
+
+def test_a_machine_presenting_another_host_key_is_never_reset(
+        session: bmdb.Session, db: bmdb.BMDB, provider: EquinixProvider,
+        simulator: Simulator, settings: InitializerSettings) -> None:
+    """Reinstalled behind Shepherd's back: SSH answers with a new key. Rung 0 fails on
+    the mismatch and the ladder stops there: no reset of a machine that is up."""
+    machine_id, provider_id = start_agent(session, provider, simulator, settings, db)
+    pinned = simulator.host_key_line(provider_id)
+    assert simulator.kill_agent(provider_id) >= 1
+    presented = simulator.rotate_host_key(provider_id)
+    work = wait_until(lambda: session.claim_backlog(bmdb.Process.RECOVERY, 1), timeout=5,
+                      what="the silent machine in the Recovery backlog")[0]
+
+    with_rung_0 = dataclasses.replace(FAST, agent_restart=settings)
+    result = recover(work, provider, api_reboot(provider), with_rung_0)
+
+    assert result.outcome == "failed"
+    cause = result.cause or ""
+    assert "host key mismatch" in cause and "no reset tried" in cause
+    assert key_line_fingerprint(pinned) in cause and key_line_fingerprint(presented) in cause
+    assert simulator.devices[provider_id].reboots == 0
+    rungs = [h["cause"] for h in history(db, machine_id) if h["event"] == "Rung"]
+    assert len(rungs) == 1 and rungs[0].startswith("rung 0 (agent restart): not verified")
+    assert "AgentStarted" in tags_of(db, machine_id)  # nothing dropped on failure
+    assert session.held_work() == []
 
 
 def test_recovery_of_an_unknown_device_fails(
