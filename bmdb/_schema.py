@@ -98,7 +98,7 @@ provided = Table(
     # Marker: the machine has an AgentStarted tag (see module docstring).
     Column("agent_started", Boolean, nullable=False, server_default=false()),
     UniqueConstraint("provider", "provider_id", name="uq_provided_provider_id"),
-    # Operators name machines by provider id alone (``bmdb.machines_named``).
+    # Operators name machines by provider id alone (``bmdb.machines_by_provider_id``).
     Index("ix_provided_provider_id", "provider_id"),
     Index(
         "ix_provided_awaiting_agent",

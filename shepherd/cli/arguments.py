@@ -34,8 +34,8 @@ not in the backlog, Recovery paused, no worker took the work, a BMC that failed,
 not change in time or kept another boot device, a host key the inventory pins, BMDB
 unreadable); 2 a bad argument (a name of no machine or of several, an unknown
 process, tag or revision, a missing --reason, a BMDB URL that is not one), with one
-line on stderr saying which. Changes are in the machine's history with who made them (--by NAME,
-default: your login name).
+line on stderr saying which. Changes are in the machine's history with who made them
+(--by NAME, default: your login name).
 
 start and reconcile hand the work to the Celery workers through the broker
 (SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.

@@ -58,7 +58,7 @@ def resolve_machine(tx: bmdb.Tx, text: str) -> uuid.UUID:
                           "id, or a UUID prefix")
     found = bmdb.machines_by_provider_id(tx, name, CANDIDATES_SHOWN + 1)
     digits = name.lower().replace("-", "")
-    if not found and len(digits) >= MIN_PREFIX and set(digits) <= _HEX:
+    if not found and MIN_PREFIX <= len(digits) < 32 and set(digits) <= _HEX:
         found = bmdb.machines_by_id_prefix(tx, digits, CANDIDATES_SHOWN + 1)
     if len(found) == 1:
         return found[0].machine_id

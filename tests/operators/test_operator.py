@@ -420,6 +420,7 @@ def test_machines_are_found_by_the_names_operators_use(named: bmdb.BMDB, text: s
             "of at least 4 hex digits)"),
     ("rack9-u99", "no machine named 'rack9-u99'"),
     ("0f8e5c3a-7b1d", "no machine named '0f8e5c3a-7b1d'"),
+    ("0" * 33, f"no machine named '{'0' * 33}'"),  # longer than any UUID: no prefix
     ("  ", "no machine named: give a machine id"),
 ])
 def test_a_name_that_names_no_machine_or_several_says_so(named: bmdb.BMDB, text: str,
