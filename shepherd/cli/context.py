@@ -91,6 +91,16 @@ class Context:
             return "--bmdb-url"
         return config.source_of("SHEPHERD_BMDB_URL") or "the default"
 
+    def stopped_up(self) -> Path | None:
+        """The state directory of the ``shepherd up`` whose BMDB this command reads,
+        when that ``up`` no longer runs; None otherwise (a BMDB of one's own, or ``up``
+        running). Why: its figures stay as last written ("heartbeating 20" until the
+        heartbeat timeout passes), and a reader should know nothing runs."""
+        if self.url_source in ("--bmdb-url", "SHEPHERD_BMDB_URL", "the default"):
+            return None
+        directory = config.state_dir()
+        return None if state_env.running_up(directory) is not None else directory
+
     def machine_id(self, text: str | None = None) -> uuid.UUID:
         """The machine the command names (``args.machine`` unless ``text``): its UUID
         at once, else resolved in one read (``operations.resolve_machine``)."""

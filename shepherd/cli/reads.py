@@ -14,8 +14,9 @@ def fleet(ctx: Context) -> int:
     db = ctx.db
     counts, refusals = db.read(lambda tx: (bmdb.fleet_counts(tx, db.thresholds),
                                            operations.refusals(tx)))
+    stopped = ctx.stopped_up()
     ctx.emit({**operations.jsonable(counts), "refusals": refusals},
-             lambda: render.fleet(counts, refusals))
+             lambda: render.fleet(counts, refusals, stopped, db.thresholds.heartbeat))
     return 0
 
 

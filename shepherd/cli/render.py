@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from shepherd import operations, text_tables
 from shepherd.operations.stored import printable
 
 
-def fleet(c: Any, refusals: Sequence[Any] = ()) -> str:
+def fleet(c: Any, refusals: Sequence[Any] = (), stopped_up: Path | None = None,
+          heartbeat_timeout: float = 0.0) -> str:
     """The counts as people read them: the fleet on one line, holds on the next, one
-    row per process, then any reconcile refusal with what resolves it."""
+    row per process, then any reconcile refusal with what resolves it, and a note
+    when the ``shepherd up`` they come from no longer runs (``stopped_up``)."""
     rows = [(process, c.backlog.get(process), work, c.active_backoffs.get(process, 0))
             for process, work in c.active_work.items()]
     held = "   ".join(f"{kind} {n}" for kind, n in c.held.items())
@@ -30,6 +33,10 @@ def fleet(c: Any, refusals: Sequence[Any] = ()) -> str:
         "the Recovery guard is not asked: `shepherd explain`)",
     ]
     lines += [f"RECONCILE REFUSING: {operations.refusal_text(r)}" for r in refusals]
+    if stopped_up is not None:
+        lines.append(f"note: shepherd up is not running on {stopped_up.resolve()}: nothing "
+                     f"heartbeats or works now; 'heartbeating' counts machines heard in the "
+                     f"last {heartbeat_timeout:g} s, so it falls to 0 as that passes")
     return "\n".join(lines)
 
 

@@ -354,6 +354,20 @@ def test_unmigrated_bmdb_is_one_line_and_status_1(tmp_path, capsys) -> None:
     assert "shepherd migrate" in one_line_error(err, status, expected=1)
 
 
+def test_fleet_says_when_the_shepherd_up_it_reads_no_longer_runs(tmp_path) -> None:
+    """The figures of a stopped ``up`` stay as last written: say that nothing runs."""
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    assert shepherd("--bmdb-url", url, "migrate").returncode == 0
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "shepherd.env").write_text(f"SHEPHERD_BMDB_URL={url}\n")
+    result = shepherd("--state", str(state), "fleet")
+    assert result.returncode == 0, result.stderr
+    assert f"note: shepherd up is not running on {state.resolve()}: nothing" in result.stdout
+    own = shepherd("--bmdb-url", url, "fleet")  # a BMDB of one's own: nothing to say
+    assert own.returncode == 0 and "not running" not in own.stdout
+
+
 def test_a_name_of_no_machine_in_a_real_process(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
     assert shepherd("--bmdb-url", url, "migrate").returncode == 0
