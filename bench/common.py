@@ -33,12 +33,15 @@ def arguments(description: str) -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def postgres(admin_url: str | None) -> Iterator[str]:
-    """A fresh database URL, on the given server or on a throw-away one (fsync on, like prod)."""
+    """A fresh database URL, on the given server or on a throw-away one (fsync on, like prod).
+    The URL is read as the BMDB reads one (``bmdb.engine_url``): a bare
+    ``postgresql://`` works here as it does for ``shepherd`` itself."""
     with contextlib.ExitStack() as cleanup:
         if admin_url is None:
             server = PostgresServer(fsync=True).start()
             cleanup.callback(server.destroy)  # even when the steps below fail
             admin_url = server.url
+        admin_url = bmdb.engine_url(admin_url).render_as_string(hide_password=False)
         name = f"bench_{uuid.uuid4().hex[:12]}"
         admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
         cleanup.callback(admin.dispose)

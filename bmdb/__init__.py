@@ -183,7 +183,7 @@ from bmdb.tags import (
     set_provider_status,
     upsert_provided,
 )
-from bmdb.urls import DatabaseURL, load_driver, parse_url
+from bmdb.urls import DatabaseURL, engine_url, load_driver, parse_url
 from bmdb.vocabulary import (
     ENDINGS,
     EXCLUSION_GROUPS,
@@ -304,6 +304,7 @@ __all__ = [
     "dispatch_installation",
     "eligible",
     "end_installation_steps",
+    "engine_url",
     "ensure_server_key",
     "exclusion_group",
     "fleet_counts",
