@@ -114,7 +114,9 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
     held = "shepherd_machines_held"
     assert samples[(held, frozenset({("kind", "maintenance")}))] == 0
     assert samples[(held, frozenset({("kind", "quarantine")}))] == 0
-    assert not [key for key in samples if key[0] == "shepherd_reconcile_refusing"]
+    # Only the configured provider's series, at 0: nothing refuses yet.
+    assert {key: samples[key] for key in samples if key[0] == "shepherd_reconcile_refusing"
+            } == {("shepherd_reconcile_refusing", frozenset({("provider", "simulator")})): 0}
 
     cause = "FLEET MISMATCH: 1 at the provider but not in the BMDB (dev-7f3a)"
 

@@ -76,9 +76,13 @@ def presented_host_key(address: str, port: int) -> str:
 
 
 def refused(address: str, port: int) -> bool:
-    """Whether ``address:port`` refuses a connection now."""
+    """Whether ``address:port`` refuses a connection now. A connection reset as it is
+    made is not yet a refusal: the listener is going away (a machine halting closes
+    its sshd with connections still queued), so the next look decides."""
     try:
         socket.create_connection((address, port), timeout=1).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        return False
     return False
