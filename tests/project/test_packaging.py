@@ -15,6 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.workers import CHECKOUT_BUILD
+
+#: One worker builds the wheel once, for every test here (see ``CHECKOUT_BUILD``).
+pytestmark = [CHECKOUT_BUILD]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 USE_THE_WHEEL = """

@@ -49,6 +49,10 @@ HOST_NETWORK = pytest.mark.xdist_group("host_network")
 #: fast as Celery runs them), so two at once would starve each other and every
 #: time-bounded test beside them.
 BENCHES = pytest.mark.xdist_group("benches")
+#: The checkout's ``build/`` directory: building the wheel (``tests/project/
+#: test_packaging.py``, a module fixture) writes there, and two workers building at
+#: once delete each other's files mid-copy ("No such file or directory").
+CHECKOUT_BUILD = pytest.mark.xdist_group("checkout_build")
 #: The agent under a process limit, as the first user id no process runs as: two at
 #: once would pick the same user and count each other's processes.
 UNUSED_UID = pytest.mark.xdist_group("unused_uid")
