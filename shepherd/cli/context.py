@@ -101,10 +101,10 @@ class Context:
         directory = config.state_dir()
         return None if state_env.running_up(directory) is not None else directory
 
-    def machine_id(self, text: str | None = None) -> uuid.UUID:
-        """The machine the command names (``args.machine`` unless ``text``): its UUID
-        at once, else resolved in one read (``operations.resolve_machine``)."""
-        name = self.args.machine if text is None else text
+    def machine_id(self) -> uuid.UUID:
+        """The machine the command names (``args.machine``): its UUID at once, else
+        resolved in one read (``operations.resolve_machine``)."""
+        name: str = self.args.machine
         try:
             return uuid.UUID(name.strip())
         except ValueError:
