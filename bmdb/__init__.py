@@ -86,9 +86,11 @@ from bmdb.holds import (
 )
 from bmdb.holds import lift as lift_hold
 from bmdb.holds import put as put_hold
+from bmdb.host_keys import OPERATOR as OPERATOR_PIN
 from bmdb.host_keys import RecordedPin
 from bmdb.host_keys import forget as forget_host_key
 from bmdb.host_keys import pin as pin_host_key
+from bmdb.host_keys import pin_accepted as pin_accepted_host_key
 from bmdb.host_keys import pin_installed as pin_installed_host_key
 from bmdb.host_keys import pinned as pinned_host_key
 from bmdb.host_keys import recorded as recorded_host_key
@@ -154,6 +156,9 @@ from bmdb.refusals import Refusal
 from bmdb.refusals import clear as clear_refusal
 from bmdb.refusals import current as current_refusals
 from bmdb.refusals import record as record_refusal
+from bmdb.resumptions import Resumption
+from bmdb.resumptions import last as last_resumption
+from bmdb.resumptions import record as record_resumption
 from bmdb.revisions import MigrationRefused, UnknownRevision, check_revision
 from bmdb.server_keys import ensure as ensure_server_key
 from bmdb.sessions import Session
@@ -188,6 +193,7 @@ from bmdb.vocabulary import (
     ENDINGS,
     EXCLUSION_GROUPS,
     HOLD_KINDS,
+    HOST_KEY_HOLD,
     HOUR,
     LADDER_EXHAUSTED,
     MAINTENANCE,
@@ -210,6 +216,7 @@ __all__ = [
     "ENDINGS",
     "EXCLUSION_GROUPS",
     "HOLD_KINDS",
+    "HOST_KEY_HOLD",
     "HOUR",
     "INSTALLATIONS_FAILED",
     "INSTALLATION_STEPS",
@@ -219,6 +226,7 @@ __all__ = [
     "LADDER_EXHAUSTED",
     "MAINTENANCE",
     "MAX_PAGE",
+    "OPERATOR_PIN",
     "QUARANTINE",
     "RECOVERY_BACKOFF",
     "TAG_NAMES",
@@ -258,6 +266,7 @@ __all__ = [
     "RecordedPin",
     "Refusal",
     "Reported",
+    "Resumption",
     "Session",
     "SessionExpired",
     "SessionInfo",
@@ -318,6 +327,7 @@ __all__ = [
     "in_backlog",
     "installation_of",
     "installations_in_progress",
+    "last_resumption",
     "latest_failures",
     "lift_hold",
     "list_machines",
@@ -340,6 +350,7 @@ __all__ = [
     "open_listing",
     "parse_url",
     "pending_intents",
+    "pin_accepted_host_key",
     "pin_host_key",
     "pin_installed_host_key",
     "pinned_host_key",
@@ -357,6 +368,7 @@ __all__ = [
     "record_power_action",
     "record_power_observed",
     "record_refusal",
+    "record_resumption",
     "recorded_host_key",
     "recovery_starts_last_hour",
     "refresh_provided",

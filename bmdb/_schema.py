@@ -287,15 +287,19 @@ history = Table(
 machine_holds = Table(
     "machine_holds",
     metadata,
-    # Why a machine is left alone: ``maintenance`` (an operator's) or ``quarantine``
-    # (the reboot ladder failed too often). One row per kind; either keeps the
-    # machine out of every backlog and out of the guard's silent share.
+    # Why a machine is left alone: ``maintenance`` (an operator's), ``quarantine``
+    # (the reboot ladder failed too often) or ``host-key`` (a takeover met another
+    # host key than the pin). One row per kind; any keeps the machine out of every
+    # backlog and out of the guard's silent share.
     Column("machine_id", Uuid, ForeignKey("machines.id", ondelete="CASCADE"),
            primary_key=True),
     Column("kind", String(16), primary_key=True),
     Column("reason", Text, nullable=False),
     Column("actor", String(128), nullable=False),
     Column("since", UTCDateTime, nullable=False),
+    # A ``host-key`` hold's: the key line the machine presented, which is exactly
+    # what ``shepherd host-key accept`` pins (never a key seen later).
+    Column("host_key", Text, nullable=True),
 )
 
 host_keys = Table(
@@ -304,9 +308,11 @@ host_keys = Table(
     # The SSH host key a machine must present (an OpenSSH public-key line), recorded
     # at its first takeover (trust on first use, ``source`` "first_use"), or chosen by
     # Shepherd for the system it installed (``source`` "installation", of ``generation``)
-    # before that system first booted. A pin from the inventory file wins over a first
-    # use's and is never stored here: the file stays its one source; an installation's
-    # wins over the file's, which names the system the machine had before.
+    # before that system first booted, or accepted by an operator after a takeover met
+    # it (``source`` "operator": ``shepherd host-key accept``). A pin from the inventory
+    # file wins over a first use's and is never stored here: the file stays its one
+    # source; an installation's or an operator's wins over the file's, which names the
+    # system the machine had before.
     _machine_key(),
     Column("host_key", Text, nullable=False),
     Column("recorded_at", UTCDateTime, nullable=False),
@@ -427,6 +433,18 @@ singletons = Table(
         "session_id", Uuid, ForeignKey("sessions.id", ondelete="CASCADE"), nullable=False
     ),
     Column("acquired_at", UTCDateTime, nullable=False),
+)
+
+resumptions = Table(
+    "resumptions",
+    metadata,
+    # When something fleet-wide last resumed (``heartbeats``: a callback server
+    # process started, or accepted heartbeats again after a pause), and why: the
+    # Recovery backlog counts no machine silent within one heartbeat timeout of it
+    # (``resumptions.py``). One row per name, moved forward by every resumption.
+    Column("name", String(64), primary_key=True),
+    Column("at", UTCDateTime, nullable=False),
+    Column("cause", String(200), nullable=False),
 )
 
 reconcile_refusals = Table(

@@ -5,7 +5,9 @@ and partial indexes described in ``schema.py``, so an idle poll costs the same
 at 1k machines as at 1M (``bench/backlog_latency.py`` measures it).
 
 Machines in maintenance or quarantine (``schema.machine_holds``) are in no backlog,
-nor are machines their provider no longer lists (Missing) in Recovery's. Enforced
+nor are machines their provider no longer lists (Missing) in Recovery's, where no
+machine is either within one heartbeat timeout of heartbeats resuming fleet-wide
+(``not_resuming``, ``resumptions.py``). Enforced
 here, in the one place every claim and every count of a backlog reads, so no
 workflow, task or operator command can forget it: ``not_held`` and ``not_gone`` are
 anti-joins on a primary key, one index probe per candidate.
@@ -25,7 +27,8 @@ from bmdb import _counters as counters
 from bmdb import _schema as schema
 from bmdb._database import Tx
 from bmdb._types import AnyCompound, AnySelect
-from bmdb.vocabulary import Process, ProviderStatus
+from bmdb.resumptions import HEARTBEATS
+from bmdb.vocabulary import HOST_KEY_HOLD, Process, ProviderStatus
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,11 @@ def _no_values(tx: Tx) -> dict[str, Any]:
     return {}
 
 
-def not_held(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
-    """True for a machine in neither maintenance nor quarantine: its hold bits in
-    ``machines.tag_bits`` are clear (``counters``' triggers set them in the transaction
-    that puts the hold).
+def not_held(machine_id: sa.ColumnElement[Any], holds: int = counters.HELD
+             ) -> sa.ColumnElement[bool]:
+    """True for a machine without a hold (of those whose bits are in ``holds``): its hold
+    bits in ``machines.tag_bits`` are clear (``counters``' triggers set them in the
+    transaction that puts the hold).
 
     Why the bits, not an anti-join on ``machine_holds``: holds grow with the fleet (1 %
     in maintenance is 10k rows at 1M), and with a few hundred candidates the planner
@@ -72,8 +76,13 @@ def not_held(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     primary key per candidate is never out-costed by hashing a million machines, so
     the plan stays per candidate whatever the fleet's size."""
     m = schema.machines.alias("unheld")
-    return sa.exists().where(m.c.id == machine_id,
-                             m.c.tag_bits.op("&")(counters.HELD) == 0)
+    return sa.exists().where(m.c.id == machine_id, m.c.tag_bits.op("&")(holds) == 0)
+
+
+#: The holds an installation waits for: not a host-key mismatch, which an installation
+#: the operator asked for resolves (it writes a new identity and pins it, lifting the
+#: hold: ``host_keys.pin_installed``).
+HOLDS_BEFORE_INSTALLING = counters.HELD & ~counters.HOLD_BITS[HOST_KEY_HOLD]
 
 
 def not_gone(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
@@ -104,20 +113,29 @@ agent_start = Backlog(
 )
 
 
+def not_resuming() -> sa.ColumnElement[bool]:
+    """Heartbeats did not resume fleet-wide within the last heartbeat timeout
+    (``resumptions``): until then no machine counts as silent, since the stragglers of
+    an outage would. Uncorrelated: PostgreSQL evaluates it once per query."""
+    r = schema.resumptions
+    return ~sa.exists().where(r.c.name == HEARTBEATS, r.c.at > sa.bindparam("resumed_after"))
+
+
 def _recovery_statement() -> AnyCompound:
     """Agent started, but no heartbeat soon enough after start, or none lately; not held,
-    not being installed."""
+    not being installed, and not while heartbeats may still be resuming."""
     s, h = schema.agent_started, schema.agent_heartbeat
     never_heard = sa.select(s.c.machine_id).where(
         ~s.c.heartbeat_seen, s.c.started_at < sa.bindparam("started_before"),
         not_held(s.c.machine_id), not_gone(s.c.machine_id), not_installing(s.c.machine_id),
+        not_resuming(),
     )
     gone_quiet = (
         sa.select(h.c.machine_id)
         .join(s, s.c.machine_id == h.c.machine_id)
         .where(h.c.last_heartbeat_at < sa.bindparam("heard_before"),
                not_held(h.c.machine_id), not_gone(h.c.machine_id),
-               not_installing(h.c.machine_id))
+               not_installing(h.c.machine_id), not_resuming())
     )
     return sa.union_all(never_heard, gone_quiet)
 
@@ -126,9 +144,11 @@ RECOVERY = _recovery_statement()
 
 
 def recovery_cutoffs(tx: Tx, thresholds: Thresholds) -> dict[str, dt.datetime]:
+    heard_before = tx.now - dt.timedelta(seconds=thresholds.heartbeat)
     return {
         "started_before": tx.now - dt.timedelta(seconds=thresholds.first_heartbeat),
-        "heard_before": tx.now - dt.timedelta(seconds=thresholds.heartbeat),
+        "heard_before": heard_before,
+        "resumed_after": heard_before,
     }
 
 
@@ -144,7 +164,8 @@ def recovery_backlog(thresholds: Thresholds) -> Backlog:
 
 
 def _installations_statement() -> AnySelect:
-    """An installation wanted and not settled, not held, still listed by its provider, and
+    """An installation wanted and not settled, not held (but for a host-key mismatch,
+    ``HOLDS_BEFORE_INSTALLING``), still listed by its provider, and
     either an agent heard from lately (it writes the image) or an installation tried
     before (``generation`` > 0): after a failed one the machine may run no agent at all
     (its reboot went wrong), and the workflow boots the rescue system itself."""
@@ -154,7 +175,8 @@ def _installations_statement() -> AnySelect:
             .where(w.c.settled_at.is_(None),
                    sa.or_(h.c.last_heartbeat_at >= sa.bindparam("heard_after"),
                           w.c.generation > 0),
-                   not_held(w.c.machine_id), not_gone(w.c.machine_id)))
+                   not_held(w.c.machine_id, HOLDS_BEFORE_INSTALLING),
+                   not_gone(w.c.machine_id)))
 
 
 INSTALLATIONS = _installations_statement()

@@ -1,4 +1,4 @@
-"""Maintenance and quarantine: machines Shepherd leaves alone, and why.
+"""Maintenance, quarantine and host-key holds: machines Shepherd leaves alone, and why.
 
 A hold is a row of ``machine_holds`` (machine, kind, reason, who, since). Any hold
 takes the machine out of every backlog (``backlog.not_held``) and out of the
@@ -11,6 +11,10 @@ history with who and why.
   ``limit`` times in a row (``quarantine_if_due``, its ``Streak``); lifted only by an
   operator (``shepherd quarantine clear``): a machine no reboot or reinstallation
   brings back needs hands.
+* ``host-key``: put by AgentStart or Recovery when a takeover met another SSH host
+  key than the machine's pin (``shepherd.workflows.initializer.hold_on_mismatch``),
+  with the key it met; lifted by an operator who accepts that key (``shepherd
+  host-key accept``, which pins it) or lifts the hold after fixing the pin.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from bmdb import _schema as schema
 from bmdb import history
 from bmdb._database import Tx
 from bmdb.vocabulary import (
+    HOST_KEY_HOLD,
     LADDER_EXHAUSTED,
     MAINTENANCE,
     QUARANTINE,
@@ -35,7 +40,8 @@ from bmdb.vocabulary import (
     Topic,
 )
 
-_TOPIC = {MAINTENANCE: Topic.MAINTENANCE, QUARANTINE: Topic.QUARANTINE}
+_TOPIC = {MAINTENANCE: Topic.MAINTENANCE, QUARANTINE: Topic.QUARANTINE,
+          HOST_KEY_HOLD: Topic.HOST_KEY}
 MAX_REASON = 500
 
 
@@ -46,16 +52,19 @@ class Hold:
     reason: str
     actor: str
     since: dt.datetime
+    #: A ``host-key`` hold's: the key line the machine presented.
+    host_key: str | None = None
 
 
-def put(tx: Tx, machine_id: uuid.UUID, kind: HoldKind, reason: str, actor: str) -> bool:
+def put(tx: Tx, machine_id: uuid.UUID, kind: HoldKind, reason: str, actor: str,
+        host_key: str | None = None) -> bool:
     """Hold the machine (``kind``); False, changing nothing, if it already is so held."""
     h = schema.machine_holds
     if holds_of(tx, machine_id, kind):
         return False
     reason, actor = reason.strip()[:MAX_REASON], actor.strip()[:128]
     tx.execute(sa.insert(h).values(machine_id=machine_id, kind=kind, reason=reason,
-                                   actor=actor, since=tx.now))
+                                   actor=actor, since=tx.now, host_key=host_key))
     history.record(tx, machine_id, _TOPIC[kind], Event.HELD, f"by {actor}: {reason}")
     return True
 
@@ -77,7 +86,7 @@ def holds_of(tx: Tx, machine_id: uuid.UUID, kind: HoldKind | None = None) -> lis
     query = sa.select(h).where(h.c.machine_id == machine_id).order_by(h.c.since)
     if kind is not None:
         query = query.where(h.c.kind == kind)
-    return [Hold(row.machine_id, row.kind, row.reason, row.actor, row.since)
+    return [Hold(row.machine_id, row.kind, row.reason, row.actor, row.since, row.host_key)
             for row in tx.execute(query)]
 
 

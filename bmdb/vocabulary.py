@@ -85,13 +85,17 @@ class Topic(enum.StrEnum):
     AGENT = "Agent"
 
 
-HoldKind = Literal["maintenance", "quarantine"]
+HoldKind = Literal["maintenance", "quarantine", "host-key"]
 #: An operator's hold (``shepherd maintenance on|off``).
 MAINTENANCE: HoldKind = "maintenance"
 #: Recovery's hold, after the reboot ladder was exhausted too often in a row; lifted
 #: only by an operator (``shepherd quarantine clear``).
 QUARANTINE: HoldKind = "quarantine"
-HOLD_KINDS: tuple[HoldKind, ...] = (MAINTENANCE, QUARANTINE)
+#: A takeover met another SSH host key than the machine's pin: no reset can change the
+#: key a running machine presents, so nothing automatic touches it until an operator
+#: accepts the key it presented (``shepherd host-key accept``) or lifts the hold.
+HOST_KEY_HOLD: HoldKind = "host-key"
+HOLD_KINDS: tuple[HoldKind, ...] = (MAINTENANCE, QUARANTINE, HOST_KEY_HOLD)
 #: How a Recovery failure that exhausted the reboot ladder begins its cause: what the
 #: quarantine's streak counts.
 LADDER_EXHAUSTED = "ladder exhausted"

@@ -203,7 +203,8 @@ def _fleet(c: bmdb.FleetCounts) -> Iterator[Metric]:
                        c.active_backoffs)
     held = GaugeMetricFamily("shepherd_machines_held", "Machines held out of every backlog, "
                              "per kind (maintenance: an operator's; quarantine: the reboot "
-                             "ladder failed too often).", labels=["kind"])
+                             "ladder failed too often; host-key: a takeover met another "
+                             "host key than the pin).", labels=["kind"])
     for kind, count in sorted(c.held.items()):
         held.add_metric([kind], count)
     yield held

@@ -125,11 +125,20 @@ def quarantine(ctx: Context) -> int:
 
 
 def host_key(ctx: Context) -> int:
-    """``host-key forget``: refused (exit 1) when the inventory itself pins the key, as
+    """``host-key accept`` (refused, exit 1, for a machine not held for a mismatch), or
+    ``host-key forget``: refused (exit 1) when the inventory itself pins the key, as
     forgetting the BMDB's copy would change nothing."""
     machine_id = ctx.machine_id()
     session = ctx.runtime.session
     who = actor(ctx)
+    if ctx.args.action == "accept":
+        try:
+            accepted = operations.accept_host_key(session, machine_id, ctx.args.reason or "",
+                                                  who)
+        except operations.NothingToAccept as refused:
+            raise Failed(str(refused)) from None
+        ctx.emit(accepted, lambda: render.host_key_accepted(accepted))
+        return 0
     provided = operations.provided_at(session, machine_id)
     if provided is not None and provided[0] == ctx.settings.provider == "static":
         try:

@@ -250,11 +250,15 @@ def _machine_care_commands(commands: _Commands) -> None:
     quarantine.add_argument("--reason", metavar="TEXT", help="why, for history")
     quarantine.add_argument("--by", metavar="NAME", help=BY_HELP)
 
-    host_key = commands.add("host-key", "forget a machine's recorded SSH host key (after "
-                            "a reinstall)", actions.host_key)
-    host_key.add_argument("action", choices=("forget",),
-                          help="forget: the next SSH connection records the key it sees")
+    host_key = commands.add("host-key", "after a reinstall: accept the new SSH host key a "
+                            "held machine presented, or forget the recorded one",
+                            actions.host_key)
+    host_key.add_argument("action", choices=("accept", "forget"),
+                          help="accept: pin the key a takeover met and let the held machine "
+                               "back; forget: the next SSH connection records the key it sees")
     host_key.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    host_key.add_argument("--reason", metavar="TEXT",
+                          help="why the new key is the machine's (required for accept)")
     host_key.add_argument("--by", metavar="NAME", help=BY_HELP)
 
     power = commands.add("power", "read or change a machine's power or next boot device "

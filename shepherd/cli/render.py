@@ -271,6 +271,17 @@ def host_key_forgotten(f: Any) -> str:
             "records the key it meets (trust on first use)")
 
 
+def host_key_accepted(a: Any) -> str:
+    replaced = f" in place of {a.replaced}" if a.replaced else ""
+    lines = [f"machine {a.machine}: host key {a.fingerprint} pinned{replaced}; the host-key "
+             "hold is lifted and its backoffs cleared: the next AgentStart or Recovery takes "
+             "the machine over"]
+    if a.remaining:
+        kinds = ", ".join(h.kind for h in a.remaining)
+        lines.append(f"still held ({kinds}): nothing automatic touches it until that is lifted")
+    return "\n".join(lines)
+
+
 def ssh_key(k: dict[str, str]) -> str:
     return "\n".join([
         f"private key: {k['private_key']}",

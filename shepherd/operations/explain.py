@@ -79,7 +79,7 @@ def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
                                 thresholds)
     else:
         reason = (_installing_reason(bmdb.installation_of(tx, machine_id))
-                  or _recovery_reason(tags, tx.now, thresholds))
+                  or _recovery_reason(tags, tx.now, thresholds, bmdb.last_resumption(tx)))
     return ProcessExplanation(
         process=process.value,
         in_backlog=bmdb.in_backlog(tx, process, machine_id, thresholds),
@@ -170,25 +170,41 @@ def _installing_reason(installation: bmdb.Installation) -> str | None:
 
 
 def _recovery_reason(tags: dict[str, dict[str, Any]], now: dt.datetime,
-                     thresholds: bmdb.Thresholds) -> str:
+                     thresholds: bmdb.Thresholds, resumed: bmdb.Resumption | None) -> str:
     started = tags.get("AgentStarted")
     if started is None:
         return "no AgentStarted tag: no agent to recover"
     gone = _gone_reason(tags.get("Provided"))
     if gone:
         return gone
-    heartbeat = tags.get("AgentHeartbeat")
+    silent, why = _silence(started, tags.get("AgentHeartbeat"), now, thresholds)
+    return why + _grace(resumed, now, thresholds) if silent else why
+
+
+def _silence(started: dict[str, Any], heartbeat: dict[str, Any] | None, now: dt.datetime,
+             thresholds: bmdb.Thresholds) -> tuple[bool, str]:
+    """Whether the agent is silent by its own heartbeats, and the words for it."""
     if heartbeat is None:
         due = started["started_at"] + dt.timedelta(seconds=thresholds.first_heartbeat)
         if due > now:
-            return (f"first heartbeat not yet due: agent started at "
-                    f"{iso(started['started_at'])}, due by {iso(due)}")
-        return (f"no heartbeat since the agent started at {iso(started['started_at'])}; "
-                f"the first was due by {iso(due)}")
+            return False, (f"first heartbeat not yet due: agent started at "
+                           f"{iso(started['started_at'])}, due by {iso(due)}")
+        return True, (f"no heartbeat since the agent started at "
+                      f"{iso(started['started_at'])}; the first was due by {iso(due)}")
     last = heartbeat["last_heartbeat_at"]
     stale_at = last + dt.timedelta(seconds=thresholds.heartbeat)
     if stale_at > now:
-        return (f"heartbeat fresh: last at {iso(last)}, silent only after "
-                f"{iso(stale_at)}")
-    return (f"heartbeat stale: last at {iso(last)}, older than "
-            f"{thresholds.heartbeat:g}s since {iso(stale_at)}")
+        return False, (f"heartbeat fresh: last at {iso(last)}, silent only after "
+                       f"{iso(stale_at)}")
+    return True, (f"heartbeat stale: last at {iso(last)}, older than "
+                  f"{thresholds.heartbeat:g}s since {iso(stale_at)}")
+
+
+def _grace(resumed: bmdb.Resumption | None, now: dt.datetime,
+           thresholds: bmdb.Thresholds) -> str:
+    """Why a stale machine is not silent yet: heartbeats resumed fleet-wide lately."""
+    if resumed is None or resumed.grace_until(thresholds.heartbeat) <= now:
+        return ""
+    return (f"; but heartbeats resumed fleet-wide at {iso(resumed.at)} ({resumed.cause}), "
+            f"so no machine counts as silent before "
+            f"{iso(resumed.grace_until(thresholds.heartbeat))}")

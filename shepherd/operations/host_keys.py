@@ -1,4 +1,10 @@
-"""Forgetting a machine's recorded SSH host key, after a reinstall gave it a new one.
+"""A machine's SSH host key after a reinstall gave it a new one: accept it, or forget.
+
+When a takeover meets another key than the pin, the machine is held with the key it
+met (``bmdb.HOST_KEY_HOLD``). ``accept_host_key`` is the one step that brings it back:
+it pins exactly that key (which wins over the inventory's, as an installation's does),
+lifts the hold and clears the backoffs its failure left, in one transaction, so the
+next AgentStart or Recovery takes the machine over at once.
 
 Only the key recorded at the first takeover (trust on first use, ``bmdb.host_keys``)
 can be forgotten here. A key pinned by the provider's own listing (the inventory
@@ -25,6 +31,20 @@ class HostKeyForgotten:
     #: The forgotten key (``type base64``) and its fingerprint; None: none was recorded.
     host_key: str | None
     fingerprint: str | None
+
+
+class NothingToAccept(Exception):
+    """The machine holds no host-key mismatch: there is no key to accept."""
+
+
+@dataclass(frozen=True)
+class HostKeyAccepted:
+    machine: uuid.UUID
+    #: The accepted key's fingerprint, and the recorded pin's it replaced (None: none).
+    fingerprint: str
+    replaced: str | None
+    #: Holds still keeping the machine out (maintenance, quarantine).
+    remaining: list[bmdb.Hold]
 
 
 @dataclass(frozen=True)
@@ -65,5 +85,34 @@ def forget_host_key(session: bmdb.Session, machine_id: uuid.UUID, actor: str
         if key is None or not bmdb.forget_host_key(tx, machine_id, actor):
             return HostKeyForgotten(machine_id, None, None)
         return HostKeyForgotten(machine_id, key, key_line_fingerprint(key))
+
+    return session.transact(body)
+
+
+def accept_host_key(session: bmdb.Session, machine_id: uuid.UUID, reason: str, actor: str
+                    ) -> HostKeyAccepted:
+    """Pin the key the machine's host-key hold kept, lift the hold and clear the
+    AgentStart and Recovery backoffs; ``NothingToAccept`` (nothing changed) when it
+    has no such hold."""
+    reason = require_text(reason, "--reason", "say why the new key is the machine's own "
+                                              "(kept in history)")
+    actor = require_text(actor, "--by", "name who does this")
+
+    def body(tx: bmdb.Tx) -> HostKeyAccepted:
+        require_machine(tx, machine_id)
+        held = bmdb.holds_of(tx, machine_id, bmdb.HOST_KEY_HOLD)
+        if not held or not held[0].host_key:
+            raise NothingToAccept(f"machine {machine_id} is not held for a host-key mismatch; "
+                                  "nothing was changed (see shepherd show)")
+        key = held[0].host_key
+        before = bmdb.recorded_host_key(tx, machine_id)
+        fingerprint = key_line_fingerprint(key)
+        bmdb.pin_accepted_host_key(tx, machine_id, key, fingerprint, actor)
+        bmdb.lift_hold(tx, machine_id, bmdb.HOST_KEY_HOLD, actor, reason)
+        for process in (bmdb.Process.AGENT_START, bmdb.Process.RECOVERY):
+            bmdb.clear_backoff(tx, machine_id, process)
+        return HostKeyAccepted(machine_id, fingerprint,
+                               key_line_fingerprint(before.host_key) if before else None,
+                               bmdb.holds_of(tx, machine_id))
 
     return session.transact(body)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bmdb
-from bmdb import MAINTENANCE, BackoffInfo, Hold, PowerObservation, Refusal, WorkInfo
+from bmdb import BackoffInfo, Hold, PowerObservation, Refusal, WorkInfo
 from shepherd import text_tables
 from shepherd.operations.installation_views import InstallationView
 from shepherd.operations.stored import printable
@@ -24,7 +24,8 @@ from shepherd.workflows.guard import PAUSED_PREFIX
 
 #: The command that lifts each kind of hold (``MACHINE`` is replaced by the id).
 LIFT_COMMAND = {"maintenance": "shepherd maintenance off MACHINE",
-                "quarantine": "shepherd quarantine clear MACHINE"}
+                "quarantine": "shepherd quarantine clear MACHINE",
+                "host-key": "shepherd host-key accept MACHINE --reason TEXT"}
 
 
 def jsonable(value: Any) -> Any:
@@ -50,9 +51,14 @@ def iso(value: dt.datetime) -> str:
     return value.isoformat(timespec="seconds")
 
 
+#: How each kind of hold reads in a sentence.
+HOLD_STATE = {"maintenance": "in maintenance", "quarantine": "quarantined",
+              "host-key": "held on a host-key mismatch"}
+
+
 def hold_text(hold: Hold) -> str:
     """A hold as operators read it: "in maintenance since ..., because ... (by ...)"."""
-    state = "in maintenance" if hold.kind == MAINTENANCE else "quarantined"
+    state = HOLD_STATE.get(hold.kind, hold.kind)
     return f"{state} since {iso(hold.since)}, because {hold.reason} (by {hold.actor})"
 
 

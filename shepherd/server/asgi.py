@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -56,6 +57,7 @@ from shepherd.server.heartbeat import BadRequest, Outcome, SignedRequest, accept
 from shepherd.server.limits import LogThrottle, clip, log_internal_error
 from shepherd.server.options import ServeOptions
 from shepherd.server.pool import Pool
+from shepherd.server.resumption import ResumptionWatch, accepted_any
 from shepherd.workflows.guard import GuardLimits
 
 log = logging.getLogger("shepherd.server")
@@ -174,6 +176,7 @@ class AgentAPI:
         self.signer = AnswerSigner(runtime.transact)
         self.batches: GroupCommit[Arrived, Answer] = GroupCommit(
             self.write, pool, window=options.batch_window, writers=options.threads)
+        self.resumption = ResumptionWatch(options.resumption_gap)
         self._key_ready = False  # once true, signing needs no BMDB: done on the loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -216,10 +219,13 @@ class AgentAPI:
         """One batch in one transaction (blocking: in the heartbeat pool); each
         request's signed answer. A batch that fails other than by the BMDB being
         unavailable is written again one request at a time, so that a request that
-        cannot be written fails alone, with the answer it would have had alone."""
+        cannot be written fails alone, with the answer it would have had alone.
+        The first batch that accepts heartbeats after a pause records a resumption
+        (``resumption``) in its own transaction."""
+        arrived_at = time.monotonic()
+        resuming = self.resumption.due(arrived_at)
         try:
-            outcomes = self.runtime.transact(
-                lambda tx: accept(tx, [a.request for a in batch], self.signer.key))
+            outcomes = self.runtime.transact(lambda tx: self.accept(tx, batch, resuming))
         except UNAVAILABLE as error:
             self.refusals(logging.WARNING, "%d heartbeats from %s...: BMDB unavailable: %s",
                           len(batch), batch[0].peer, type(error).__name__)
@@ -231,8 +237,17 @@ class AgentAPI:
             log_internal_error(log, "heartbeat", error)
             return [self.sign(500, {"error": "internal error"}, batch[0].machine,
                               batch[0].stamp)]
+        if accepted_any(outcomes):
+            self.resumption.heard(arrived_at)
         return [self.answer(arrived, outcome)
                 for arrived, outcome in zip(batch, outcomes, strict=True)]
+
+    def accept(self, tx: bmdb.Tx, batch: Sequence[Arrived], resuming: str | None
+               ) -> list[Outcome]:
+        outcomes = accept(tx, [a.request for a in batch], self.signer.key)
+        if resuming is not None and accepted_any(outcomes):
+            bmdb.record_resumption(tx, resuming)
+        return outcomes
 
     def answer(self, arrived: Arrived, outcome: Outcome) -> Answer:
         if isinstance(outcome, auth.Unauthorized):

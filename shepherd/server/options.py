@@ -57,6 +57,10 @@ class ServeOptions:
     guard: GuardLimits
     #: The image catalog's directory (``catalog.toml`` and the files it serves).
     image_dir: Path
+    #: Seconds without an accepted heartbeat after which the next accepted ones
+    #: record a resumption (``resumption``): half a heartbeat timeout, so a pause
+    #: long enough to make agents look silent is never missed.
+    resumption_gap: float
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeOptions:
@@ -75,4 +79,4 @@ class ServeOptions:
             operator_views=settings.serve_operator_views,
             metrics_cache=settings.metrics_cache, limits=ServerLimits.from_settings(settings),
             guard=guard_limits(settings, interactive=True),
-            image_dir=settings.image_dir)
+            image_dir=settings.image_dir, resumption_gap=settings.heartbeat_timeout / 2)

@@ -99,8 +99,11 @@ def initialize(work: bmdb.Work, provider: Provider, settings: InitializerSetting
                                     known.view.provided)
         pin = pin_for(work.machine_id, machine, known.view.host_key)
         work.ensure_held()
-        taken = take_over(machine, work.machine_id, settings, pin,
-                          answer_key=known.answer_key, current_key=known.view.agent_key)
+        try:
+            taken = take_over(machine, work.machine_id, settings, pin,
+                              answer_key=known.answer_key, current_key=known.view.agent_key)
+        except WorkflowFailure as failure:
+            raise hold_on_mismatch(failure, failure.__cause__, work) from failure
 
         def record(tx: bmdb.Tx) -> None:
             record_agent(tx, work.machine_id, taken)
@@ -111,6 +114,33 @@ def initialize(work: bmdb.Work, provider: Provider, settings: InitializerSetting
         return record
 
     return run_work(work, body)
+
+
+def hold_on_mismatch(failure: WorkflowFailure, cause: BaseException | None,
+                     work: bmdb.Work) -> WorkflowFailure:
+    """``failure`` itself, or, when its ``cause`` is a host-key mismatch, the same failure
+    that also holds the machine (``bmdb.HOST_KEY_HOLD``) with the key it met.
+
+    Why hold: the machine answers SSH, so it runs, and no retry or reset changes the
+    key it presents (a reinstall behind Shepherd's back, or another machine at this
+    address). Only an operator can say which: ``shepherd host-key accept`` pins exactly
+    the key kept here (never one seen later) and lets the machine go, in one step.
+    """
+    mismatch = cause
+    if not isinstance(mismatch, HostKeyMismatch):
+        return failure
+    seen, expected = key_line_fingerprint(mismatch.seen), key_line_fingerprint(mismatch.expected)
+    reason = (f"SSH presented host key {seen}, not the pinned {expected}: reinstalled, or "
+              "another machine at this address?")
+
+    def hold(tx: bmdb.Tx) -> None:
+        if failure.then is not None:
+            failure.then(tx)
+        bmdb.put_hold(tx, work.machine_id, bmdb.HOST_KEY_HOLD, reason, work.process.value,
+                      host_key=mismatch.seen)
+
+    return WorkflowFailure(f"{failure.cause}; held until an operator accepts the key or "
+                           "fixes the pin", failure.backoff, then=hold)
 
 
 @dataclass(frozen=True)
@@ -131,8 +161,11 @@ def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None
 def pin_for(machine_id: uuid.UUID, machine: ProviderMachine,
             recorded: bmdb.RecordedPin | None) -> HostKeyPin | None:
     """The pin a takeover must see, in this order: the key an installation of Shepherd's
-    chose (the system on the disk is the one it wrote), the inventory's (an operator's
-    word for the system the machine had), the key recorded at the first takeover."""
+    chose (the system on the disk is the one it wrote) or an operator accepted (a
+    later word than the file's), the inventory's (an operator's word for the system
+    the machine had), the key recorded at the first takeover."""
+    if recorded is not None and recorded.source == bmdb.OPERATOR_PIN:
+        return HostKeyPin(recorded.host_key, "accepted by an operator")
     if recorded is not None and recorded.chosen:
         return HostKeyPin(recorded.host_key, f"chosen by installation generation "
                                              f"{recorded.generation} and written into the "
@@ -141,8 +174,7 @@ def pin_for(machine_id: uuid.UUID, machine: ProviderMachine,
         return HostKeyPin(machine.host_key, "pinned in the inventory")
     if recorded is None:
         return None
-    return HostKeyPin(recorded.host_key, "recorded at the first takeover; after a reinstall "
-                                         f"run 'shepherd host-key forget {machine_id}'")
+    return HostKeyPin(recorded.host_key, "recorded at the first takeover")
 
 
 class Known(NamedTuple):

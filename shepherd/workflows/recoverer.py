@@ -40,6 +40,7 @@ from shepherd.workflows.common import (
 )
 from shepherd.workflows.initializer import (
     InitializerSettings,
+    hold_on_mismatch,
     host_key_pin,
     record_agent,
     take_over_work,
@@ -130,7 +131,8 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
         note(ladder.RungOutcome(0, "agent restart", False, failure.cause,
                                 time.monotonic() - started))
         if isinstance(failure.__cause__, HostKeyMismatch):
-            raise no_reset_can_help(failure) from failure
+            raise hold_on_mismatch(no_reset_can_help(failure), failure.__cause__,
+                                   work) from failure
         return None
     note(ladder.RungOutcome(0, "agent restart", True, "a new agent answered over SSH",
                             time.monotonic() - started))
@@ -146,8 +148,8 @@ def no_reset_can_help(failure: WorkflowFailure) -> WorkflowFailure:
     """Rung 0 met another host key than the pinned one: the machine answers SSH, so
     it is up, and no reset changes the key it presents (a reinstall behind Shepherd's
     back, or another machine at this address). Resetting it would power-cycle a
-    running machine for nothing, so the ladder stops here, before any BMC call, with
-    the failure's own (permanent) backoff: an operator has to look."""
+    running machine for nothing, so the ladder stops here, before any BMC call, and
+    the machine is held for an operator to look (``hold_on_mismatch``)."""
     return WorkflowFailure(
         f"{failure.cause}; no reset tried: the machine answers SSH, and a reset cannot "
         f"change the key it presents (reinstalled, or another machine at this address?)",

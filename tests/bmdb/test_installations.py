@@ -466,3 +466,31 @@ def test_failed_installations_in_a_row_quarantine_and_a_cancel_breaks_no_streak(
     holds = session.transact(lambda tx: bmdb.holds_of(tx, machine))
     assert [(h.kind, h.reason) for h in holds] == [
         ("quarantine", "an installation failed 2 times in a row")]
+
+
+def test_a_host_key_hold_keeps_agents_out_but_lets_a_wanted_installation_resolve_it(
+        db, session):
+    """A host-key mismatch holds the machine out of AgentStart and Recovery, not out of
+    an installation the operator asked for: that installation writes and pins a key of
+    its own, which lifts the hold. Maintenance still keeps the installation out."""
+    (machine,) = heard(session, ago=45)
+    want(session, machine)
+    generation = dispatch(session, machine)
+    settle(session, machine, generation, installed=False)  # failed: generation > 0
+    session.transact(lambda tx: bmdb.put_hold(
+        tx, machine, bmdb.HOST_KEY_HOLD, "SSH presented another key", "ShepherdRecovery",
+        host_key="ssh-ed25519 AAAA seen"))
+    assert machine not in backlog_ids(session, Process.RECOVERY)
+    assert machine in backlog_ids(session, OS_INSTALL)
+    session.transact(lambda tx: bmdb.put_hold(tx, machine, bmdb.MAINTENANCE, "cabling", "bob"))
+    assert machine not in backlog_ids(session, OS_INSTALL)
+    session.transact(lambda tx: bmdb.lift_hold(tx, machine, bmdb.MAINTENANCE, "bob"))
+
+    again = dispatch(session, machine)
+    session.transact(lambda tx: bmdb.pin_installed_host_key(
+        tx, machine, "ssh-ed25519 AAAA chosen", "SHA256:chosen", again))
+    assert db.read(lambda tx: bmdb.holds_of(tx, machine)) == []
+    lifted = [h for h in db.read(lambda tx: bmdb.machine_history(tx, machine))
+              if h["process"] == "HostKey" and h["event"] == "Released"]
+    assert lifted and lifted[0]["cause"] == (f"by installation generation {again}: it "
+                                             "pinned a key of its own")

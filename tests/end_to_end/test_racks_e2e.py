@@ -98,6 +98,8 @@ def test_a_racked_fleet_recovers_through_its_bmc(racked) -> None:
     assert key_line_fingerprint(stale_pin) in failed["cause"]
     assert not any(cp.simulator.sandbox(impostor).glob("shepherd-agent*"))
     assert "AgentStarted" not in cp.tags(ids[impostor])
+    [held] = host_key_holds(cp, ids[impostor])
+    assert held.host_key == new_key and key_line_fingerprint(stale_pin) in held.reason
 
     hold(cp, ids[resting], "disk swap")
     started = time.time()
@@ -141,6 +143,64 @@ def test_a_racked_fleet_recovers_through_its_bmc(racked) -> None:
     assert racks.bmc.resets(resting) == [] and cp.simulator.devices[resting].hung
     assert overlapping_work(cp.history()) == []
     assert cp.log_problems("w1", "beat") == []
+
+
+def host_key_holds(cp: ControlPlane, machine_id: uuid.UUID) -> list[bmdb.Hold]:
+    return cp.db.read(lambda tx: bmdb.holds_of(tx, machine_id, bmdb.HOST_KEY_HOLD))
+
+
+def test_a_machine_reinstalled_behind_shepherds_back_is_held_then_accepted(racked) -> None:
+    """Its agent gone and SSH answering with a new host key: Recovery's rung 0 fails on
+    the mismatch, nothing is reset, and the machine is held with both fingerprints.
+    The one documented step, ``shepherd host-key accept NAME --reason``, pins the key
+    it met and lets it go: rung 0 then restarts the agent, still with no reset."""
+    cp, racks = racked(2)
+    reinstalled, other = (m.id for m in racks.machines)
+    cp.start_worker("w1", concurrency=2)
+    cp.start_beat()
+    cp.wait_for(lambda c: c.heartbeating == 2, timeout=60, what="2 machines heartbeating")
+    machine = machine_of(cp, reinstalled)
+    pinned = cp.simulator.host_key_line(reinstalled)
+    assert cp.simulator.kill_agent(reinstalled) >= 1
+    new_key = cp.simulator.rotate_host_key(reinstalled)
+
+    [held] = wait_until(lambda: host_key_holds(cp, machine), 60, "the host-key hold", cp)
+    assert held.host_key == new_key and held.kind == bmdb.HOST_KEY_HOLD
+    for key in (pinned, new_key):
+        assert key_line_fingerprint(key) in held.reason, held.reason
+    [failed] = rows(cp, machine, "Failed", bmdb.Process.RECOVERY.value)
+    assert "no reset tried" in failed["cause"] and "held until" in failed["cause"]
+    assert racks.bmc.resets(reinstalled) == []
+    assert cp.simulator.devices[reinstalled].power_changes == 0
+    shown = cp.cli("python", "-m", "shepherd.cli", "show", reinstalled)
+    assert f"shepherd host-key accept {machine} --reason TEXT" in shown.stdout, shown.stdout
+
+    accepted = cp.cli("python", "-m", "shepherd.cli", "host-key", "accept", reinstalled,
+                      "--reason", "reinstalled by hand", "--by", "alice")
+    assert accepted.returncode == 0, accepted.stderr
+    assert f"host key {key_line_fingerprint(new_key)} pinned" in accepted.stdout
+    again = cp.cli("python", "-m", "shepherd.cli", "host-key", "accept", reinstalled,
+                   "--reason", "twice")
+    assert again.returncode == 1 and "not held for a host-key mismatch" in again.stderr
+
+    def restarted() -> dict | None:
+        done = rows(cp, machine, "Finished", bmdb.Process.RECOVERY.value)
+        return done[-1] if done else None
+
+    finished = wait_until(restarted, 60, "Recovery of the accepted machine", cp)
+    wait_until(lambda: heartbeating(cp, machine, finished["at"]), 30,
+               "heartbeats from the restarted agent", cp)
+    rungs = [r["cause"] for r in rows(cp, machine, "Rung")]
+    assert rungs[-1].startswith("rung 0 (agent restart): verified"), rungs
+    assert racks.bmc.resets(reinstalled) == []
+    assert cp.simulator.devices[reinstalled].power_changes == 0
+    assert host_key_holds(cp, machine) == []
+    pin = cp.db.read(lambda tx: bmdb.recorded_host_key(tx, machine))
+    assert pin is not None and (pin.host_key, pin.source) == (new_key, bmdb.OPERATOR_PIN)
+    history = [r["cause"] for r in rows(cp, machine, process="HostKey")]
+    assert f"accepted by alice: {key_line_fingerprint(new_key)}" in history, history
+    assert "by alice: reinstalled by hand" in history, history
+    assert racks.bmc.resets(other) == []
 
 
 def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked) -> None:

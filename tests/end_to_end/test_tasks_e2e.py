@@ -6,9 +6,12 @@ process on loopback, each test bounded in time (``tests/celery_fixtures``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import os
+import signal
 import time
 import uuid
 from collections import Counter
@@ -18,6 +21,9 @@ import pytest
 
 import bmdb
 from shepherd.agent import BUNDLE_NAME
+from shepherd.operations.explain import explain
+from shepherd.os_processes import marked_processes
+from shepherd.simulator.ssh import MARKER as SIM_DEVICE
 from tests.support.celery_fixtures import ControlPlane, dump, overlapping_work
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
@@ -177,6 +183,55 @@ def test_callback_server_outage_pauses_recovery(control_plane) -> None:
     assert not events(cp, bmdb.Process.RECOVERY), dump(events(cp, bmdb.Process.RECOVERY))
     assert all(d.reboots == 0 for d in cp.simulator.devices.values())
     assert cp.counts().agent_started == 5
+
+
+def signal_agents(cp: ControlPlane, machine_ids: list[uuid.UUID], signum: int) -> int:
+    """Send ``signum`` to every process the machines' simulated devices run."""
+    pids = [pid for machine in machine_ids
+            for pid in marked_processes(SIM_DEVICE, cp.provider_id(machine))]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    return len(pids)
+
+
+@slow
+def test_no_agent_is_restarted_after_a_callback_server_outage(control_plane) -> None:
+    """The outage ends; two agents come back late (stopped for a moment, as a long
+    retry backoff would keep them). The silent share is then 2 of 20, within the
+    guard's 10 %, and the callback server answers: only the grace after heartbeats
+    resumed (``bmdb.resumptions``) keeps Recovery off them, and explain says so."""
+    cp = control_plane(reservations=20, SHEPHERD_HEARTBEAT_TIMEOUT="10")
+    cp.start_worker("w1")
+    cp.start_beat()
+    cp.wait_for(all_heartbeating(20), timeout=90, what="20 heartbeating")
+    started = {m: cp.tags(m)["AgentStarted"]["started_at"] for m in cp.machine_ids()}
+    late = cp.machine_ids()[:2]
+
+    cp.stop_callback_server()
+    cp.wait_for(lambda c: c.heartbeating == 0, timeout=25, what="every agent silent")
+    try:
+        assert signal_agents(cp, late, signal.SIGSTOP) >= 2
+        cp.start_callback_server()
+        cp.wait_for(lambda c: c.heartbeating == 18, timeout=8, what="18 heartbeating again")
+        reason = wait_until(lambda: grace_reason(cp, late[0]), 5, "explain's grace", cp)
+        assert "heartbeats resumed fleet-wide" in reason and "callback server" in reason
+        time.sleep(2)  # four sourcing passes with 2 of 20 silent
+    finally:
+        signal_agents(cp, late, signal.SIGCONT)
+    cp.wait_for(all_heartbeating(20), timeout=15, what="the late agents heartbeating")
+    time.sleep(1)
+    assert not events(cp, bmdb.Process.RECOVERY), dump(events(cp, bmdb.Process.RECOVERY))
+    assert {m: cp.tags(m)["AgentStarted"]["started_at"] for m in started} == started
+    assert all(d.reboots == 0 for d in cp.simulator.devices.values())
+
+
+def grace_reason(cp: ControlPlane, machine: uuid.UUID) -> str | None:
+    """Recovery's backlog reason in ``explain`` once the machine is stale, else None."""
+    explained = cp.db.read(lambda tx: explain(tx, machine, cp.thresholds))
+    (recovery,) = [p for p in explained.processes if p.process == "ShepherdRecovery"]
+    assert not recovery.in_backlog, recovery
+    return recovery.backlog if recovery.backlog.startswith("heartbeat stale") else None
 
 
 @slow

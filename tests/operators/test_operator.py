@@ -201,8 +201,8 @@ def test_hold_arguments_are_checked_before_anything_changes(
         operations.lift_maintenance(session, fleet.new, "")
     with pytest.raises(operations.UnknownMachine):
         operations.put_maintenance(session, uuid.uuid4(), "x", "alice")
-    assert db.read(lambda tx: bmdb.held_counts(tx)) == {"maintenance": 0,
-                                                              "quarantine": 0}
+    assert db.read(lambda tx: bmdb.held_counts(tx)) == {"maintenance": 0, "quarantine": 0,
+                                                        "host-key": 0}
 
 
 def test_a_machine_its_provider_no_longer_lists_is_shown_as_gone(

@@ -114,6 +114,7 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
     held = "shepherd_machines_held"
     assert samples[(held, frozenset({("kind", "maintenance")}))] == 0
     assert samples[(held, frozenset({("kind", "quarantine")}))] == 0
+    assert samples[(held, frozenset({("kind", "host-key")}))] == 0
     # Only the configured provider's series, at 0: nothing refuses yet.
     assert {key: samples[key] for key in samples if key[0] == "shepherd_reconcile_refusing"
             } == {("shepherd_reconcile_refusing", frozenset({("provider", "simulator")})): 0}
@@ -124,6 +125,8 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
         bmdb.put_hold(tx, fleet.new, bmdb.MAINTENANCE, "cabling", "alice")
         bmdb.put_hold(tx, fleet.healthy, bmdb.MAINTENANCE, "cabling", "alice")
         bmdb.put_hold(tx, fleet.silent, bmdb.QUARANTINE, "ladder", "shepherd recovery")
+        bmdb.put_hold(tx, fleet.healthy, bmdb.HOST_KEY_HOLD, "SSH presented another key",
+                      "ShepherdAgentStart", host_key="ssh-ed25519 AAAAC3Nza... x")
         bmdb.record_refusal(tx, "equinix", cause)
 
     db.read(changes)
@@ -131,6 +134,7 @@ def test_holds_and_reconcile_refusals_are_gauges(server_and_fleet, db: bmdb.BMDB
     samples = parse(text)
     assert value(samples, held, kind="maintenance") == 2
     assert value(samples, held, kind="quarantine") == 1
+    assert value(samples, held, kind="host-key") == 1
     assert samples[("shepherd_reconcile_refusing", frozenset({("provider", "equinix")}))] == 1
     assert "dev-7f3a" not in text and "cabling" not in text
 

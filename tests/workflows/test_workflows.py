@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
+from shepherd import operations
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.power import ProviderPower
 from shepherd.providers.base import ProviderMachine, register_provided
@@ -256,6 +257,46 @@ def test_a_machine_presenting_another_host_key_is_never_reset(
     assert len(rungs) == 1 and rungs[0].startswith("rung 0 (agent restart): not verified")
     assert "AgentStarted" in tags_of(db, machine_id)  # nothing dropped on failure
     assert session.held_work() == []
+    # Held with the key it met, until an operator accepts it: then rung 0 restarts
+    # the agent under the accepted pin, and still nothing is reset.
+    [held] = db.read(lambda tx: bmdb.holds_of(tx, machine_id, bmdb.HOST_KEY_HOLD))
+    assert held.host_key == presented and key_line_fingerprint(pinned) in held.reason
+    assert session.claim_backlog(bmdb.Process.RECOVERY, 1) == []
+    accepted = operations.accept_host_key(session, machine_id, "reinstalled by hand", "alice")
+    assert (accepted.fingerprint, accepted.replaced) == (key_line_fingerprint(presented),
+                                                         key_line_fingerprint(pinned))
+    assert db.read(lambda tx: bmdb.machine_backoffs(tx, machine_id)) == []
+    work = claim_one(session, bmdb.Process.RECOVERY)
+    assert recover(work, provider, api_reboot(provider), with_rung_0).ok
+    assert simulator.devices[provider_id].reboots == 0
+    rungs = [h["cause"] for h in history(db, machine_id) if h["event"] == "Rung"]
+    assert rungs[0].startswith("rung 0 (agent restart): verified"), rungs  # newest first
+
+
+def test_agent_start_meeting_another_host_key_holds_the_machine(
+        session: bmdb.Session, db: bmdb.BMDB, provider: EquinixProvider,
+        simulator: Simulator, settings: InitializerSettings) -> None:
+    """A first-use pin, then the machine's agent record dropped (as ``shepherd up``
+    resuming does) and its key changed: AgentStart uploads nothing and holds the
+    machine; accepting the key it met is the one step, refused once nothing is held."""
+    machine_id, provider_id = start_agent(session, provider, simulator, settings, db)
+    session.transact(lambda tx: bmdb.forget_every_agent(tx))
+    presented = simulator.rotate_host_key(provider_id)
+    result = initialize(claim_one(session, bmdb.Process.AGENT_START), provider, settings)
+    assert result.outcome == "failed" and "held until an operator" in (result.cause or "")
+    [held] = db.read(lambda tx: bmdb.holds_of(tx, machine_id))
+    assert (held.kind, held.host_key, held.actor) == (bmdb.HOST_KEY_HOLD, presented,
+                                                      "ShepherdAgentStart")
+    assert session.claim_backlog(bmdb.Process.AGENT_START, 1) == []
+    with pytest.raises(operations.BadArgument, match="--reason is required"):
+        operations.accept_host_key(session, machine_id, " ", "alice")
+
+    operations.accept_host_key(session, machine_id, "reinstalled by hand", "alice")
+    with pytest.raises(operations.NothingToAccept, match="not held for a host-key mismatch"):
+        operations.accept_host_key(session, machine_id, "again", "alice")
+    assert initialize(claim_one(session, bmdb.Process.AGENT_START), provider, settings).ok
+    pin = db.read(lambda tx: bmdb.recorded_host_key(tx, machine_id))
+    assert pin is not None and (pin.host_key, pin.source) == (presented, bmdb.OPERATOR_PIN)
 
 
 def test_recovery_of_an_unknown_device_fails(
