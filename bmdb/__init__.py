@@ -134,6 +134,7 @@ from bmdb.listing import Applied, ListedView, open_listing
 from bmdb.power_states import PowerObservation
 from bmdb.power_states import of_machine as power_of
 from bmdb.power_states import record_action as record_power_action
+from bmdb.power_states import record_asked as record_power_asked
 from bmdb.power_states import record_observed as record_power_observed
 from bmdb.queries import (
     AgentCredentials,
@@ -366,6 +367,7 @@ __all__ = [
     "record_installation_progress",
     "record_intent",
     "record_power_action",
+    "record_power_asked",
     "record_power_observed",
     "record_refusal",
     "record_resumption",

@@ -331,6 +331,9 @@ power_states = Table(
     Column("observed_at", UTCDateTime),
     Column("action", String(32)),
     Column("acted_at", UTCDateTime),
+    # What became of the action: "asked" (written before the call: a worker killed
+    # during it leaves this), then "acknowledged" or "failed" once the call returned.
+    Column("action_outcome", String(16)),
     # The power control that was asked (``PowerControl.description``: never a password).
     Column("via", String(256), nullable=False),
 )

@@ -9,8 +9,15 @@ records what it saw and what it asked, with the BMDB's clock, and pages read it 
 not the present: callers show it with its age.
 
 Only readings that say something are recorded (On, Off, Transitioning); a failed or
-unknown reading leaves the last known one in place. An action is recorded when the
-power control acknowledged it, which is not proof it happened (``shepherd.power.base``).
+unknown reading leaves the last known one in place.
+
+An action is recorded **before** the call, as asked (``record_asked``, with a history
+row), and again once the call returned, as acknowledged or failed (``record_action``).
+Invariant: no power action is sent without its intent committed first
+(``shepherd.power.recorded``), so a worker killed mid-call still leaves the reset in
+history and in ``shepherd show``, and the next attempt can see it
+(``PowerObservation.may_be_under_way``).
+An acknowledgement is not proof it happened either (``shepherd.power.base``).
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from bmdb import _schema as schema
-from bmdb import tags
+from bmdb import history, tags
 from bmdb._database import Tx
+from bmdb.vocabulary import Event, Topic
 
 #: The states worth recording (``shepherd.power.PowerState`` values but Unknown).
 KNOWN_STATES = frozenset({"On", "Off", "Transitioning"})
 MAX_VIA = 256
 MAX_ACTION = 32
+ASKED, ACKNOWLEDGED, FAILED = "asked", "acknowledged", "failed"
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,15 @@ class PowerObservation:
     acted_at: dt.datetime | None
     #: The power control asked (a BMC's or a provider's description).
     via: str
+    #: What became of ``action``: "asked" (the call had not returned, or its worker
+    #: died), "acknowledged" or "failed"; None for an action recorded before intents.
+    outcome: str | None = None
+
+    def may_be_under_way(self, since: dt.datetime) -> bool:
+        """Whether ``action`` was asked after ``since`` and may have happened (asked or
+        acknowledged, not failed)."""
+        return (self.action is not None and self.acted_at is not None
+                and self.acted_at > since and self.outcome != FAILED)
 
 
 def record_observed(tx: Tx, machine_id: uuid.UUID, state: str, via: str) -> bool:
@@ -54,13 +72,25 @@ def record_observed(tx: Tx, machine_id: uuid.UUID, state: str, via: str) -> bool
     return True
 
 
-def record_action(tx: Tx, machine_id: uuid.UUID, action: str, via: str) -> bool:
-    """Record that ``action`` was asked of ``via`` (and acknowledged) now; False for a
-    machine the BMDB no longer has."""
+def record_asked(tx: Tx, machine_id: uuid.UUID, action: str, via: str) -> bool:
+    """Record, before the call, that ``action`` is being asked of ``via`` now, in the
+    power state and in history; False for a machine the BMDB no longer has."""
+    if not record_action(tx, machine_id, action, via, ASKED):
+        return False
+    history.record(tx, machine_id, Topic.POWER, Event.ASKED,
+                   f"{action[:MAX_ACTION]} of {via[:MAX_VIA]}")
+    return True
+
+
+def record_action(tx: Tx, machine_id: uuid.UUID, action: str, via: str,
+                  outcome: str = ACKNOWLEDGED) -> bool:
+    """Record ``action`` of ``via`` now, with its ``outcome``; False for a machine the
+    BMDB no longer has."""
     if not _exists(tx, machine_id):
         return False
     tags.upsert(tx, schema.power_states, {"machine_id": machine_id},
-                {"action": action[:MAX_ACTION], "acted_at": tx.now, "via": via[:MAX_VIA]})
+                {"action": action[:MAX_ACTION], "acted_at": tx.now, "via": via[:MAX_VIA],
+                 "action_outcome": outcome})
     return True
 
 
@@ -83,7 +113,7 @@ def observation(row: sa.Row[object] | sa.RowMapping) -> PowerObservation:
     values = row._mapping if isinstance(row, sa.Row) else row
     return PowerObservation(state=values["state"], observed_at=values["observed_at"],
                             action=values["action"], acted_at=values["acted_at"],
-                            via=values["via"])
+                            via=values["via"], outcome=values["action_outcome"])
 
 
 def _exists(tx: Tx, machine_id: uuid.UUID) -> bool:

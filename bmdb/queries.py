@@ -356,7 +356,7 @@ def glance_joins(source: sa.FromClause, machine_id: sa.ColumnElement[uuid.UUID]
               .outerjoin(r, r.c.machine_id == machine_id)
               .outerjoin(p, p.c.machine_id == machine_id))
     return joined, [a.c.started_at, h.c.last_heartbeat_at, r.c.hostname, p.c.state,
-                    p.c.observed_at, p.c.action, p.c.acted_at, p.c.via]
+                    p.c.observed_at, p.c.action, p.c.acted_at, p.c.via, p.c.action_outcome]
 
 
 def glance_of(row: sa.RowMapping) -> Glance:

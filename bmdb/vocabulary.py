@@ -62,6 +62,7 @@ class Event(enum.StrEnum):
     RELEASED = "Released"
     PINNED = "Pinned"
     FORGOTTEN = "Forgotten"
+    ASKED = "Asked"
     # An installation's own: what is wanted, withdrawn, and each step it took.
     WANTED = "Wanted"
     WITHDRAWN = "Withdrawn"
@@ -81,6 +82,8 @@ class Topic(enum.StrEnum):
     MAINTENANCE = "Maintenance"
     QUARANTINE = "Quarantine"
     HOST_KEY = "HostKey"
+    #: A power action asked of a machine's power control, before the call is made.
+    POWER = "Power"
     #: A machine's agent, e.g. ``shepherd up`` resuming forgets every agent.
     AGENT = "Agent"
 

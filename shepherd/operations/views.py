@@ -233,7 +233,7 @@ def power_shown(observed: PowerObservation | None, provider: str | None,
     """
     if observed is not None and observed.state is not None and observed.observed_at:
         asked = (f"; last asked {observed.action} {ago(observed.acted_at, now)}"
-                 if observed.action and observed.acted_at else "")
+                 f"{_outcome(observed)}" if observed.action and observed.acted_at else "")
         return Shown(f"{observed.state} · {ago(observed.observed_at, now)}",
                      observed.state != "On", "observed",
                      f"read from {observed.via} at {iso(observed.observed_at)}{asked}")
@@ -242,9 +242,20 @@ def power_shown(observed: PowerObservation | None, provider: str | None,
         return Shown(text, provider_status != "Running", "by-provider",
                      f"the provider's device state ({provider_status}), not a BMC reading")
     if observed is not None and observed.action and observed.acted_at:
-        return Shown(f"asked {observed.action} {ago(observed.acted_at, now)}",
-                     True, "asked", f"via {observed.via}; no state read since")
+        return Shown(f"asked {observed.action} {ago(observed.acted_at, now)}"
+                     f"{_outcome(observed)}", True, "asked",
+                     f"via {observed.via}; no state read since")
     return Shown("—", source="none", title="no power state observed")
+
+
+def _outcome(observed: PowerObservation) -> str:
+    """What became of the last action, when it was not simply acknowledged: asked and
+    never answered (its worker died, or the call is under way), or failed."""
+    if observed.outcome == "asked":
+        return " (no answer recorded)"
+    if observed.outcome == "failed":
+        return " (failed)"
+    return ""
 
 
 def provider_shown(provider: str | None) -> Shown:

@@ -27,7 +27,7 @@ from shepherd.power.bootdev import set_boot_and_verify
 from shepherd.power.exclusive import ExclusivePower, singleton_name
 from shepherd.power.ipmi import IpmiPower
 from shepherd.power.provider import ProviderPower
-from shepherd.power.recorded import PowerRecorder, recorder_for
+from shepherd.power.recorded import IntentNotRecorded, PowerRecorder, recorder_for
 from shepherd.power.redfish import RedfishPower
 
 
@@ -51,6 +51,7 @@ __all__ = [
     "BootDeviceNotTaken",
     "BootOverride",
     "ExclusivePower",
+    "IntentNotRecorded",
     "IpmiPower",
     "PowerAction",
     "PowerControl",

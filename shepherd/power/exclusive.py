@@ -31,7 +31,7 @@ from shepherd.power.base import (
     PowerControl,
     PowerState,
 )
-from shepherd.power.recorded import PowerRecorder
+from shepherd.power.recorded import PowerRecorder, act_recorded
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ def _local_lock(name: str) -> threading.Lock:
 
 class ExclusivePower:
     """``inner`` with every call under the BMC's fleet-wide singleton; with a
-    ``recorder``, each reading and acknowledged action is recorded once the BMC is
-    released (``shepherd.power.recorded``)."""
+    ``recorder``, each action's intent is recorded before the BMC is taken, and each
+    reading and action's outcome once it is released (``shepherd.power.recorded``)."""
 
     def __init__(self, inner: PowerControl, session: bmdb.Session, lock_name: str,
                  wait: float = 30.0, recorder: PowerRecorder | None = None) -> None:
@@ -91,10 +91,13 @@ class ExclusivePower:
         return state
 
     def act(self, action: PowerAction) -> None:
-        with self.held():
-            self.inner.act(action)
-        if self.recorder is not None:
-            self.recorder.acted(action, self.description)
+        """``inner.act`` under the BMC's lock, its intent recorded before the lock is
+        taken (``PowerRecorder.asking``) and its outcome after it is released."""
+        def call() -> None:
+            with self.held():
+                self.inner.act(action)
+
+        act_recorded(self.recorder, action, self.description, call)
 
     def supports(self, action: PowerAction) -> bool:
         """Asked once per action and remembered: what a BMC advertises does not change

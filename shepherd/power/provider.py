@@ -24,7 +24,7 @@ from shepherd.power.base import (
     PowerError,
     PowerState,
 )
-from shepherd.power.recorded import PowerRecorder
+from shepherd.power.recorded import PowerRecorder, act_recorded
 from shepherd.providers.base import (
     NotSupported,
     PermanentError,
@@ -46,7 +46,8 @@ class ProviderPower:
 
     ``reads_state``: False for a provider whose machines report no state (the
     ladder then verifies by the SSH banner alone). ``recorder``: where each reading
-    and acknowledged reboot is recorded (``shepherd.power.recorded``), if anywhere.
+    and each reboot (asked before the call, its outcome after) is recorded
+    (``shepherd.power.recorded``), if anywhere.
     """
 
     def __init__(self, provider: Provider, provider_id: str, *, reads_state: bool = True,
@@ -76,17 +77,19 @@ class ProviderPower:
         return action in RESTARTS
 
     def act(self, action: PowerAction) -> None:
+        """The API's reboot, its intent recorded before the call (``recorded``)."""
         if action not in RESTARTS:
             raise ActionUnsupported(f"{self.description}: the API offers a reboot, "
                                     f"not {action}")
+        act_recorded(self.recorder, action, self.description, lambda: self._reboot(action))
+
+    def _reboot(self, action: PowerAction) -> None:
         try:
             self.provider.reboot(self.provider_id)
         except NotSupported as error:
             raise ActionUnsupported(f"{self.description}: {error}") from None
         except ProviderError as error:
             raise self._mapped(f"{action} (API reboot)", error) from None
-        if self.recorder is not None:
-            self.recorder.acted(action, self.description)
 
     def boot_device(self) -> BootOverride:
         raise ActionUnsupported(f"{self.description}: the API offers no boot device")

@@ -6,10 +6,15 @@ calls, and a BMC is slow and fragile). So the calls Shepherd makes anyway, Recov
 reboot ladder and ``shepherd power``, leave their readings and acknowledged actions
 in ``bmdb.power_states``, with the BMDB's clock, and the pages read them back.
 
-Recording never changes the call's outcome: a reading or an action is returned or
-raised exactly as without a recorder, and a failure to record (a lost session,
-a busy BMDB) is logged, not raised. Each record is its own short transaction, made
-after the call returned, never around it.
+Recording never changes a reading's outcome: it is returned or raised exactly as
+without a recorder, and a failure to record it (a lost session, a busy BMDB) is
+logged, not raised. An action is different: its intent is recorded *before* the
+call (``asking``), in history too, and an action whose intent cannot be written is
+not made (``IntentNotRecorded``). So a worker killed right after a reset still
+leaves it in history and ``shepherd show``, and the next attempt does not reset
+again at once (``shepherd.workflows.recoverer``). Each record is its own short
+transaction, made before or after the call, never around it, and outside the BMC's
+fleet-wide lock.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import uuid
 from collections.abc import Callable
 
 import bmdb
-from shepherd.power.base import BootDevice, PowerAction, PowerState
+from shepherd.power.base import BootDevice, PowerAction, PowerError, PowerState
 from shepherd.providers.base import Provider
 
 log = logging.getLogger(__name__)
@@ -28,11 +33,16 @@ log = logging.getLogger(__name__)
 MachineOf = Callable[[bmdb.Tx], uuid.UUID | None]
 
 
+class IntentNotRecorded(PowerError):
+    """The BMDB did not take a power action's intent: the action was not asked."""
+
+
 class PowerRecorder:
     """Writes one machine's readings and acknowledged actions to ``bmdb.power_states``.
 
     The power controls that Recovery and ``shepherd power`` use (``ExclusivePower``,
-    ``ProviderPower``) take one (``recorder=``) and call it after each call returned;
+    ``ProviderPower``) take one (``recorder=``) and call it before each action
+    (``asking``) and after each call returned;
     ``shepherd.runtime.power_for`` gives them one. The machine is found by
     ``machine_of`` once, at the first record.
     """
@@ -48,10 +58,30 @@ class PowerRecorder:
             self._record(via, lambda tx, machine: bmdb.record_power_observed(
                 tx, machine, state.value, via))
 
+    def asking(self, action: PowerAction, via: str) -> None:
+        """Record, in the power state and history, that ``action`` is about to be asked:
+        call it before the call, and make no call if it raises ``IntentNotRecorded``."""
+        def body(tx: bmdb.Tx) -> None:
+            machine = self._machine_in(tx)
+            if machine is not None:
+                bmdb.record_power_asked(tx, machine, action.value, via)
+
+        try:
+            self.session.transact(body)
+        except Exception as error:
+            raise IntentNotRecorded(f"{via}: {action} not asked: its intent could not be "
+                                    f"recorded in the BMDB ({type(error).__name__}: "
+                                    f"{error})") from error
+
     def acted(self, action: PowerAction, via: str) -> None:
         """Record an action the power control acknowledged."""
         self._record(via, lambda tx, machine: bmdb.record_power_action(
             tx, machine, action.value, via))
+
+    def failed(self, action: PowerAction, via: str) -> None:
+        """Record that asking ``action`` failed (the error itself is the caller's)."""
+        self._record(via, lambda tx, machine: bmdb.record_power_action(
+            tx, machine, action.value, via, "failed"))
 
     def boot_device_asked(self, device: BootDevice, persistent: bool, via: str) -> None:
         """Record a boot-device change the BMC acknowledged, as the last action
@@ -60,18 +90,39 @@ class PowerRecorder:
         self._record(via, lambda tx, machine: bmdb.record_power_action(
             tx, machine, action, via))
 
+    def _machine_in(self, tx: bmdb.Tx) -> uuid.UUID | None:
+        if self._machine is None:
+            self._machine = self.machine_of(tx)
+        return self._machine
+
     def _record(self, via: str, write: Callable[[bmdb.Tx, uuid.UUID], object]) -> None:
         def body(tx: bmdb.Tx) -> None:
-            if self._machine is None:
-                self._machine = self.machine_of(tx)
-            if self._machine is not None:
-                write(tx, self._machine)
+            machine = self._machine_in(tx)
+            if machine is not None:
+                write(tx, machine)
 
         try:
             self.session.transact(body)
         except Exception as error:  # the power call's own outcome matters more
             log.warning("%s: could not record the power state in the BMDB: %s: %s",
                         via, type(error).__name__, error)
+
+
+def act_recorded(recorder: PowerRecorder | None, action: PowerAction, via: str,
+                 call: Callable[[], None]) -> None:
+    """``call`` (which asks ``action`` of ``via``), its intent recorded before it and
+    its outcome after; ``call`` alone without a recorder. The one way power controls
+    act, so no action skips its intent."""
+    if recorder is None:
+        call()
+        return
+    recorder.asking(action, via)
+    try:
+        call()
+    except BaseException:
+        recorder.failed(action, via)
+        raise
+    recorder.acted(action, via)
 
 
 def recorder_for(session: bmdb.Session, provider: Provider, provider_id: str

@@ -20,6 +20,7 @@ something.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
 import uuid
@@ -87,6 +88,7 @@ def recover(work: bmdb.Work, provider: Provider, power_for: PowerFor,
         endpoint = ladder.Endpoint(machine.address, machine.ssh_port)
         watch = ladder.Watch(power, endpoint, settings.ladder, clock, sleep)
         work.ensure_held()
+        refuse_a_second_reset(work, settings.ladder.rung_timeout)
         try:
             verified = ladder.climb(power, watch, note)
         except PowerError as error:
@@ -142,6 +144,33 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
         record_agent(tx, work.machine_id, taken)
 
     return replace_agent
+
+
+def refuse_a_second_reset(work: bmdb.Work, rung_timeout: float) -> None:
+    """Fail, backing off until it has passed, while a power action asked less than one
+    rung's timeout ago may be under way: an earlier attempt's (its worker was killed
+    right after it sent a reset, so its ladder never said how it went) or an
+    operator's. A second reset now would cut short the boot the first one started.
+    The intent was recorded before that call (``shepherd.power.recorded``), so it is
+    seen even when nothing else was."""
+    def read(tx: bmdb.Tx) -> tuple[bmdb.PowerObservation | None, dt.datetime]:
+        return bmdb.power_of(tx, work.machine_id), tx.now
+
+    seen, now = work.session.db.read(read)
+    if seen is None or seen.acted_at is None or not seen.may_be_under_way(
+            now - dt.timedelta(seconds=rung_timeout)):
+        return
+    until = seen.acted_at + dt.timedelta(seconds=rung_timeout)
+    wait = max(1.0, (until - now).total_seconds())
+    outcome = seen.outcome or "acknowledged"
+    raise WorkflowFailure(
+        f"{seen.action} was asked of {seen.via} at {iso(seen.acted_at)} ({outcome}); no "
+        f"second reset before {iso(until)}, one rung's timeout later",
+        bmdb.Backoff(initial=wait, maximum=wait, exponent=1.0))
+
+
+def iso(at: dt.datetime) -> str:
+    return at.isoformat(timespec="seconds")
 
 
 def no_reset_can_help(failure: WorkflowFailure) -> WorkflowFailure:

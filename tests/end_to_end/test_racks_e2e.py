@@ -203,6 +203,45 @@ def test_a_machine_reinstalled_behind_shepherds_back_is_held_then_accepted(racke
     assert racks.bmc.resets(other) == []
 
 
+def test_a_worker_killed_right_after_a_reset_leaves_it_in_history_and_no_second(
+        racked) -> None:
+    """The BMC acknowledges resets without acting (frozen), so the ladder's first rung
+    is still watching when the worker is killed, as soon as the BMC has the reset.
+    History shows that reset (its intent was recorded before the call), and the next
+    attempt, on another worker, sends none within the rung's timeout: it fails saying
+    why and backs off. Checked from the BMC's own log of resets."""
+    cp, racks = racked(1, SHEPHERD_RUNG_TIMEOUT="40")
+    (name,) = (m.id for m in racks.machines)
+    recovery = bmdb.Process.RECOVERY.value
+    cp.start_worker("w1", concurrency=1)
+    cp.start_beat()
+    cp.wait_for(lambda c: c.heartbeating == 1, timeout=60, what="1 machine heartbeating")
+    machine = machine_of(cp, name)
+    racks.bmc.set_frozen(name)
+    cp.simulator.hang(name)
+    wait_until(lambda: racks.bmc.resets(name), 60, "the first reset at the BMC", cp)
+    cp.kill("w1")
+    killed_at = time.monotonic()
+    cp.start_worker("w2", concurrency=1)
+
+    def refused() -> dict | None:
+        failed = [r for r in rows(cp, machine, "Failed", recovery)
+                  if "no second reset before" in r["cause"]]
+        return failed[0] if failed else None
+
+    failure = wait_until(refused, 35, "the next attempt refusing a second reset", cp)
+    assert time.monotonic() - killed_at < 40  # still within the rung's timeout
+    assert racks.bmc.resets(name) == ["GracefulRestart"]
+    assert "graceful_restart was asked of redfish" in failure["cause"]
+    [asked] = rows(cp, machine, "Asked", "Power")
+    assert asked["cause"].startswith("graceful_restart of redfish"), asked
+    events = [r["event"] for r in rows(cp, machine, process=recovery)]
+    assert "Abandoned" in events and events[-1] == "Failed", events
+    assert not [r for r in rows(cp, machine, "Rung") if r["cause"].startswith("rung 1")]
+    shown = cp.cli("python", "-m", "shepherd.cli", "show", name)
+    assert "graceful_restart of redfish" in shown.stdout, shown.stdout
+
+
 def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked) -> None:
     """A BMC that acknowledges resets but never changes power: the ladder is exhausted,
     twice, then the machine is quarantined and left alone. A wrong BMC password: a

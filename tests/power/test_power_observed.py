@@ -10,6 +10,7 @@ loopback, the power controls ``shepherd.runtime`` builds for Recovery and
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import uuid
 from pathlib import Path
@@ -22,6 +23,7 @@ from shepherd import metrics, runtime
 from shepherd.config import Settings
 from shepherd.power import (
     ExclusivePower,
+    IntentNotRecorded,
     PowerAction,
     PowerRecorder,
     PowerState,
@@ -146,7 +148,8 @@ def test_a_bmc_behind_the_fleet_lock_records_once_released(
             assert recorder._held() is True
         assert power.power_state() is PowerState.ON
         power.act(PowerAction.GRACEFUL_RESTART)
-        assert recorder.held_while_recording == [False, False]
+        # The reading, the action's intent (before the BMC is taken), its outcome.
+        assert recorder.held_while_recording == [False, False, False]
         seen = session.transact(lambda tx: bmdb.power_of(tx, machine))
         assert seen is not None and (seen.state, seen.action) == ("On", "graceful_restart")
 
@@ -175,26 +178,65 @@ class _SeesTheLock:
         self.held_while_recording.append(self._held())
         self.inner.observed(state, via)
 
+    def asking(self, action: PowerAction, via: str) -> None:
+        self.held_while_recording.append(self._held())
+        self.inner.asking(action, via)
+
     def acted(self, action: PowerAction, via: str) -> None:
         self.held_while_recording.append(self._held())
         self.inner.acted(action, via)
 
+    def failed(self, action: PowerAction, via: str) -> None:
+        self.held_while_recording.append(self._held())
+        self.inner.failed(action, via)
 
-def test_a_failed_record_never_fails_the_power_call(
+
+def test_a_failed_record_fails_no_reading_but_stops_an_action(
         db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator,
         caplog: pytest.LogCaptureFixture) -> None:
+    """A reading is worth having unrecorded; a reset is not made without its intent
+    written first, so that no reset ever goes missing from history."""
     with db.start_session("worker") as session:
         machine, device = running_machine(provider, simulator, session)
         listed = provider.get_machine(device)
-    # The session is closed: every record fails; the reading and the reboot do not.
+    # The session is closed: every record fails; the reading does not, the reboot is
+    # not asked at all.
     power = runtime.power_for(simulator_settings(), provider, session, listed)
     assert power is not None
     with caplog.at_level(logging.WARNING, "shepherd.power.recorded"):
         assert power.power_state() is PowerState.ON
-        power.act(PowerAction.FORCE_RESTART)
-    assert simulator.devices[device].reboots == 1
-    assert len([r for r in caplog.records if "could not record" in r.getMessage()]) == 2
+        with pytest.raises(IntentNotRecorded, match="force_restart not asked: its intent "
+                                                    "could not be recorded"):
+            power.act(PowerAction.FORCE_RESTART)
+    assert simulator.devices[device].reboots == 0
+    assert len([r for r in caplog.records if "could not record" in r.getMessage()]) == 1
     assert db.read(lambda tx: bmdb.power_of(tx, machine)) is None
+
+
+def test_an_action_is_recorded_as_asked_before_the_call_and_answered_after(
+        db: bmdb.BMDB) -> None:
+    """Intent, then outcome: a worker killed between the two leaves the action asked,
+    in the power state and in history, and it counts as possibly under way for one
+    rung's timeout unless it failed."""
+    with db.start_session("test") as session:
+        (machine,) = seed_provided(session, 1)
+    assert db.read(lambda tx: bmdb.record_power_asked(tx, machine, "force_restart", BMC))
+    asked = db.read(lambda tx: bmdb.power_of(tx, machine))
+    assert asked is not None and (asked.action, asked.outcome) == ("force_restart", "asked")
+    [row] = [h for h in db.read(lambda tx: bmdb.machine_history(tx, machine))
+             if h["process"] == "Power"]
+    assert (row["event"], row["cause"]) == ("Asked", f"force_restart of {BMC}")
+    assert asked.acted_at is not None
+    assert asked.may_be_under_way(asked.acted_at - dt.timedelta(seconds=1))
+    assert not asked.may_be_under_way(asked.acted_at)  # asked before the window
+    db.read(lambda tx: bmdb.record_power_action(tx, machine, "force_restart", BMC))
+    done = db.read(lambda tx: bmdb.power_of(tx, machine))
+    assert done is not None and done.outcome == "acknowledged"
+    assert done.may_be_under_way(asked.acted_at - dt.timedelta(seconds=1))
+    db.read(lambda tx: bmdb.record_power_action(tx, machine, "power_off", BMC, "failed"))
+    failed = db.read(lambda tx: bmdb.power_of(tx, machine))
+    assert failed is not None and failed.outcome == "failed"
+    assert not failed.may_be_under_way(asked.acted_at - dt.timedelta(seconds=1))
 
 
 def test_the_simulator_names_its_machines_as_the_simulators(

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 import bmdb
 from shepherd import operations
 from shepherd.inventory.host_keys import key_line_fingerprint
-from shepherd.power import ProviderPower
+from shepherd.power import ProviderPower, recorder_for
 from shepherd.providers.base import ProviderMachine, register_provided
 from shepherd.providers.equinix import EquinixProvider
 from shepherd.server import RunningServer
@@ -297,6 +297,47 @@ def test_agent_start_meeting_another_host_key_holds_the_machine(
     assert initialize(claim_one(session, bmdb.Process.AGENT_START), provider, settings).ok
     pin = db.read(lambda tx: bmdb.recorded_host_key(tx, machine_id))
     assert pin is not None and (pin.host_key, pin.source) == (presented, bmdb.OPERATOR_PIN)
+
+
+def test_no_second_reset_within_a_rung_timeout_of_an_earlier_one(
+        session: bmdb.Session, db: bmdb.BMDB, provider: EquinixProvider,
+        simulator: Simulator, settings: InitializerSettings) -> None:
+    """An earlier attempt's worker was killed right after it asked a reset: its intent,
+    recorded before the call, is all that is left. The next attempt resets nothing
+    until one rung's timeout after it; then it climbs the ladder, its own reset
+    recorded as asked before the call and acknowledged after."""
+    machine_id, provider_id = start_agent(session, provider, simulator, settings, db)
+    assert simulator.kill_agent(provider_id) >= 1
+    via = f"provider {provider.name} device {provider_id}"
+    session.transact(lambda tx: bmdb.record_power_asked(tx, machine_id, "graceful_restart",
+                                                        via))
+
+    def recorded(machine: ProviderMachine) -> ProviderPower:
+        recorder = recorder_for(session, provider, machine.provider_id)
+        return ProviderPower(provider, machine.provider_id, recorder=recorder)
+
+    work = wait_until(lambda: session.claim_backlog(bmdb.Process.RECOVERY, 1), timeout=5,
+                      what="the silent machine in the Recovery backlog")[0]
+    refused = recover(work, provider, recorded, FAST)
+    assert refused.outcome == "failed", refused
+    assert f"graceful_restart was asked of {via}" in (refused.cause or "")
+    assert "(asked); no second reset before" in (refused.cause or "")
+    assert refused.backoff_seconds is not None and 1 <= refused.backoff_seconds <= 8
+    assert simulator.devices[provider_id].reboots == 0
+
+    p = bmdb._schema.power_states  # as one rung's timeout (8 s) later
+    session.transact(lambda tx: tx.execute(sa.update(p).values(
+        acted_at=tx.now - dt.timedelta(seconds=9))))
+    session.transact(lambda tx: bmdb.clear_backoff(tx, machine_id, bmdb.Process.RECOVERY))
+    work = claim_one(session, bmdb.Process.RECOVERY)
+    assert recover(work, provider, recorded, FAST).ok
+    assert simulator.devices[provider_id].reboots == 1
+    seen = db.read(lambda tx: bmdb.power_of(tx, machine_id))
+    assert seen is not None and (seen.action, seen.outcome) == ("graceful_restart",
+                                                               "acknowledged")
+    asked = [h for h in history(db, machine_id) if (h["process"], h["event"]) == ("Power",
+                                                                                  "Asked")]
+    assert len(asked) == 2
 
 
 def test_recovery_of_an_unknown_device_fails(
