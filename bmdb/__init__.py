@@ -191,6 +191,7 @@ from bmdb.tags import (
 )
 from bmdb.urls import DatabaseURL, engine_url, load_driver, parse_url
 from bmdb.vocabulary import (
+    BMC_MISMATCH_HOLD,
     ENDINGS,
     EXCLUSION_GROUPS,
     HOLD_KINDS,
@@ -213,6 +214,7 @@ from bmdb.work import adopt_in as adopt_work
 __all__ = [
     "AGENT_START_BACKOFF",
     "ANY",
+    "BMC_MISMATCH_HOLD",
     "BMDB",
     "ENDINGS",
     "EXCLUSION_GROUPS",

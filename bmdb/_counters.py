@@ -48,7 +48,8 @@ TAG_BITS: Mapping[str, int] = {
     "os_installation_report": 32,
 }
 #: Hold kind -> its bit in ``machines.tag_bits``.
-HOLD_BITS: Mapping[str, int] = {"maintenance": 64, "quarantine": 128, "host-key": 256}
+HOLD_BITS: Mapping[str, int] = {"maintenance": 64, "quarantine": 128, "host-key": 256,
+                                "bmc-mismatch": 512}
 #: Any hold.
 HELD = sum(HOLD_BITS.values())
 assert set(HOLD_BITS) == set(HOLD_KINDS), "every hold kind needs a bit"

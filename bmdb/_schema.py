@@ -288,9 +288,10 @@ machine_holds = Table(
     "machine_holds",
     metadata,
     # Why a machine is left alone: ``maintenance`` (an operator's), ``quarantine``
-    # (the reboot ladder failed too often) or ``host-key`` (a takeover met another
-    # host key than the pin). One row per kind; any keeps the machine out of every
-    # backlog and out of the guard's silent share.
+    # (the reboot ladder failed too often), ``host-key`` (a takeover met another
+    # host key than the pin) or ``bmc-mismatch`` (its BMC manages another system).
+    # One row per kind; any keeps the machine out of every backlog and out of the
+    # guard's silent share.
     Column("machine_id", Uuid, ForeignKey("machines.id", ondelete="CASCADE"),
            primary_key=True),
     Column("kind", String(16), primary_key=True),

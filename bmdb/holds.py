@@ -15,6 +15,9 @@ history with who and why.
   key than the machine's pin (``shepherd.workflows.initializer.hold_on_mismatch``),
   with the key it met; lifted by an operator who accepts that key (``shepherd
   host-key accept``, which pins it) or lifts the hold after fixing the pin.
+* ``bmc-mismatch``: put before a BMC action when the BMC manages another system than
+  the machine (``shepherd.power.mismatch``); lifted by an operator who fixed the
+  inventory (``shepherd bmc-mismatch clear``). The next BMC action checks again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from bmdb import _schema as schema
 from bmdb import history
 from bmdb._database import Tx
 from bmdb.vocabulary import (
+    BMC_MISMATCH_HOLD,
     HOST_KEY_HOLD,
     LADDER_EXHAUSTED,
     MAINTENANCE,
@@ -41,7 +45,7 @@ from bmdb.vocabulary import (
 )
 
 _TOPIC = {MAINTENANCE: Topic.MAINTENANCE, QUARANTINE: Topic.QUARANTINE,
-          HOST_KEY_HOLD: Topic.HOST_KEY}
+          HOST_KEY_HOLD: Topic.HOST_KEY, BMC_MISMATCH_HOLD: Topic.BMC_MISMATCH}
 MAX_REASON = 500
 
 

@@ -84,11 +84,13 @@ class Topic(enum.StrEnum):
     HOST_KEY = "HostKey"
     #: A power action asked of a machine's power control, before the call is made.
     POWER = "Power"
+    #: A BMC found to manage another system than the machine (its hold).
+    BMC_MISMATCH = "BmcMismatch"
     #: A machine's agent, e.g. ``shepherd up`` resuming forgets every agent.
     AGENT = "Agent"
 
 
-HoldKind = Literal["maintenance", "quarantine", "host-key"]
+HoldKind = Literal["maintenance", "quarantine", "host-key", "bmc-mismatch"]
 #: An operator's hold (``shepherd maintenance on|off``).
 MAINTENANCE: HoldKind = "maintenance"
 #: Recovery's hold, after the reboot ladder was exhausted too often in a row; lifted
@@ -98,7 +100,11 @@ QUARANTINE: HoldKind = "quarantine"
 #: key a running machine presents, so nothing automatic touches it until an operator
 #: accepts the key it presented (``shepherd host-key accept``) or lifts the hold.
 HOST_KEY_HOLD: HoldKind = "host-key"
-HOLD_KINDS: tuple[HoldKind, ...] = (MAINTENANCE, QUARANTINE, HOST_KEY_HOLD)
+#: The machine's BMC manages another system than the machine (its DMI says which): a
+#: swapped inventory line or a re-cabled rack. No BMC action touches it until an
+#: operator fixes the inventory and clears the hold (``shepherd bmc-mismatch clear``).
+BMC_MISMATCH_HOLD: HoldKind = "bmc-mismatch"
+HOLD_KINDS: tuple[HoldKind, ...] = (MAINTENANCE, QUARANTINE, HOST_KEY_HOLD, BMC_MISMATCH_HOLD)
 #: How a Recovery failure that exhausted the reboot ladder begins its cause: what the
 #: quarantine's streak counts.
 LADDER_EXHAUSTED = "ladder exhausted"

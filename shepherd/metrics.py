@@ -204,7 +204,8 @@ def _fleet(c: bmdb.FleetCounts) -> Iterator[Metric]:
     held = GaugeMetricFamily("shepherd_machines_held", "Machines held out of every backlog, "
                              "per kind (maintenance: an operator's; quarantine: the reboot "
                              "ladder failed too often; host-key: a takeover met another "
-                             "host key than the pin).", labels=["kind"])
+                             "host key than the pin; bmc-mismatch: its BMC manages another "
+                             "system).", labels=["kind"])
     for kind, count in sorted(c.held.items()):
         held.add_metric([kind], count)
     yield held

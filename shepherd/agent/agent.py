@@ -318,11 +318,12 @@ def setup_logging(state_dir: str) -> None:
 
 
 def hardware_report(root: str = "/") -> dict[str, Any]:
-    """Hostname, CPU, memory, disks and NICs from /proc and /sys, and the installation
-    this system came from, with a warning for each gap."""
+    """Hostname, the system's DMI identity, CPU, memory, disks and NICs from /proc and
+    /sys, and the installation this system came from, with a warning for each gap."""
     warnings: list[str] = []
     return {
         "hostname": read_hostname(root, warnings),
+        "system": read_system_identity(root, warnings),
         "cpu": read_cpu(root, warnings),
         "memory_bytes": read_memory(root, warnings),
         "block_devices": read_block_devices(root, warnings),
@@ -349,6 +350,32 @@ def read_hostname(root: str, warnings: list[str]) -> str:
 
 #: Linux's own limit is 64; DNS names stop at 253.
 HOSTNAME_MAX = 253
+#: The DMI files naming the system (report key -> file in /sys/class/dmi/id): what the
+#: control plane compares with what the machine's BMC says it manages.
+DMI_FIELDS = {"uuid": "product_uuid", "serial": "product_serial", "product": "product_name",
+              "vendor": "sys_vendor"}
+DMI_MAX = 128
+
+
+def read_system_identity(root: str, warnings: list[str]) -> dict[str, str]:
+    """The system's SMBIOS identity as the kernel shows it, each field as read; a field
+    that cannot be read is absent (never guessed), with a warning saying why: the
+    UUID and serial are readable by root only, and many VMs and containers have no
+    DMI at all. Read without any package (no dmidecode): the agent needs python3 only."""
+    if not os.path.isdir(os.path.join(root, "sys/class/dmi/id")):
+        warnings.append("system: no DMI identity (/sys/class/dmi/id is missing)")
+        return {}
+    found: dict[str, str] = {}
+    for key, name in DMI_FIELDS.items():
+        try:
+            value = read_text(root, f"/sys/class/dmi/id/{name}").strip()
+        except OSError as error:
+            warnings.append(f"system: cannot read /sys/class/dmi/id/{name}: "
+                            f"{error.strerror or error}")
+            continue
+        if value and not _TEXT_FORBIDDEN.search(value):
+            found[key] = value[:DMI_MAX]
+    return found
 MODEL_FIELDS = ("model name", "Model", "cpu model")
 
 

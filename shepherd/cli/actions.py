@@ -1,5 +1,6 @@
 """The commands that change something: clear-backoff, start, reconcile, sweep,
-maintenance, quarantine clear, host-key forget, ssh-key (``power`` is ``power.py``).
+maintenance, quarantine clear, bmc-mismatch clear, host-key accept|forget, ssh-key
+(``power`` is ``power.py``).
 
 ``start`` and ``reconcile`` go through the worker layer (``workers.py``); the CLI never
 runs a workflow itself, so every reboot or agent start happens in a worker, under its
@@ -120,6 +121,14 @@ def quarantine(ctx: Context) -> int:
     machine_id = ctx.machine_id()
     change = operations.clear_quarantine(ctx.runtime.session, machine_id, actor(ctx),
                                        ctx.args.reason or "")
+    ctx.emit(change, lambda: render.hold_change(change))
+    return 0
+
+
+def bmc_mismatch(ctx: Context) -> int:
+    machine_id = ctx.machine_id()
+    change = operations.clear_bmc_mismatch(ctx.runtime.session, machine_id, actor(ctx),
+                                           ctx.args.reason or "")
     ctx.emit(change, lambda: render.hold_change(change))
     return 0
 

@@ -250,6 +250,15 @@ def _machine_care_commands(commands: _Commands) -> None:
     quarantine.add_argument("--reason", metavar="TEXT", help="why, for history")
     quarantine.add_argument("--by", metavar="NAME", help=BY_HELP)
 
+    mismatch = commands.add("bmc-mismatch", "let a machine held on a BMC mismatch back "
+                            "(after fixing its inventory entry)", actions.bmc_mismatch)
+    mismatch.add_argument("action", choices=("clear",),
+                          help="clear: back into the backlogs; the next BMC action "
+                               "checks the identities again")
+    mismatch.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    mismatch.add_argument("--reason", metavar="TEXT", help="what was fixed (required)")
+    mismatch.add_argument("--by", metavar="NAME", help=BY_HELP)
+
     host_key = commands.add("host-key", "after a reinstall: accept the new SSH host key a "
                             "held machine presented, or forget the recorded one",
                             actions.host_key)

@@ -219,7 +219,8 @@ def swept(result: Any) -> str:
 
 
 def hold_change(c: Any) -> str:
-    """What ``maintenance on|off`` or ``quarantine clear`` did, and what still applies."""
+    """What ``maintenance on|off``, ``quarantine clear`` or ``bmc-mismatch clear`` did,
+    and what still applies."""
     m = c.machine
     if c.action == "on":
         lines = [f"machine {m}: {'now' if c.changed else 'already'} "
@@ -227,7 +228,7 @@ def hold_change(c: Any) -> str:
     elif c.changed:
         lines = [f"machine {m}: out of {c.kind} (was: {operations.hold_text(c.hold)})"]
     else:
-        was = "in maintenance" if c.kind == "maintenance" else "quarantined"
+        was = operations.HOLD_STATE.get(c.kind, c.kind)
         lines = [f"machine {m} was not {was}; nothing changed"]
     others = [h for h in c.remaining if h.kind != c.kind or c.action == "on"]
     if c.action != "on" and others:

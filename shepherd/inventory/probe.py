@@ -1,5 +1,9 @@
-"""``shepherd inventory check --probe``: ask every BMC for its power state and every
-SSH endpoint for its host key, in parallel, each bounded in time.
+"""``shepherd inventory check --probe``: ask every BMC for its power state and the
+system it manages, and every SSH endpoint for its host key, in parallel, each bounded
+in time. Where the machine's own DMI identity is known (``known``: from the BMDB, for
+machines already taken over), the BMC's system is compared with it
+(``shepherd.power.identity``): a swapped pair of inventory lines shows here, before
+any reset goes through the wrong BMC.
 
 Nothing is changed and nothing logs in: the BMC is only read (one power-state
 request), and the SSH probe stops after the key exchange, so it needs no key of
@@ -14,17 +18,19 @@ has its own timeouts, but a library that ignores one must not keep the command
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shepherd.bmc import BmcSpec
 from shepherd.inventory.file import ssh_endpoint
 from shepherd.inventory.host_keys import HostKey, ProbeError, fetch_host_key, parse_host_key
-from shepherd.power import PowerError, connect
+from shepherd.power import PowerError, SystemIdentity, connect
+from shepherd.power.identity import Verdict, compare
 from shepherd.providers.base import ProviderMachine
 
 #: Probes run at once, at most (each is mostly waiting on the network).
@@ -38,6 +44,8 @@ class BmcProbe:
     description: str
     power: str | None = None
     error: str | None = None
+    #: The system the BMC says it manages (None: not read, the probe failed).
+    system: SystemIdentity | None = None
 
     @property
     def ok(self) -> bool:
@@ -68,15 +76,23 @@ class MachineProbe:
     ssh: SshProbe
     #: None: the machine has no BMC in the inventory.
     bmc: BmcProbe | None
+    #: The BMC's system against the machine's DMI: "match", "mismatch" or "unknown"
+    #: (``identity.Verdict``), with why; None when not compared (no BMC read, or the
+    #: machine's DMI not known).
+    identity: str | None = None
+    identity_reason: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.ssh.ok and (self.bmc is None or self.bmc.ok)
+        return (self.ssh.ok and (self.bmc is None or self.bmc.ok)
+                and self.identity != Verdict.MISMATCH)
 
 
 def probe_machines(machines: Sequence[ProviderMachine], *, timeout: float = 10.0,
-                   parallel: int = PARALLEL) -> list[MachineProbe]:
-    """One ``MachineProbe`` per machine, in the same order.
+                   parallel: int = PARALLEL,
+                   known: Mapping[str, SystemIdentity] | None = None) -> list[MachineProbe]:
+    """One ``MachineProbe`` per machine, in the same order; ``known``: the machines' own
+    DMI identities by inventory id, where known, to compare the BMCs' with.
 
     Each network step is bounded by ``timeout`` (an SSH probe has three: connect,
     banner, key exchange; a Redfish one up to a few requests); ``parallel`` probes
@@ -102,8 +118,17 @@ def probe_machines(machines: Sequence[ProviderMachine], *, timeout: float = 10.0
             position += 1
             bmc = result if isinstance(result, BmcProbe) else BmcProbe(
                 machine.bmc.description, error=_scrubbed(_no_result(result), machine.bmc))
-        found.append(MachineProbe(machine.provider_id, ssh, bmc))
+        found.append(_compared(MachineProbe(machine.provider_id, ssh, bmc),
+                               (known or {}).get(machine.provider_id)))
     return found
+
+
+def _compared(probe: MachineProbe, machine: SystemIdentity | None) -> MachineProbe:
+    if machine is None or probe.bmc is None or probe.bmc.system is None:
+        return probe
+    checked = compare(probe.bmc.system, machine)
+    return dataclasses.replace(probe, identity=checked.verdict.value,
+                               identity_reason=checked.reason)
 
 
 def _no_result(result: object) -> str:
@@ -127,9 +152,12 @@ def probe_ssh(machine: ProviderMachine, *, timeout: float) -> SshProbe:
 
 
 def probe_bmc(spec: BmcSpec, *, timeout: float) -> BmcProbe:
-    """The power state, asked once (a probe reports, it does not insist)."""
+    """The power state and the system's identity, each asked once (a probe reports, it
+    does not insist)."""
     try:
-        power = connect(spec, timeout=timeout, attempts=1).power_state()
+        control = connect(spec, timeout=timeout, attempts=1)
+        power = control.power_state()
+        system = control.identity()
     except PowerError as error:
         text = str(error)
         if spec.description not in text:
@@ -138,7 +166,7 @@ def probe_bmc(spec: BmcSpec, *, timeout: float) -> BmcProbe:
     except Exception as error:  # a driver's bug is one probe's failure
         return BmcProbe(spec.description, error=_scrubbed(
             f"{spec.description}: {type(error).__name__}: {error}", spec))
-    return BmcProbe(spec.description, power=str(power))
+    return BmcProbe(spec.description, power=str(power), system=system)
 
 
 def _matches(key: HostKey, pin: HostKey | None) -> bool | None:

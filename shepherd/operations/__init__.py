@@ -41,6 +41,7 @@ from shepherd.operations.explain import explain, explain_machine
 from shepherd.operations.handoff import RecoveryPaused, claim_for_handoff, wait_adopted
 from shepherd.operations.holds import (
     HoldChange,
+    clear_bmc_mismatch,
     clear_quarantine,
     lift_maintenance,
     put_maintenance,
@@ -60,6 +61,7 @@ from shepherd.operations.reads import (
     list_machines,
     list_machines_at_a_glance,
     list_sessions,
+    machine_identities,
     problems,
     provided_at,
     refusals,
@@ -67,6 +69,7 @@ from shepherd.operations.reads import (
 )
 from shepherd.operations.stored import printable
 from shepherd.operations.views import (
+    HOLD_STATE,
     Explanation,
     MachineDetail,
     ProcessExplanation,
@@ -84,6 +87,7 @@ from shepherd.operations.views import (
 
 __all__ = [
     "BACKLOG_PROCESSES",
+    "HOLD_STATE",
     "SHORT_TAGS",
     "TAGS",
     "TAG_LEGEND",
@@ -105,6 +109,7 @@ __all__ = [
     "accept_host_key",
     "claim_for_handoff",
     "clear_backoff",
+    "clear_bmc_mismatch",
     "clear_quarantine",
     "explain",
     "explain_machine",
@@ -121,6 +126,7 @@ __all__ = [
     "list_machines_at_a_glance",
     "list_sessions",
     "machine_filter",
+    "machine_identities",
     "parse_limit",
     "parse_process",
     "parse_process_filter",

@@ -1,4 +1,5 @@
-"""Operators' holds: put a machine into maintenance, take it out, clear a quarantine.
+"""Operators' holds: put a machine into maintenance, take it out, clear a quarantine or a
+BMC mismatch.
 
 A hold takes the machine out of every backlog (``bmdb.holds``), so nothing automatic
 touches it; it does not stop work that already holds the machine, which is why each
@@ -62,6 +63,15 @@ def clear_quarantine(session: bmdb.Session, machine_id: uuid.UUID, actor: str,
                      reason: str = "") -> HoldChange:
     """Let a quarantined machine back; ``changed`` False if it was not quarantined."""
     return _lift(session, machine_id, QUARANTINE, "clear", actor, reason)
+
+
+def clear_bmc_mismatch(session: bmdb.Session, machine_id: uuid.UUID, actor: str,
+                       reason: str) -> HoldChange:
+    """Let a machine held on a BMC mismatch back, once the inventory is fixed (the next
+    BMC action checks the identities again); ``--reason`` is required: history must
+    say what was wrong."""
+    reason = require_text(reason, "--reason", "say what was fixed (kept in history)")
+    return _lift(session, machine_id, bmdb.BMC_MISMATCH_HOLD, "clear", actor, reason)
 
 
 def _lift(session: bmdb.Session, machine_id: uuid.UUID, kind: HoldKind, action: str,

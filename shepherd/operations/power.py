@@ -14,6 +14,10 @@ one wanted (``ladder.Watch``), never by the BMC's acknowledgement. The outcome i
 ``Power`` history row, then ``Finished``; a failure cancels the work with its cause
 (history says ``Canceled``, no backoff: an operator is there to read it).
 
+Every change first checks that the BMC manages this machine (``shepherd.power.mismatch``):
+a machine held on a BMC mismatch, or found to be one now (then held), is refused with
+both identities, the claim cancelled.
+
 ``bootdev`` is a change too, under the same claim and with the same history, but it is
 verified by reading the boot override back (``set_boot_and_verify``): a BMC that
 acknowledged and kept another device fails the command with what it read.
@@ -37,6 +41,7 @@ from shepherd.power import (
     PowerState,
     set_boot_and_verify,
 )
+from shepherd.power.mismatch import refuse_if_mismatched
 from shepherd.providers.base import NotFound, Provider, ProviderError, ProviderMachine
 from shepherd.workflows.ladder import Endpoint, LadderSettings, Watch
 
@@ -174,6 +179,7 @@ def change(session: bmdb.Session, target: PowerTarget, command: str,
     try:
         holds = session.transact(lambda tx: [h.kind for h in bmdb.holds_of(
             tx, target.machine_id)])
+        refuse_if_mismatched(session, target.machine_id, target.power, f"power by {actor}")
         power, detail = _run(work, target, steps, settings, clock, sleep)
     except BaseException as error:  # Ctrl-C too: never leave the claim to the sweep
         cause = (f"power {command} by {actor} via {target.bmc}: "
@@ -205,6 +211,7 @@ def set_boot_device(session: bmdb.Session, target: PowerTarget, device: BootDevi
     try:
         holds = session.transact(lambda tx: [h.kind for h in bmdb.holds_of(
             tx, target.machine_id)])
+        refuse_if_mismatched(session, target.machine_id, target.power, f"power by {actor}")
         work.ensure_held()
         read = set_boot_and_verify(target.power, device, persistent=persistent)
     except BaseException as error:  # Ctrl-C too: never leave the claim to the sweep

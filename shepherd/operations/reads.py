@@ -10,6 +10,7 @@ import datetime as dt
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import bmdb
 from bmdb import DeadSessions, Glance, MachineFilter, MachineList, Refusal, SessionInfo
@@ -18,6 +19,9 @@ from shepherd.operations import stored
 from shepherd.operations.arguments import UnknownMachine
 from shepherd.operations.installation_views import installation_view
 from shepherd.operations.views import MachineDetail
+
+if TYPE_CHECKING:
+    from shepherd.power import SystemIdentity
 
 
 @dataclass(frozen=True)
@@ -120,3 +124,21 @@ def list_sessions(tx: bmdb.Tx, include_dead: bool = True
     """The BMDB's time and every session (dead ones stay until the sweep deletes
     them), newest first, with how much work each holds."""
     return tx.now, bmdb.list_sessions(tx, include_dead)
+
+
+def machine_identities(tx: bmdb.Tx, provider: str, provider_ids: Iterable[str]
+                       ) -> dict[str, SystemIdentity]:
+    """The DMI identity each machine's agent last reported, by ``provider``'s id, for the
+    machines the BMDB has (``inventory check --probe`` compares their BMCs' with it).
+    ``shepherd.power`` loads here, not with the module: every read command imports this
+    one, and none of them needs the BMC drivers (the CLI's start-up)."""
+    from shepherd.power import identity
+
+    known = bmdb.provided_by_provider_id(tx, provider)
+    found: dict[str, SystemIdentity] = {}
+    for provider_id in provider_ids:
+        machine = known.get(provider_id)
+        report = bmdb.machine_tag(tx, "HardwareReport", machine) if machine else None
+        if report is not None:
+            found[provider_id] = identity.from_report(report["report"])
+    return found

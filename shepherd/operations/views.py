@@ -25,7 +25,8 @@ from shepherd.workflows.guard import PAUSED_PREFIX
 #: The command that lifts each kind of hold (``MACHINE`` is replaced by the id).
 LIFT_COMMAND = {"maintenance": "shepherd maintenance off MACHINE",
                 "quarantine": "shepherd quarantine clear MACHINE",
-                "host-key": "shepherd host-key accept MACHINE --reason TEXT"}
+                "host-key": "shepherd host-key accept MACHINE --reason TEXT",
+                "bmc-mismatch": "shepherd bmc-mismatch clear MACHINE --reason TEXT"}
 
 
 def jsonable(value: Any) -> Any:
@@ -53,7 +54,8 @@ def iso(value: dt.datetime) -> str:
 
 #: How each kind of hold reads in a sentence.
 HOLD_STATE = {"maintenance": "in maintenance", "quarantine": "quarantined",
-              "host-key": "held on a host-key mismatch"}
+              "host-key": "held on a host-key mismatch",
+              "bmc-mismatch": "held on a BMC mismatch"}
 
 
 def hold_text(hold: Hold) -> str:

@@ -22,6 +22,7 @@ from shepherd.power.base import (
     PowerControl,
     PowerError,
     PowerState,
+    SystemIdentity,
 )
 from shepherd.power.bootdev import set_boot_and_verify
 from shepherd.power.exclusive import ExclusivePower, singleton_name
@@ -60,6 +61,7 @@ __all__ = [
     "PowerState",
     "ProviderPower",
     "RedfishPower",
+    "SystemIdentity",
     "connect",
     "recorder_for",
     "set_boot_and_verify",

@@ -29,7 +29,7 @@ from shepherd.bmc import BmcAuthFailed, PowerError
 __all__ = [
     "ActionUnsupported", "BmcAuthFailed", "BmcBusy", "BmcUnreachable", "BootDevice",
     "BootDeviceNotTaken", "BootOverride", "PowerAction", "PowerControl", "PowerError",
-    "PowerState",
+    "PowerState", "SystemIdentity",
 ]
 
 
@@ -93,6 +93,18 @@ class BmcBusy(PowerError):
     """Another worker is talking to this BMC and did not finish within the wait."""
 
 
+@dataclass(frozen=True)
+class SystemIdentity:
+    """Who a machine says it is (its SMBIOS/DMI system information), as its BMC or its
+    own agent reports it. A field is None where that side reports nothing; a value
+    is passed on as read (placeholders like "Not Specified" are the comparison's to
+    ignore: ``shepherd.power.identity``)."""
+
+    uuid: str | None = None
+    serial: str | None = None
+    model: str | None = None
+
+
 class BootDeviceNotTaken(PowerError):
     """The BMC acknowledged a boot-device change, but reading it back shows another."""
 
@@ -122,6 +134,13 @@ class PowerControl(Protocol):
     def boot_device(self) -> BootOverride:
         """The boot override as the BMC reports it now: the only proof that a
         ``set_boot_device`` was taken (``shepherd.power.bootdev``)."""
+        ...
+
+    def identity(self) -> SystemIdentity:
+        """The system the BMC manages, as it identifies it (Redfish ``UUID``,
+        ``SerialNumber``, ``Model``; IPMI system GUID): what ``shepherd.power.identity``
+        compares with the machine's own DMI to find a BMC wired to the wrong machine.
+        Fields it does not report are None."""
         ...
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:

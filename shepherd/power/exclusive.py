@@ -30,6 +30,7 @@ from shepherd.power.base import (
     PowerAction,
     PowerControl,
     PowerState,
+    SystemIdentity,
 )
 from shepherd.power.recorded import PowerRecorder, act_recorded
 
@@ -111,6 +112,10 @@ class ExclusivePower:
     def boot_device(self) -> BootOverride:
         with self.held():
             return self.inner.boot_device()
+
+    def identity(self) -> SystemIdentity:
+        with self.held():
+            return self.inner.identity()
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         with self.held():

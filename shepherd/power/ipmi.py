@@ -29,6 +29,11 @@ only the selector (it asks its chassis program for it on each read, with the fla
 byte zero), so pyghmi would read every change there as not taken. The bit is kept in
 ``BootOverride.raw`` ("flags not valid") for whoever reads a cause. IPMI's
 persistent bit is reported as read; many BMCs (ipmi_sim too) never keep it.
+
+The identity is the system GUID (Get System GUID), read in the byte order Linux
+shows in ``/sys/class/dmi/id/product_uuid`` (``ipmi_call.system_guid`` says why);
+``None`` where the BMC does not support the command. Serial number and model would
+come from the FRU inventory, which is not read here: they are always None.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from shepherd.power.base import (
     PowerAction,
     PowerError,
     PowerState,
+    SystemIdentity,
 )
 from shepherd.power.driver import BmcDriver, Transient
 
@@ -107,6 +113,16 @@ class IpmiPower(BmcDriver):
         device = BOOT_DEVICES.get(str(name))
         # "default"/"none" (selector 0) is no override, whatever the persistent bit says.
         return BootOverride(device, persistent if device is not None else None, raw)
+
+    def identity(self) -> SystemIdentity:
+        """The system GUID as a UUID string in SMBIOS/DMI byte order (as in
+        ``/sys/class/dmi/id/product_uuid``; see ``ipmi_call.system_guid``), passed on
+        as read (all-zero too). ``uuid`` is None when the BMC does not support Get
+        System GUID or answers it short. ``serial`` and ``model`` are always None: they
+        live in the FRU inventory, which this driver does not read."""
+        answer = self._call("read the system GUID", "guid")
+        uuid = answer.get("uuid")
+        return SystemIdentity(uuid=str(uuid) if uuid else None)
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         name = BOOT_NAMES[device]

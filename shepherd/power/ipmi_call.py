@@ -7,15 +7,18 @@ one JSON request on stdin (the password travels there, never in argv), writes
 one JSON line on stdout:
 
     {"host": "...", "port": 623, "username": "...", "password": "...",
-     "op": "status" | "on" | "off" | "reset" | "bootdev_get" | "bootdev_set",
+     "op": "status" | "on" | "off" | "reset" | "bootdev_get" | "bootdev_set" | "guid",
      "device": "hd" | "network" | "optical", "persistent": true | false}  (bootdev_set)
     -> {"power": "on" | "off"}  or  {"done": true}
     -> {"bootdev": "hd" | "network" | "optical" | "default" | ... | 7, "persistent": bool,
         "valid": bool, "data": "80 08 00 00 00"}                        (bootdev_get)
+    -> {"uuid": "674523a1-ab89-efcd-a123-456789abcdef" | null}              (guid)
     -> {"error": "auth" | "unreachable" | "unsupported" | "failed", "message": "..."}
 
 ``bootdev_get`` gives the device selector of the boot flags (parameter 5) whatever
 their "valid" bit says, with that bit beside it: ``shepherd.power.ipmi`` says why.
+``guid`` gives the system GUID as a UUID string, or null where the BMC has none:
+``system_guid`` says in which byte order.
 
 Why a process per call, see ``shepherd.power.ipmi``.
 """
@@ -38,6 +41,8 @@ BOOT_DEVICES = ("hd", "network", "optical")
 #: Completion codes meaning "this BMC does not do that": invalid command, parameter
 #: out of range, invalid data field, not supported in present state.
 UNSUPPORTED_CODES = {0xC1, 0xC9, 0xCC, 0xD5}
+#: Get System GUID: App netfn, command 0x37 (no data); 16 bytes answered.
+GET_SYSTEM_GUID = (6, 0x37)
 #: Get System Boot Options (netfn 0, command 9) data: parameter 5, the boot flags.
 GET_BOOT_FLAGS = (5, 0, 0)
 AUTH_MESSAGES = ("incorrect password", "unauthorized name", "unauthorized role",
@@ -72,6 +77,8 @@ def call(request: dict[str, Any]) -> dict[str, Any]:
             return boot_flags(bmc, failure)
         if op == "bootdev_set":
             return set_bootdev(bmc, request, failure)
+        if op == "guid":
+            return system_guid(bmc, failure)
         response = bmc.raw_command(netfn=0, command=2, data=[CHASSIS_CONTROL[op]])
         if "error" in response:
             return completion_failure(response, failure)
@@ -101,6 +108,41 @@ def boot_flags(bmc: Any, failure: Failure) -> dict[str, Any]:
     flags, selector = data[2], (data[3] >> 2) & 0x0F
     return {"bootdev": boot_devices.get(selector, selector), "valid": bool(flags & 0x80),
             "persistent": bool(flags & 0x40), "data": data[2:].hex(" ")}
+
+
+def system_guid(bmc: Any, failure: Failure) -> dict[str, Any]:
+    """The system GUID (Get System GUID) as a lowercase UUID string, in the byte order
+    of SMBIOS 2.6+: the first three fields (4, 2, 2 bytes) are stored little-endian,
+    the last two (2 and 6 bytes) in the order shown, which is Python's
+    ``UUID(bytes_le=...)``. So bytes ``a1 23 45 67 89 ab cd ef a1 23 45 67 89 ab cd ef``
+    read ``674523a1-ab89-efcd-a123-456789abcdef``.
+
+    Why that order: it is what Linux shows in ``/sys/class/dmi/id/product_uuid``
+    (and dmidecode) for the same 16 bytes, the side Shepherd compares it with; BMCs
+    commonly hand out the SMBIOS bytes as they are; pyghmi decodes this command the
+    same way (``decode_wireformat_uuid``), as does ``ipmitool mc guid smbios``. The
+    IPMI specification itself has the whole 16 bytes least significant first
+    (``ipmitool mc guid ipmi``: ``efcdab89-6745-23a1-efcd-ab89674523a1`` for the bytes
+    above); plain ``ipmitool mc guid`` guesses among the orders by which one gives a
+    valid UUID version, so it may print either.
+
+    A BMC that does not support the command (a completion code in
+    ``UNSUPPORTED_CODES``) or answers fewer than 16 bytes has no GUID to tell:
+    ``{"uuid": None}``, not an error. Bytes beyond 16 are ignored. An all-zero or
+    all-0xFF GUID is passed on as read: judging placeholders is the caller's.
+    """
+    import uuid
+
+    netfn, command = GET_SYSTEM_GUID
+    response = bmc.raw_command(netfn=netfn, command=command)
+    if "error" in response:
+        if int(response.get("code") or 0) in UNSUPPORTED_CODES:
+            return {"uuid": None}
+        return completion_failure(response, failure)
+    data = bytes(response.get("data") or b"")
+    if len(data) < 16:
+        return {"uuid": None}
+    return {"uuid": str(uuid.UUID(bytes_le=data[:16]))}
 
 
 def set_bootdev(bmc: Any, request: dict[str, Any], failure: Failure) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from shepherd.power.base import (
     PowerAction,
     PowerError,
     PowerState,
+    SystemIdentity,
 )
 from shepherd.power.recorded import PowerRecorder, act_recorded
 from shepherd.providers.base import (
@@ -90,6 +91,10 @@ class ProviderPower:
             raise ActionUnsupported(f"{self.description}: {error}") from None
         except ProviderError as error:
             raise self._mapped(f"{action} (API reboot)", error) from None
+
+    def identity(self) -> SystemIdentity:
+        """Nothing: a provider's API names its device, not the system behind it."""
+        return SystemIdentity()
 
     def boot_device(self) -> BootOverride:
         raise ActionUnsupported(f"{self.description}: the API offers no boot device")

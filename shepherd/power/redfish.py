@@ -10,6 +10,9 @@ The boot device is ``Boot.BootSourceOverrideTarget`` (disk ``Hdd``, network ``Px
 cd ``Cd``), ``Once`` or ``Continuous``, PATCHed through sushy and read back by a call
 of its own (a fresh client, a fresh GET): what the BMC kept, not what we sent.
 
+The identity is the System's ``UUID``, ``SerialNumber`` and ``Model``, trimmed and
+otherwise as sent: whether it matches the machine is ``shepherd.power.identity``'s call.
+
 Each call opens a fresh client, reads the password at that moment (a rotated
 secret takes effect at once), and closes it. HTTP Basic, not a Redfish session:
 a session per call costs two more requests, and one left behind by a killed
@@ -36,6 +39,7 @@ from shepherd.power.base import (
     PowerAction,
     PowerError,
     PowerState,
+    SystemIdentity,
 )
 from shepherd.power.driver import BmcDriver, Transient
 
@@ -110,6 +114,9 @@ class RedfishPower(BmcDriver):
 
     def boot_device(self) -> BootOverride:
         return self._call("read the boot override", _boot_override)
+
+    def identity(self) -> SystemIdentity:
+        return self._call("read the system's identity", _identity)
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         target = BOOT_TARGETS[device]
@@ -216,6 +223,21 @@ def _boot_override(system: Any) -> BootOverride:
     if enabled == sushy.BootSourceOverrideEnabled.DISABLED.value:
         return BootOverride(None, None, raw)
     return BootOverride(BOOT_DEVICES.get(str(target)), PERSISTENCE.get(str(enabled)), raw)
+
+
+def _identity(system: Any) -> SystemIdentity:
+    """The System's ``UUID``, ``SerialNumber`` and ``Model`` as the BMC sent them,
+    trimmed. Placeholders ("Not Specified", all-zero UUIDs) are kept: judging them is
+    the comparison's (``shepherd.power.identity``), which sees both sides."""
+    return SystemIdentity(uuid=_reported(system.uuid), serial=_reported(system.serial_number),
+                          model=_reported(system.model))
+
+
+def _reported(value: object) -> str | None:
+    """``value`` without surrounding whitespace; None when absent or blank, as a BMC
+    that sends ``""`` or ``" "`` reports nothing."""
+    text = "" if value is None else str(value).strip()
+    return text or None
 
 
 def _short(error: Exception, limit: int = 300) -> str:

@@ -298,11 +298,22 @@ class NetworkInterface(_Known):
     mac: Name | None = None
 
 
+class SystemReport(_Known):
+    """The system's DMI identity (``shepherd.agent.agent.read_system_identity``)."""
+
+    __pydantic_extra__: dict[Name, FREE_AT_4] = Field(init=False)
+    uuid: Name | None = None
+    serial: Name | None = None
+    product: Name | None = None
+    vendor: Name | None = None
+
+
 class HardwareReport(_Known):
     """What ``shepherd.agent.agent.hardware_report`` sends (level 2 of the body)."""
 
     __pydantic_extra__: dict[Name, FREE_AT_3] = Field(init=False)
     hostname: Name | None = None
+    system: SystemReport | None = None
     cpu: Cpu | None = None
     memory_bytes: Count | None = None
     block_devices: Annotated[list[BlockDevice], Field(max_length=MAX_ITEMS)] | None = None

@@ -124,6 +124,21 @@ def attach(sandbox: Path, size: int = DEFAULT_DISK_SIZE) -> Path:
     return root
 
 
+#: What a simulated machine's DMI names as its product and vendor.
+DMI_PRODUCT, DMI_VENDOR = "Shepherd simulated machine", "Shepherd"
+
+
+def write_dmi(sandbox: Path, system_uuid: str) -> None:
+    """The machine's SMBIOS identity in its fake root (``/sys/class/dmi/id``), as the
+    kernel shows it to root: the UUID its BMC reports for it, a product and a vendor;
+    no serial (the emulated BMC reports none either)."""
+    dmi = root_of(sandbox) / "sys" / "class" / "dmi" / "id"
+    dmi.mkdir(parents=True, exist_ok=True)
+    for name, value in (("product_uuid", system_uuid), ("product_name", DMI_PRODUCT),
+                        ("sys_vendor", DMI_VENDOR)):
+        (dmi / name).write_text(value + "\n")
+
+
 def boot_choice(target: str | None, bootable: bool) -> str:
     """What firmware boots at power on: a disk override boots the disk (``DARK`` when it
     cannot boot, as firmware that finds nothing stays at its prompt); a network or CD

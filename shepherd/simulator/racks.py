@@ -20,6 +20,10 @@ power), the BMC gets the same system uuids (derived from project and device) and
 since its state directory under ``DIR/bmc`` is kept, the power state it last had;
 the password file is kept too. Authorized keys already registered are not added again.
 
+Each racked machine's DMI identity (its fake root's ``/sys/class/dmi/id``, which its
+agent reports) names the system UUID its BMC reports, as on a real machine: so a
+swapped inventory line is found (``shepherd.power.mismatch``).
+
 Each racked machine has a disk (``shepherd.simulator.disks``: a sparse file of
 ``disk_size`` bytes in its sandbox, ``device=/dev/sda`` to its agent) and boots at
 power on what its BMC's boot override says. A machine racked for the first time gets
@@ -247,6 +251,7 @@ class Racks:
             names.append(name)
         for name in names:  # a restored machine keeps its disk as it is
             self.sim.attach_disk(name, self.disk_size)
+            disks.write_dmi(self.sim.sandbox(name), self._system_uuid(name))
         return names
 
     def _system_uuid(self, device_id: str) -> str:

@@ -588,10 +588,16 @@ def test_hardware_report_reads_proc_and_sys(agent_module: ModuleType, tmp_path: 
         "sys/class/net/eth0/address": "02:00:00:00:00:01\n",
         "sys/class/net/lo/address": "00:00:00:00:00:00\n",
         "proc/sys/kernel/hostname": "rack1-u07\n",
+        "sys/class/dmi/id/product_uuid": "4c4c4544-0042-3510-8052-b4c04f4d4b32\n",
+        "sys/class/dmi/id/product_name": "PowerEdge R640\n",
+        "sys/class/dmi/id/sys_vendor": "Dell Inc.\n",
+        "sys/class/dmi/id/product_serial": "\n",  # blank: absent
     })
     report = agent_module.hardware_report(str(tmp_path))
     assert report == {
         "hostname": "rack1-u07",
+        "system": {"uuid": "4c4c4544-0042-3510-8052-b4c04f4d4b32",
+                   "product": "PowerEdge R640", "vendor": "Dell Inc."},
         "cpu": {"model": "Test CPU 9000", "cores": 2, "threads": 4},
         "memory_bytes": 2048 * 1024,
         "block_devices": [{"name": "sda", "size_bytes": 512_000}],
@@ -610,8 +616,28 @@ def test_hardware_report_warns_for_everything_it_cannot_read(
     assert report["memory_bytes"] == 0
     assert report["block_devices"] == report["network_interfaces"] == []
     assert report["hostname"] == ""
+    assert report["system"] == {}
     assert [w.split(":")[0] for w in report["warnings"]] == [
-        "hostname", "cpu", "memory", "block devices", "network interfaces"]
+        "hostname", "system", "cpu", "memory", "block devices", "network interfaces"]
+    assert "system: no DMI identity (/sys/class/dmi/id is missing)" in report["warnings"]
+
+
+def test_an_unreadable_dmi_field_is_absent_with_a_warning(
+    agent_module: ModuleType, tmp_path: Path
+) -> None:
+    """The UUID and serial are root's alone on a real kernel: an agent that cannot read
+    them reports them absent and says why; the server takes the report as sent."""
+    write_tree(tmp_path, {"sys/class/dmi/id/product_uuid/x": "a directory, not a file",
+                          "sys/class/dmi/id/product_serial": "CN7475\x1b[31m\n",
+                          "sys/class/dmi/id/product_name": "R640\n"})
+    report = agent_module.hardware_report(str(tmp_path))
+    assert report["system"] == {"product": "R640"}  # an escape in the serial: dropped
+    dmi = [w for w in report["warnings"] if w.startswith("system")]
+    assert [w.split(": ")[1] for w in dmi] == [
+        "cannot read /sys/class/dmi/id/product_uuid", "cannot read /sys/class/dmi/id/sys_vendor"]
+    heartbeat = parse_heartbeat(json.dumps({"machine_id": str(uuid.uuid4()),
+                                            "hardware_report": report}).encode())
+    assert heartbeat.hardware_report == report
 
 
 MARKER = {"generation": 4, "image": "debian-12", "sha256": "ab" * 32,

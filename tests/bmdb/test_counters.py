@@ -14,7 +14,7 @@ import bmdb
 from bmdb import _counters as counters
 from tests.support.bmdb_helpers import seed_provided
 
-KINDS: tuple[bmdb.HoldKind, ...] = ("maintenance", "quarantine", "host-key")
+KINDS: tuple[bmdb.HoldKind, ...] = ("maintenance", "quarantine", "host-key", "bmc-mismatch")
 
 
 def recounted(tx: bmdb.Tx) -> tuple[dict[int, int], dict[tuple[str, str], int]]:
@@ -69,10 +69,12 @@ def test_holds_set_and_clear_their_bits(db: bmdb.BMDB, session: bmdb.Session) ->
                                            reason="rack work", actor="test"))
     session.transact(lambda tx: bmdb.put_hold(tx, b, "maintenance", "rack work", "test"))
     assert_counters_agree(db)
-    assert db.read(bmdb.held_counts) == {"maintenance": 2, "quarantine": 1, "host-key": 1}
+    assert db.read(bmdb.held_counts) == {"maintenance": 2, "quarantine": 1, "host-key": 1,
+                                         "bmc-mismatch": 1}
     session.transact(lambda tx: bmdb.lift_hold(tx, a, "maintenance", "test"))
     assert_counters_agree(db)
-    assert db.read(bmdb.held_counts) == {"maintenance": 1, "quarantine": 1, "host-key": 1}
+    assert db.read(bmdb.held_counts) == {"maintenance": 1, "quarantine": 1, "host-key": 1,
+                                         "bmc-mismatch": 1}
 
 
 def test_deleting_history_leaves_the_totals(db: bmdb.BMDB, session: bmdb.Session) -> None:

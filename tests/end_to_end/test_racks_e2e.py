@@ -145,6 +145,25 @@ def test_a_racked_fleet_recovers_through_its_bmc(racked) -> None:
     assert cp.log_problems("w1", "beat") == []
 
 
+class Baseline:
+    """Resets and power changes each machine had when the test's scene began: under
+    load, a machine's first heartbeat can come later than the plane's first-heartbeat
+    timeout (5 s), and Recovery may then have reset it before the scene."""
+
+    def __init__(self, cp: ControlPlane, racks: Racks, *names: str) -> None:
+        assert racks.bmc is not None
+        self.cp, self.bmc = cp, racks.bmc
+        self.resets = {name: len(self.bmc.resets(name)) for name in names}
+        self.power = {name: cp.simulator.devices[name].power_changes for name in names}
+
+    def new_resets(self, name: str) -> list[str]:
+        return self.bmc.resets(name)[self.resets[name]:]
+
+    def untouched(self, name: str) -> bool:
+        return (self.new_resets(name) == []
+                and self.cp.simulator.devices[name].power_changes == self.power[name])
+
+
 def host_key_holds(cp: ControlPlane, machine_id: uuid.UUID) -> list[bmdb.Hold]:
     return cp.db.read(lambda tx: bmdb.holds_of(tx, machine_id, bmdb.HOST_KEY_HOLD))
 
@@ -160,6 +179,7 @@ def test_a_machine_reinstalled_behind_shepherds_back_is_held_then_accepted(racke
     cp.start_beat()
     cp.wait_for(lambda c: c.heartbeating == 2, timeout=60, what="2 machines heartbeating")
     machine = machine_of(cp, reinstalled)
+    baseline = Baseline(cp, racks, reinstalled, other)
     pinned = cp.simulator.host_key_line(reinstalled)
     assert cp.simulator.kill_agent(reinstalled) >= 1
     new_key = cp.simulator.rotate_host_key(reinstalled)
@@ -168,13 +188,13 @@ def test_a_machine_reinstalled_behind_shepherds_back_is_held_then_accepted(racke
     assert held.host_key == new_key and held.kind == bmdb.HOST_KEY_HOLD
     for key in (pinned, new_key):
         assert key_line_fingerprint(key) in held.reason, held.reason
-    [failed] = rows(cp, machine, "Failed", bmdb.Process.RECOVERY.value)
+    failed = rows(cp, machine, "Failed", bmdb.Process.RECOVERY.value)[-1]
     assert "no reset tried" in failed["cause"] and "held until" in failed["cause"]
-    assert racks.bmc.resets(reinstalled) == []
-    assert cp.simulator.devices[reinstalled].power_changes == 0
+    assert baseline.untouched(reinstalled)
     shown = cp.cli("python", "-m", "shepherd.cli", "show", reinstalled)
     assert f"shepherd host-key accept {machine} --reason TEXT" in shown.stdout, shown.stdout
 
+    finished_before = len(rows(cp, machine, "Finished", bmdb.Process.RECOVERY.value))
     accepted = cp.cli("python", "-m", "shepherd.cli", "host-key", "accept", reinstalled,
                       "--reason", "reinstalled by hand", "--by", "alice")
     assert accepted.returncode == 0, accepted.stderr
@@ -184,7 +204,7 @@ def test_a_machine_reinstalled_behind_shepherds_back_is_held_then_accepted(racke
     assert again.returncode == 1 and "not held for a host-key mismatch" in again.stderr
 
     def restarted() -> dict | None:
-        done = rows(cp, machine, "Finished", bmdb.Process.RECOVERY.value)
+        done = rows(cp, machine, "Finished", bmdb.Process.RECOVERY.value)[finished_before:]
         return done[-1] if done else None
 
     finished = wait_until(restarted, 60, "Recovery of the accepted machine", cp)
@@ -192,15 +212,14 @@ def test_a_machine_reinstalled_behind_shepherds_back_is_held_then_accepted(racke
                "heartbeats from the restarted agent", cp)
     rungs = [r["cause"] for r in rows(cp, machine, "Rung")]
     assert rungs[-1].startswith("rung 0 (agent restart): verified"), rungs
-    assert racks.bmc.resets(reinstalled) == []
-    assert cp.simulator.devices[reinstalled].power_changes == 0
+    assert baseline.untouched(reinstalled)
     assert host_key_holds(cp, machine) == []
     pin = cp.db.read(lambda tx: bmdb.recorded_host_key(tx, machine))
     assert pin is not None and (pin.host_key, pin.source) == (new_key, bmdb.OPERATOR_PIN)
     history = [r["cause"] for r in rows(cp, machine, process="HostKey")]
     assert f"accepted by alice: {key_line_fingerprint(new_key)}" in history, history
     assert "by alice: reinstalled by hand" in history, history
-    assert racks.bmc.resets(other) == []
+    assert baseline.untouched(other)
 
 
 def test_a_worker_killed_right_after_a_reset_leaves_it_in_history_and_no_second(
@@ -217,9 +236,11 @@ def test_a_worker_killed_right_after_a_reset_leaves_it_in_history_and_no_second(
     cp.start_beat()
     cp.wait_for(lambda c: c.heartbeating == 1, timeout=60, what="1 machine heartbeating")
     machine = machine_of(cp, name)
+    baseline = Baseline(cp, racks, name)
+    asked_before = len(rows(cp, machine, "Asked", "Power"))
     racks.bmc.set_frozen(name)
     cp.simulator.hang(name)
-    wait_until(lambda: racks.bmc.resets(name), 60, "the first reset at the BMC", cp)
+    wait_until(lambda: baseline.new_resets(name), 90, "the first reset at the BMC", cp)
     cp.kill("w1")
     killed_at = time.monotonic()
     cp.start_worker("w2", concurrency=1)
@@ -231,15 +252,79 @@ def test_a_worker_killed_right_after_a_reset_leaves_it_in_history_and_no_second(
 
     failure = wait_until(refused, 35, "the next attempt refusing a second reset", cp)
     assert time.monotonic() - killed_at < 40  # still within the rung's timeout
-    assert racks.bmc.resets(name) == ["GracefulRestart"]
+    assert baseline.new_resets(name) == ["GracefulRestart"]
     assert "graceful_restart was asked of redfish" in failure["cause"]
-    [asked] = rows(cp, machine, "Asked", "Power")
+    [asked] = rows(cp, machine, "Asked", "Power")[asked_before:]
     assert asked["cause"].startswith("graceful_restart of redfish"), asked
-    events = [r["event"] for r in rows(cp, machine, process=recovery)]
-    assert "Abandoned" in events and events[-1] == "Failed", events
+    events = [(r["event"], r["cause"]) for r in rows(cp, machine, process=recovery)]
+    assert "Abandoned" in [e for e, _ in events] and events[-1][0] == "Failed", events
     assert not [r for r in rows(cp, machine, "Rung") if r["cause"].startswith("rung 1")]
     shown = cp.cli("python", "-m", "shepherd.cli", "show", name)
     assert "graceful_restart of redfish" in shown.stdout, shown.stdout
+
+
+def swap_bmcs(racks: Racks, one: str, other: str) -> str:
+    """Swap the two machines' BMC systems in the inventory (a pair of lines typed the
+    wrong way round); returns the inventory as it was."""
+    before, bmc = racks.inventory_path.read_text(), racks.bmc
+    assert bmc is not None
+    a, b = (f'bmc = {{ system = "{bmc.system_path(name)}" }}' for name in (one, other))
+    racks.inventory_path.write_text(before.replace(a, "@swap@").replace(b, a)
+                                    .replace("@swap@", b))
+    return before
+
+
+def test_a_swapped_pair_of_inventory_lines_holds_both_and_resets_neither(racked) -> None:
+    """Two machines' BMC lines swapped. The hung one's Recovery reads its BMC's system
+    UUID, which is the other machine's DMI UUID: held, no reset through the wrong BMC.
+    ``shepherd power cycle`` of the other is refused with both identities and holds it
+    too. Once the inventory is fixed and the holds cleared, the ladder resets the right
+    system. Every reset checked in the BMC's own log."""
+    cp, racks = racked(2, SHEPHERD_RUNG_TIMEOUT="20")
+    hung, healthy = (m.id for m in racks.machines)
+    cp.start_worker("w1", concurrency=2)
+    cp.start_beat()
+    cp.wait_for(lambda c: c.heartbeating == 2, timeout=60, what="2 machines heartbeating")
+    ids = {name: machine_of(cp, name) for name in (hung, healthy)}
+    baseline = Baseline(cp, racks, hung, healthy)
+    fixed = swap_bmcs(racks, hung, healthy)
+    cp.simulator.hang(hung)
+
+    def mismatch_holds(name: str) -> list[bmdb.Hold]:
+        return cp.db.read(lambda tx: bmdb.holds_of(tx, ids[name], bmdb.BMC_MISMATCH_HOLD))
+
+    [held] = wait_until(lambda: mismatch_holds(hung), 60, "the hung machine held", cp)
+    assert "the BMC manages uuid" in held.reason and "the machine reports uuid" in held.reason
+    failed = rows(cp, ids[hung], "Failed", bmdb.Process.RECOVERY.value)[-1]
+    assert "BmcMismatch" in failed["cause"], failed
+    refused = cp.cli("python", "-m", "shepherd.cli", "power", "cycle", healthy)
+    assert refused.returncode != 0 and "the BMC manages uuid" in refused.stderr, refused
+    [other] = mismatch_holds(healthy)
+    assert "the BMC manages uuid" in other.reason
+    for name in (hung, healthy):
+        assert baseline.untouched(name), name
+    shown = cp.cli("python", "-m", "shepherd.cli", "show", hung)
+    assert "held on a BMC mismatch" in shown.stdout
+    assert f"shepherd bmc-mismatch clear {ids[hung]} --reason TEXT" in shown.stdout
+
+    finished_before = len(rows(cp, ids[hung], "Finished", bmdb.Process.RECOVERY.value))
+    racks.inventory_path.write_text(fixed)
+    for name in (hung, healthy):
+        cleared = cp.cli("python", "-m", "shepherd.cli", "bmc-mismatch", "clear", name,
+                         "--reason", "inventory lines were swapped")
+        assert cleared.returncode == 0, cleared.stderr
+    cp.cli("python", "-m", "shepherd.cli", "clear-backoff", hung, "recovery")
+
+    def recovered() -> dict | None:
+        done = rows(cp, ids[hung], "Finished", bmdb.Process.RECOVERY.value)[finished_before:]
+        return done[-1] if done else None
+
+    wait_until(recovered, 90, "Recovery through the right BMC", cp)
+    assert baseline.new_resets(hung) == ["GracefulRestart"]
+    assert baseline.new_resets(healthy) == []
+    checks = [r["cause"] for r in rows(cp, ids[hung], "BmcIdentity")]
+    assert checks and checks[-1].startswith("the BMC and the machine agree on uuid"), checks
+    assert mismatch_holds(hung) == mismatch_holds(healthy) == []
 
 
 def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked) -> None:

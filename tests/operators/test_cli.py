@@ -505,6 +505,7 @@ COMMAND_ARGS = {
     "clear-backoff": [UNKNOWN, "recovery"], "start": ["recovery", UNKNOWN], "reconcile": [],
     "sessions": [], "sweep": [], "up": [], "maintenance": ["on", UNKNOWN],
     "quarantine": ["clear", UNKNOWN], "host-key": ["forget", UNKNOWN],
+    "bmc-mismatch": ["clear", UNKNOWN],
     "power": ["status", UNKNOWN], "install": [UNKNOWN, "debian-12"], "ssh-key": [],
     "history": ["prune", "--older-than", "30d"],
 }

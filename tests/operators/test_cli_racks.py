@@ -106,7 +106,8 @@ def test_maintenance_on_and_off(fleet: Fleet, db: bmdb.BMDB, session: bmdb.Sessi
     assert all(p["in_backlog"] is False and "because replacing a DIMM" in p["backlog"]
                for p in explained["processes"])
     status, out, _ = run(capsys, "fleet", "--json")
-    assert json.loads(out)["held"] == {"maintenance": 1, "quarantine": 0, "host-key": 0}
+    assert json.loads(out)["held"] == {"maintenance": 1, "quarantine": 0,
+                                             "host-key": 0, "bmc-mismatch": 0}
 
     # Again: nothing changes, and it says so.
     status, out, _ = run(capsys, "maintenance", "on", str(machine), "--reason", "other",

@@ -202,7 +202,24 @@ def test_hold_arguments_are_checked_before_anything_changes(
     with pytest.raises(operations.UnknownMachine):
         operations.put_maintenance(session, uuid.uuid4(), "x", "alice")
     assert db.read(lambda tx: bmdb.held_counts(tx)) == {"maintenance": 0, "quarantine": 0,
-                                                        "host-key": 0}
+                                                        "host-key": 0, "bmc-mismatch": 0}
+
+
+def test_a_bmc_mismatch_is_cleared_with_a_reason_and_says_when_there_was_none(
+        db: bmdb.BMDB, session: bmdb.Session, fleet: Fleet) -> None:
+    session.transact(lambda tx: bmdb.put_hold(tx, fleet.healthy, bmdb.BMC_MISMATCH_HOLD,
+                                              "the BMC manages uuid A", "ShepherdRecovery"))
+    with pytest.raises(operations.BadArgument, match="--reason is required"):
+        operations.clear_bmc_mismatch(session, fleet.healthy, "alice", " ")
+    assert db.read(lambda tx: bmdb.held_counts(tx))["bmc-mismatch"] == 1
+    change = operations.clear_bmc_mismatch(session, fleet.healthy, "alice", "lines swapped")
+    assert change.changed and change.hold is not None
+    assert operations.hold_text(change.hold).startswith("held on a BMC mismatch since ")
+    assert operations.lift_command(change.hold) == (
+        f"shepherd bmc-mismatch clear {fleet.healthy} --reason TEXT")
+    again = operations.clear_bmc_mismatch(session, fleet.healthy, "alice", "twice")
+    assert not again.changed
+    assert db.read(lambda tx: bmdb.held_counts(tx))["bmc-mismatch"] == 0
 
 
 def test_a_machine_its_provider_no_longer_lists_is_shown_as_gone(

@@ -33,6 +33,7 @@ from shepherd.power import (
     PowerState,
     ProviderPower,
     RedfishPower,
+    SystemIdentity,
     connect,
     set_boot_and_verify,
 )
@@ -243,6 +244,9 @@ class ScriptedBmc:
 
     def boot_device(self) -> BootOverride:
         return self.reads
+
+    def identity(self) -> SystemIdentity:
+        return SystemIdentity()
 
 
 @pytest.mark.parametrize("reads, says", [

@@ -26,6 +26,7 @@ from shepherd.power import (
     ExclusivePower,
     PowerAction,
     PowerState,
+    SystemIdentity,
     singleton_name,
 )
 
@@ -63,6 +64,10 @@ class SharedBmc:
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         self._call(f"set_boot_device {device}")
+
+    def identity(self) -> SystemIdentity:
+        self._call("identity")
+        return SystemIdentity(uuid="stand-in")
 
     def _call(self, what: str) -> None:
         if self.fail_next:

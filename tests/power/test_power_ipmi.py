@@ -11,7 +11,9 @@ import logging
 import multiprocessing
 import socket
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,9 +25,11 @@ from shepherd.power import (
     IpmiPower,
     PowerAction,
     PowerState,
+    SystemIdentity,
     connect,
+    ipmi_call,
 )
-from tests.support.bmc_fixtures import IpmiBmc
+from tests.support.bmc_fixtures import IPMI_GUID, IpmiBmc
 
 
 def ipmitool_power(bmc: IpmiBmc) -> str:
@@ -98,6 +102,113 @@ def test_wrong_credentials_are_refused_and_never_shown(
     everything = [message, repr(refused.value), caplog.text, captured.out, captured.err]
     for secret in (wrong, ipmi_bmc.password):
         assert not [text for text in everything if secret in text]
+
+
+def ipmitool_guid(bmc: IpmiBmc, encoding: str) -> str:
+    """The system GUID as ``ipmitool mc guid <encoding>`` prints it, lowercase."""
+    result = bmc.ipmitool("mc", "guid", encoding)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("System GUID")]
+    assert len(lines) == 1, result.stdout
+    return lines[0].split(":", 1)[1].strip().lower()
+
+
+def test_identity_is_the_system_guid_as_dmi_shows_it(ipmi_bmc: IpmiBmc) -> None:
+    """ipmi_sim sends the configured bytes as they are (ipmitool's raw read shows them);
+    they read in SMBIOS order (first three fields little-endian), as Linux's
+    product_uuid and ``ipmitool mc guid smbios`` do, not in the IPMI specification's
+    reversed order."""
+    raw = ipmi_bmc.ipmitool("raw", "0x06", "0x37")
+    assert raw.returncode == 0, raw.stderr
+    assert raw.stdout.split() == [IPMI_GUID[i:i + 2] for i in range(0, 32, 2)]
+    identity = IpmiPower(ipmi_bmc.spec(), timeout=10).identity()
+    assert identity == SystemIdentity(uuid="674523a1-ab89-efcd-a123-456789abcdef")
+    assert identity.uuid == str(uuid.UUID(bytes_le=bytes.fromhex(IPMI_GUID)))
+    assert identity.uuid == ipmitool_guid(ipmi_bmc, "smbios")
+    assert ipmitool_guid(ipmi_bmc, "ipmi") == "efcdab89-6745-23a1-efcd-ab89674523a1"
+
+
+def test_two_bmcs_with_distinct_guids_read_distinctly(tmp_path: Path) -> None:
+    """Each simulated machine's product_uuid, configured as the bytes SMBIOS stores."""
+    machines = [uuid.uuid4() for _ in range(2)]
+    bmcs = [IpmiBmc(tmp_path / f"bmc-{i}", guid=dmi.bytes_le.hex()) for i, dmi in
+            enumerate(machines)]
+    try:
+        for bmc in bmcs:
+            bmc.start()
+        read = [IpmiPower(bmc.spec(), timeout=10).identity().uuid for bmc in bmcs]
+        assert read == [str(dmi) for dmi in machines] and read[0] != read[1]
+        assert read == [ipmitool_guid(bmc, "smbios") for bmc in bmcs]
+    finally:
+        for bmc in bmcs:
+            bmc.stop()
+
+
+@pytest.mark.parametrize("byte", ["00", "ff"])
+def test_a_placeholder_guid_is_passed_on_as_read(tmp_path: Path, byte: str) -> None:
+    bmc = IpmiBmc(tmp_path / "bmc", guid=byte * 16).start()
+    try:
+        identity = IpmiPower(bmc.spec(), timeout=10).identity()
+    finally:
+        bmc.stop()
+    assert identity == SystemIdentity(uuid=str(uuid.UUID(bytes=bytes.fromhex(byte * 16))))
+
+
+def test_reading_the_guid_with_a_wrong_password_is_refused_and_never_shown(
+        ipmi_bmc: IpmiBmc, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = Path(ipmi_bmc.wrong_password_file).read_text().strip()
+    started = time.monotonic()
+    with pytest.raises(BmcAuthFailed, match="read the system GUID: Incorrect password") as refused:
+        IpmiPower(ipmi_bmc.spec(wrong_password=True)).identity()
+    assert time.monotonic() - started < 5, "a refusal is not retried"
+    message = str(refused.value)
+    assert f"127.0.0.1:{ipmi_bmc.port}" in message
+    captured = capsys.readouterr()
+    everything = [message, repr(refused.value), caplog.text, captured.out, captured.err]
+    for secret in (wrong, ipmi_bmc.password):
+        assert not [text for text in everything if secret in text]
+
+
+class GuidAnswer:
+    """Stands for pyghmi's Command where ipmi_sim cannot: it answers Get System GUID
+    with ``response`` (ipmi_sim without a GUID refuses RMCP+ altogether)."""
+
+    def __init__(self, response: dict[str, Any]) -> None:
+        self.response = response
+        self.asked: list[tuple[int, int]] = []
+
+    def raw_command(self, netfn: int, command: int, **_: object) -> dict[str, Any]:
+        self.asked.append((netfn, command))
+        return self.response
+
+
+def failure(kind: str, error: object) -> dict[str, Any]:
+    return {"error": kind, "message": str(error)}
+
+
+@pytest.mark.parametrize("response", [
+    {"error": "Invalid command", "code": 0xC1},  # no Get System GUID
+    {"error": "Invalid data field in request", "code": 0xCC},
+    {"data": list(range(15))},  # short
+    {"data": []},
+])
+def test_a_bmc_without_a_guid_reports_none(response: dict[str, Any]) -> None:
+    bmc = GuidAnswer(response)
+    assert ipmi_call.system_guid(bmc, failure) == {"uuid": None}
+    assert bmc.asked == [(6, 0x37)]
+
+
+def test_a_guid_read_failing_otherwise_is_an_error() -> None:
+    answer = ipmi_call.system_guid(GuidAnswer({"error": "Node busy", "code": 0xC0}), failure)
+    assert answer == {"error": "failed", "message": "Node busy (completion code 0xc0)"}
+
+
+def test_bytes_beyond_sixteen_are_ignored() -> None:
+    data = [*bytes.fromhex(IPMI_GUID), 0x99]
+    answer = ipmi_call.system_guid(GuidAnswer({"data": data}), failure)
+    assert answer == {"uuid": "674523a1-ab89-efcd-a123-456789abcdef"}
 
 
 def test_an_unreachable_bmc_fails_within_a_bound(tmp_path: Path) -> None:

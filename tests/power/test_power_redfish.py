@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import sushy
@@ -31,8 +32,10 @@ from shepherd.power import (
     PowerError,
     PowerState,
     RedfishPower,
+    SystemIdentity,
     connect,
 )
+from shepherd.power import redfish as redfish_module
 from shepherd.simulator import redfish as emulator_module
 from shepherd.simulator.redfish import EmulatorError, RedfishEmulator
 from tests.support.bmc_fixtures import RedfishBmc, running_redfish
@@ -184,6 +187,78 @@ def test_discovery_needs_exactly_one_system(tmp_path: Path) -> None:
         with pytest.raises(PowerError, match="HTTP 404"):
             RedfishPower(wrong).power_state()
 
+
+
+# -- identity ---------------------------------------------------------------------------
+
+
+def test_each_system_reports_its_own_uuid(tmp_path: Path) -> None:
+    """Two systems behind one BMC, each read through its own path: its configured
+    UUID, and no serial or model (the fake driver reports neither)."""
+    with running_redfish(tmp_path, [("node-1", "On"), ("node-2", "Off")]) as bmc:
+        configured = {system.name: system.uuid for system in bmc.emulator.systems}
+        assert len(set(configured.values())) == 2
+        read = {name: RedfishPower(bmc.spec(name), timeout=5).identity()
+                for name in configured}
+    assert read == {name: SystemIdentity(uuid=uuid, serial=None, model=None)
+                    for name, uuid in configured.items()}
+
+
+def test_identity_discovers_the_only_system(redfish_bmc: RedfishBmc) -> None:
+    power = RedfishPower(redfish_bmc.spec(), timeout=5)
+    assert power.identity() == SystemIdentity(uuid=redfish_bmc.emulator.systems[0].uuid)
+    assert power.system_path == redfish_bmc.emulator.system_path("node-1")
+
+
+@pytest.mark.parametrize(("sent", "kept"), [
+    ({"UUID": " 4c4c4544-0042 \n", "SerialNumber": "\tABC123 ", "Model": "R640"},
+     SystemIdentity("4c4c4544-0042", "ABC123", "R640")),
+    ({"UUID": "", "SerialNumber": "   ", "Model": None}, SystemIdentity()),
+    ({"SerialNumber": "Not Specified", "Model": " To Be Filled By O.E.M. "},
+     SystemIdentity(None, "Not Specified", "To Be Filled By O.E.M.")),
+])
+def test_identity_is_trimmed_blanks_are_none_and_placeholders_kept(
+        sent: dict[str, str | None], kept: SystemIdentity) -> None:
+    """What the emulator cannot send (a serial, a model, blanks), through sushy's own
+    System over a canned JSON: the fields ``identity`` reads, and nothing judged."""
+    from sushy.resources.system.system import System
+
+    connector = mock.Mock()
+    connector.get.return_value.json.return_value = {
+        "@odata.id": "/redfish/v1/Systems/1", "Id": "1", **sent}
+    system = System(connector, "/redfish/v1/Systems/1", redfish_version="1.0.2")
+    assert redfish_module._identity(system) == kept
+
+
+def test_identity_with_a_wrong_password_is_refused_and_never_shown(
+        redfish_bmc: RedfishBmc, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = Path(redfish_bmc.wrong_password_file).read_text().strip()
+    started = time.monotonic()
+    with pytest.raises(BmcAuthFailed, match="identity: HTTP 401") as refused:
+        RedfishPower(redfish_bmc.spec(wrong_password=True), timeout=5).identity()
+    assert time.monotonic() - started < 5, "a refusal is not retried"
+    message = str(refused.value)
+    assert redfish_bmc.address in message
+    for secret in (wrong, redfish_bmc.password):
+        assert secret not in message and secret not in caplog.text
+
+
+def test_identity_of_an_unreachable_bmc_fails_within_a_bound(tmp_path: Path) -> None:
+    password = tmp_path / "password"
+    password.write_text("irrelevant\n")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    spec = BmcSpec(driver="redfish", address=f"http://127.0.0.1:{port}", username="admin",
+                   password_file=str(password))
+    started = time.monotonic()
+    with pytest.raises(BmcUnreachable, match="identity: no answer after 2 attempts") as failed:
+        RedfishPower(spec, timeout=0.5, attempts=2, backoff=0.05).identity()
+    assert time.monotonic() - started < 2.0
+    assert f"127.0.0.1:{port}" in str(failed.value)
+    assert "irrelevant" not in str(failed.value)
 
 # -- TLS ------------------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import paramiko
 import pytest
+import sqlalchemy as sa
 
+import bmdb
 from shepherd.cli.main import main
 from shepherd.inventory.host_keys import HostKey, parse_host_key
 from shepherd.inventory.probe import probe_machines
@@ -345,7 +347,8 @@ def test_probe_reads_an_ipmi_bmc(ipmi_bmc: IpmiBmc, simulator: Simulator, device
     path = write(tmp_path, entry("good", devices[0], ipmi_bmc.password_file))
     status, out, err = check(capsys, path, "--probe", "--timeout", "3")
     assert (status, err) == (0, ""), out
-    assert out.splitlines()[3].split()[-5:-3] == [f"127.0.0.1:{ipmi_bmc.port}", "On"]
+    # The BMC SYSTEM column: not compared (the BMDB knows no such machine).
+    assert out.splitlines()[3].split()[-6:-3] == [f"127.0.0.1:{ipmi_bmc.port}", "-", "On"]
 
     bad = tmp_path / "bad.toml"
     bad.write_text(entry("bad", devices[1], ipmi_bmc.wrong_password_file))
@@ -356,3 +359,67 @@ def test_probe_reads_an_ipmi_bmc(ipmi_bmc: IpmiBmc, simulator: Simulator, device
     assert probe["ssh"]["error"] is None  # only the BMC failed
     for secret_file in (ipmi_bmc.password_file, ipmi_bmc.wrong_password_file):
         assert secret_file.read_text().strip() not in out
+
+
+def test_the_probe_compares_each_bmcs_system_with_the_machines_own_dmi(
+        rack: Rack, tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixture) -> None:
+    """Machines the BMDB knows have their agent's DMI report; the probe compares each
+    BMC's system UUID with it. A line whose BMC manages the other machine's system (a
+    swapped pair) is a MISMATCH and fails the check; a machine that reports no DMI is
+    "unknown", said as such, never a mismatch."""
+    db = bmdb.connect(pg_url)
+    node_1 = SYSTEMS[0][1]
+
+    def register(tx: bmdb.Tx) -> None:
+        for provider_id, system in (("u1", {"uuid": node_1.upper()}),
+                                    ("u2", {"uuid": node_1, "product": "R640"})):
+            machine = bmdb.create_machine(tx)
+            bmdb.upsert_provided(tx, machine, provider="static", provider_id=provider_id,
+                                 provider_status="Running")
+            bmdb.set_hardware_report(tx, machine, {"system": system})
+
+    with db.start_session("test") as session:
+        session.transact(register)
+    db.close()
+    text = rack.defaults() + rack.entry(0, "u1") + rack.entry(1, "u2")
+    path = write(tmp_path, text)
+    status, out, err = check(capsys, path, "--probe", "--timeout", "5", "--bmdb-url", pg_url)
+    assert (status, err) == (1, ""), out
+    no_secret(out)
+    rows = {line.split()[0]: line for line in out.splitlines()[3:5]}
+    assert "match" in rows["u1"].split() and "MISMATCH" in rows["u2"].split()
+    assert (f"u2: BMC MISMATCH: the BMC manages uuid {SYSTEMS[1][1]}, the machine reports "
+            f"uuid {node_1}") in out
+    assert "probes: 1 machine(s) answered as listed, 1 did not" in out
+
+    status, out, _ = check(capsys, path, "--probe", "--json", "--timeout", "5",
+                           "--bmdb-url", pg_url)
+    by_id = {m["id"]: m["probe"] for m in json.loads(out)["machines"]}
+    assert by_id["u1"]["identity"] == "match" and by_id["u1"]["ok"]
+    assert by_id["u2"]["identity"] == "mismatch" and not by_id["u2"]["ok"]
+    assert by_id["u2"]["bmc"]["system"] == {"uuid": SYSTEMS[1][1], "serial": None,
+                                            "model": None}
+
+    db = bmdb.connect(pg_url)  # u2's agent now reports no DMI: nothing concluded
+    with db.start_session("test") as session:
+        session.transact(lambda tx: bmdb.set_hardware_report(
+            tx, tx.execute(sa.select(bmdb._schema.provided.c.machine_id).where(
+                bmdb._schema.provided.c.provider_id == "u2")).scalar_one(), {"system": {}}))
+    db.close()
+    status, out, _ = check(capsys, path, "--probe", "--json", "--timeout", "5",
+                           "--bmdb-url", pg_url)
+    by_id = {m["id"]: m["probe"] for m in json.loads(out)["machines"]}
+    assert status == 0 and by_id["u2"]["identity"] == "unknown" and by_id["u2"]["ok"]
+    assert "the machine reports no DMI UUID or serial" in by_id["u2"]["identity_reason"]
+
+
+def test_without_a_bmdb_the_probe_says_identities_were_not_compared(
+        rack: Rack, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SHEPHERD_BMDB_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, rack.defaults() + rack.entry(0, "u1"))
+    status, out, _ = check(capsys, path, "--probe", "--timeout", "5")
+    assert status == 0, out
+    assert "identities not compared: no BMDB to read them from" in out
+    assert not (tmp_path / "var").exists()  # no BMDB was made for it

@@ -141,11 +141,16 @@ set_working_mc 0x20
     allowed_auths_user none md2 md5 straight
     allowed_auths_operator none md2 md5 straight
     allowed_auths_admin none md2 md5 straight
-    guid a123456789abcdefa123456789abcdef
+    guid {guid}
   endlan
 {chassis}
   user 2 true "{username}" "{password}" admin 10 none md2 md5 straight
 """
+
+#: The system GUID ipmi_sim answers Get System GUID with, as the 16 bytes it sends (hex,
+#: first byte first): the lan.conf ``guid`` line, inside ``startlan`` (``man ipmi_lan``).
+#: Without one ipmi_sim refuses RMCP+ sessions ("This BMC does not support IPMI v2").
+IPMI_GUID = "a123456789abcdefa123456789abcdef"
 
 EMU = """mc_setbmc 0x20
 mc_add 0x20 0 no-device-sdrs 0x23 9 8 0x9f 0x1291 0xf02 persist_sdr
@@ -158,14 +163,16 @@ class IpmiBmc:
     """One ``ipmi_sim`` on ``127.0.0.1:port`` (UDP), its chassis power in a file."""
 
     def __init__(self, directory: Path, power_on: bool = True,
-                 chassis_control: bool = True) -> None:
+                 chassis_control: bool = True, guid: str = IPMI_GUID) -> None:
         """``chassis_control=False``: no script, so ipmi_sim reads power but refuses
-        to change it ("Invalid data field in request"), a BMC that cannot do that."""
+        to change it ("Invalid data field in request"), a BMC that cannot do that.
+        ``guid``: the system GUID's 16 bytes in hex, as sent (``IPMI_GUID``)."""
         binary = shutil.which("ipmi_sim")
         if binary is None or shutil.which("ipmitool") is None:
             pytest.fail(f"ipmi_sim or ipmitool not found; install them with: {IPMI_HINT}")
         self.binary = binary
         self.chassis_control = chassis_control
+        self.guid = guid
         self.directory = directory
         self.password = ipmi_password()
         directory.mkdir(parents=True, exist_ok=True)
@@ -190,7 +197,7 @@ class IpmiBmc:
             with os.fdopen(fd, "w") as handle:
                 chassis = (f'  chassis_control "{self.script} 0x20"' if self.chassis_control
                            else "")
-                handle.write(LAN_CONF.format(port=self.port, chassis=chassis,
+                handle.write(LAN_CONF.format(port=self.port, chassis=chassis, guid=self.guid,
                                              username=USERNAME, password=self.password))
             (self.directory / "sim.emu").write_text(EMU)
             log = (self.directory / "ipmi_sim.log").open("ab")

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from shepherd.power import ActionUnsupported, BootDevice, BootOverride, PowerAction, PowerState
+from shepherd.power import (
+    ActionUnsupported,
+    BootDevice,
+    BootOverride,
+    PowerAction,
+    PowerState,
+    SystemIdentity,
+)
 from shepherd.simulator import Simulator
 from shepherd.workflows.ladder import Endpoint, LadderSettings, RungOutcome, Watch, climb
 from tests.support.workers import RACK_DEVICES
@@ -50,6 +57,9 @@ class InstantBmc:
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         raise ActionUnsupported(f"{self.description}: no boot device")
+
+    def identity(self) -> SystemIdentity:
+        return SystemIdentity()
 
 
 @pytest.fixture

@@ -62,7 +62,8 @@ def test_held_machines_are_in_no_backlog_and_out_of_the_share(session: bmdb.Sess
     with pytest.raises(bmdb.NotInBacklog):
         session.claim_machine(bmdb.Process.RECOVERY, silent[0])
     counts = session.transact(lambda tx: bmdb.held_counts(tx))
-    assert counts == {"maintenance": 1, "quarantine": 1, "host-key": 0}
+    assert counts == {"maintenance": 1, "quarantine": 1, "host-key": 0,
+                      "bmc-mismatch": 0}
 
     assert session.transact(lambda tx: bmdb.lift_hold(tx, silent[0], "maintenance", "alice"))
     assert silent[0] in backlog_ids(session, bmdb.Process.RECOVERY)
