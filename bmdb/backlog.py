@@ -4,10 +4,12 @@ Each query reads only the machines in its backlog, through the marker columns
 and partial indexes described in ``schema.py``, so an idle poll costs the same
 at 1k machines as at 1M (``bench/backlog_latency.py`` measures it).
 
-Machines in maintenance or quarantine (``schema.machine_holds``) are in no backlog,
-nor are machines their provider no longer lists (Missing) in Recovery's, where no
-machine is either within one heartbeat timeout of heartbeats resuming fleet-wide
-(``not_resuming``, ``resumptions.py``). Enforced
+Held machines (maintenance, quarantine, a host-key or BMC mismatch:
+``schema.machine_holds``) are in no backlog (an installation the operator asked for
+waits for every hold but a host-key one), nor are machines their provider no longer
+lists (Missing) in Recovery's; and within one heartbeat timeout of heartbeats
+resuming fleet-wide no machine is in Recovery's (``not_resuming``,
+``resumptions.py``). Enforced
 here, in the one place every claim and every count of a backlog reads, so no
 workflow, task or operator command can forget it: ``not_held`` and ``not_gone`` are
 anti-joins on a primary key, one index probe per candidate.

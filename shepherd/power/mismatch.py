@@ -19,6 +19,9 @@ import bmdb
 from shepherd.power import identity
 from shepherd.power.base import PowerControl, PowerError
 
+#: The history event a workflow notes the check's outcome under.
+BMC_IDENTITY = "BmcIdentity"
+
 
 class BmcMismatch(PowerError):
     """The machine is held, or has just been found, for a BMC managing another system."""

@@ -97,7 +97,7 @@ def initialize(work: bmdb.Work, provider: Provider, settings: InitializerSetting
         _remember_answer_key(work.session.db, known.answer_key)
         machine = reachable_machine(work, provider, settings.permanent_backoff,
                                     known.view.provided)
-        pin = pin_for(work.machine_id, machine, known.view.host_key)
+        pin = pin_for(machine, known.view.host_key)
         work.ensure_held()
         try:
             taken = take_over(machine, work.machine_id, settings, pin,
@@ -126,10 +126,9 @@ def hold_on_mismatch(failure: WorkflowFailure, cause: BaseException | None,
     address). Only an operator can say which: ``shepherd host-key accept`` pins exactly
     the key kept here (never one seen later) and lets the machine go, in one step.
     """
-    mismatch = cause
-    if not isinstance(mismatch, HostKeyMismatch):
+    if not isinstance(cause, HostKeyMismatch):
         return failure
-    seen, expected = key_line_fingerprint(mismatch.seen), key_line_fingerprint(mismatch.expected)
+    seen, expected = key_line_fingerprint(cause.seen), key_line_fingerprint(cause.expected)
     reason = (f"SSH presented host key {seen}, not the pinned {expected}: reinstalled, or "
               "another machine at this address?")
 
@@ -137,7 +136,7 @@ def hold_on_mismatch(failure: WorkflowFailure, cause: BaseException | None,
         if failure.then is not None:
             failure.then(tx)
         bmdb.put_hold(tx, work.machine_id, bmdb.HOST_KEY_HOLD, reason, work.process.value,
-                      host_key=mismatch.seen)
+                      host_key=cause.seen)
 
     return WorkflowFailure(f"{failure.cause}; held until an operator accepts the key or "
                            "fixes the pin", failure.backoff, then=hold)
@@ -155,11 +154,11 @@ def host_key_pin(work: bmdb.Work, machine: ProviderMachine) -> HostKeyPin | None
     """The pin a takeover of ``machine`` must see (``pin_for``), read now."""
     recorded = work.session.transact(
         lambda tx: bmdb.recorded_host_key(tx, work.machine_id))
-    return pin_for(work.machine_id, machine, recorded)
+    return pin_for(machine, recorded)
 
 
-def pin_for(machine_id: uuid.UUID, machine: ProviderMachine,
-            recorded: bmdb.RecordedPin | None) -> HostKeyPin | None:
+def pin_for(machine: ProviderMachine, recorded: bmdb.RecordedPin | None
+            ) -> HostKeyPin | None:
     """The pin a takeover must see, in this order: the key an installation of Shepherd's
     chose (the system on the disk is the one it wrote) or an operator accepted (a
     later word than the file's), the inventory's (an operator's word for the system

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import bmdb
 from shepherd.power import PowerControl, PowerError
-from shepherd.power.mismatch import refuse_if_mismatched
+from shepherd.power.mismatch import BMC_IDENTITY, refuse_if_mismatched
 from shepherd.providers.base import NotFound, Provider, ProviderMachine
 from shepherd.remote import HostKeyMismatch
 from shepherd.workflows import ladder
@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 #: The power control of a machine, or None when nothing can reboot it.
 PowerFor = Callable[[ProviderMachine], PowerControl | None]
 QUARANTINE_ACTOR = "shepherd recovery"
-#: The history event of the BMC identity check before the ladder.
-BMC_IDENTITY = "BmcIdentity"
 
 
 @dataclass(frozen=True)

@@ -301,8 +301,10 @@ def test_a_blank_machine_behind_redfish_is_installed_then_reinstalled(rack: Rack
     first_key = assert_installed(rack, racked, machine_id, 1, image)
     assert racked.bmc.boot_target("m1") == "Hdd"  # a plain Redfish GET
     steps = rack.steps(machine_id)
+    # The BMC identity is checked before the first change through it (BmcIdentity).
     assert steps == ["Wanted", "Started", "Dispatched", "Verified",
-                     "Step generation 1: boot_device", "Step generation 1: rebooting", "Rung",
+                     "Step generation 1: boot_device", "BmcIdentity",
+                     "Step generation 1: rebooting", "Rung",
                      "Step generation 1: taking_over", "Step generation 1: first_heartbeat",
                      "Finished"], steps
 

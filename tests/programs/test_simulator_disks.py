@@ -119,6 +119,9 @@ class Machine:
         self.name = device.id
         self.disk = sim.attach_disk(self.name, 32 << 20)
         self.root = disks.root_of(sim.sandbox(self.name))
+        # Its SSH comes up on its own thread: a test on a loaded host could be first.
+        sim.wait_for_state(self.name, "active", timeout=10)
+        sim.wait_for_ssh(self.name, timeout=10)
 
     def power_cycle(self, target: str | None) -> None:
         if target is not None:

@@ -58,6 +58,7 @@ from tests.support.disk_images import (
 )
 from tests.support.minimal_systems import (
     ADDRESS,
+    HIDE_HOST_DMI,
     Changes,
     StockMachine,
     exec_sshd,
@@ -234,6 +235,7 @@ class BootableMachine:
             'mkdir -p "$M/run/sshd"',
             'mount -t proc proc "$M/proc"',
             'mount -t sysfs sysfs "$M/sys"',
+            HIDE_HOST_DMI,
             exec_sshd(self.port, self.address),
         ])
 
