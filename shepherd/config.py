@@ -160,7 +160,10 @@ class Settings:
     bmc_timeout: float = setting(10.0, "seconds a BMC call may take", minimum=0.1)
     bmc_attempts: int = setting(3, "tries of a BMC call", minimum=1)
     bmc_lock_wait: float = setting(60.0, "seconds a BMC call waits for another worker's "
-                                   "call to the same BMC")
+                                   "call to the same BMC, or for a free call slot")
+    bmc_calls_max: int = setting(16, "BMC calls in flight fleet-wide, at most (Recovery, "
+                                 "shepherd power and installations share them)",
+                                 minimum=1, maximum=1024)
     recovery_max_share: float = setting(0.10, "share of the fleet that may be silent "
                                         "before Recovery pauses (0.1 or 10%)", kind=share)
     recovery_min_silent: int = setting(1, "machines that may be silent whatever the share")

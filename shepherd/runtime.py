@@ -346,7 +346,8 @@ def power_for(settings: Settings, provider: Provider, session: bmdb.Session,
         driver = power.connect(machine.bmc, timeout=settings.bmc_timeout,
                                attempts=settings.bmc_attempts)
         return power.ExclusivePower(driver, session, machine.bmc.lock_name,
-                                    wait=settings.bmc_lock_wait, recorder=recorder)
+                                    wait=settings.bmc_lock_wait, recorder=recorder,
+                                    calls_cap=settings.bmc_calls_max)
     if settings.provider in API_PROVIDERS:
         return power.ProviderPower(provider, machine.provider_id, recorder=recorder)
     return None

@@ -294,3 +294,111 @@ def test_singleton_names_fit_the_column() -> None:
     assert len(names) == 3
     assert all(name.startswith("bmc:") and len(name) <= 64 for name in names)
     assert singleton_name(LOCK) == singleton_name(LOCK)
+
+
+# -- the fleet-wide cap of BMC calls in flight ------------------------------------------
+
+
+def spans(directories: list[Path]) -> list[tuple[float, float]]:
+    """Every call's (start, end) on the stand-in BMCs in ``directories``."""
+    found = []
+    for directory in directories:
+        for line in SharedBmc(directory).calls():
+            *_, start, end = line.split()
+            found.append((float(start), float(end)))
+    return found
+
+
+def most_at_once(found: list[tuple[float, float]]) -> int:
+    """The most calls in flight at one moment (monotonic clocks: one per host)."""
+    events = sorted([(start, 1) for start, _ in found] + [(end, -1) for _, end in found])
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def _capped_worker(pg_url: str, directory: str, lock: str, calls: int, cap: int) -> None:
+    db = bmdb.connect(pg_url)
+    try:
+        with db.start_session(f"worker-{os.getpid()}", interval=2) as session:
+            power = ExclusivePower(SharedBmc(Path(directory), hold=0.2), session, lock,
+                                   wait=60, calls_cap=cap)
+            for _ in range(calls):
+                power.act(PowerAction.POWER_ON)
+    finally:
+        db.close()
+
+
+def bmc_directories(tmp_path: Path, count: int) -> list[Path]:
+    directories = [tmp_path / f"bmc-{number}" for number in range(count)]
+    for directory in directories:
+        directory.mkdir()
+    return directories
+
+
+def test_the_fleet_wide_cap_holds_across_processes(pg_url: str, tmp_path: Path) -> None:
+    """Four workers, each calling its own BMC: never more than the cap (2) in flight,
+    and the cap is reached (it limits, it does not serialise)."""
+    directories = bmc_directories(tmp_path, 4)
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_capped_worker, args=(
+        pg_url, str(directory), f"bmc:ipmi:10.0.0.{number}:623", 3, 2))
+        for number, directory in enumerate(directories)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=90)
+    assert [worker.exitcode for worker in workers] == [0] * 4
+    found = spans(directories)
+    assert len(found) == 12
+    assert most_at_once(found) == 2
+
+
+def test_threads_of_one_session_share_the_cap(db: bmdb.BMDB, tmp_path: Path) -> None:
+    """To the BMDB a slot held by one thread is its session's, free to its siblings:
+    the process keeps its threads apart, so the cap holds within a session too."""
+    directories = bmc_directories(tmp_path, 4)
+    with db.start_session("threaded", interval=2) as session:
+        powers = [ExclusivePower(SharedBmc(directory, hold=0.2), session,
+                                 f"bmc:ipmi:10.0.1.{number}:623", wait=60, calls_cap=2)
+                  for number, directory in enumerate(directories)]
+
+        def twice(power: ExclusivePower) -> None:
+            for _ in range(2):
+                power.act(PowerAction.POWER_OFF)
+
+        threads = [threading.Thread(target=twice, args=(power,)) for power in powers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    found = spans(directories)
+    assert len(found) == 8 and most_at_once(found) == 2
+
+
+def test_a_full_cap_is_busy_after_the_wait_and_keeps_no_bmc(db: bmdb.BMDB,
+                                                            tmp_path: Path) -> None:
+    other, ours = sessions(db, 2)
+    try:
+        slots = ["bmc-call:0", "bmc-call:1"]
+
+        def take_both(tx: bmdb.Tx) -> bool:
+            return all([bmdb.try_acquire_singleton(tx, name) for name in slots])
+
+        assert other.transact(take_both)
+        bmc = SharedBmc(tmp_path)
+        power = ExclusivePower(bmc, ours, LOCK, wait=0.6, calls_cap=2)
+        with pytest.raises(BmcBusy, match="2 BMC calls are in flight fleet-wide"):
+            power.act(PowerAction.POWER_OFF)
+        assert bmc.calls() == []
+        # The BMC's own name was given back with the refused slot: another can take it.
+        assert other.transact(lambda tx: bmdb.try_acquire_singleton(tx, singleton_name(LOCK)))
+        other.transact(lambda tx: bmdb.release_singleton(tx, singleton_name(LOCK)))
+        other.transact(lambda tx: bmdb.release_singleton(tx, slots[0]))
+        power.act(PowerAction.POWER_OFF)
+        assert len(bmc.calls()) == 1
+    finally:
+        other.close()
+        ours.close()

@@ -139,6 +139,7 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "bmc_timeout": {W: RULES},
     "bmc_attempts": {W: RULES},
     "bmc_lock_wait": {W: RULES},
+    "bmc_calls_max": {W: RULES},
     "recovery_max_share": {W: probe, S: probe, C: probe},
     "recovery_min_silent": {W: "tests/workflows/test_workflows.py::"
                             "test_recovery_guard_pauses_on_a_fleet_wide_silence"},

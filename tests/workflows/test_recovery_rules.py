@@ -137,7 +137,8 @@ def test_ladder_and_bmc_settings_reach_what_workers_build(session: bmdb.Session)
         "SHEPHERD_RUNG_TIMEOUT": "17", "SHEPHERD_RUNG_POLL_INTERVAL": "0.3",
         "SHEPHERD_BOOT_WAIT": "23", "SHEPHERD_QUARANTINE_AFTER": "5",
         "SHEPHERD_BMC_TIMEOUT": "4", "SHEPHERD_BMC_ATTEMPTS": "6",
-        "SHEPHERD_BMC_LOCK_WAIT": "9", "SHEPHERD_PROVIDER": "static",
+        "SHEPHERD_BMC_LOCK_WAIT": "9", "SHEPHERD_BMC_CALLS_MAX": "7",
+        "SHEPHERD_PROVIDER": "static",
     })
     recovery = runtime.recoverer_settings(settings)
     assert (recovery.ladder.rung_timeout, recovery.ladder.poll_interval,
@@ -148,6 +149,7 @@ def test_ladder_and_bmc_settings_reach_what_workers_build(session: bmdb.Session)
                               bmdb.ProviderStatus.RUNNING, False, bmc=bmc)
     power = runtime.power_for(settings, None, session, machine)  # type: ignore[arg-type]
     assert isinstance(power, ExclusivePower) and power.wait == 9
+    assert len(power.call_slots) == 7
     assert (power.inner.timeout, power.inner.attempts) == (4, 6)  # type: ignore[attr-defined]
     without_bmc = ProviderMachine("m2", "127.0.0.1", 22, None, None,
                                   bmdb.ProviderStatus.RUNNING, False)
