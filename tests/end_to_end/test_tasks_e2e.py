@@ -201,7 +201,10 @@ def test_no_agent_is_restarted_after_a_callback_server_outage(control_plane) -> 
     retry backoff would keep them). The silent share is then 2 of 20, within the
     guard's 10 %, and the callback server answers: only the grace after heartbeats
     resumed (``bmdb.resumptions``) keeps Recovery off them, and explain says so."""
-    cp = control_plane(reservations=20, SHEPHERD_HEARTBEAT_TIMEOUT="10")
+    # A first heartbeat may take more than the plane's 5 s on a loaded host: 30 s, so
+    # no Recovery of a new agent is mistaken for one after the outage.
+    cp = control_plane(reservations=20, SHEPHERD_HEARTBEAT_TIMEOUT="10",
+                       SHEPHERD_FIRST_HEARTBEAT_TIMEOUT="30")
     cp.start_worker("w1")
     cp.start_beat()
     cp.wait_for(all_heartbeating(20), timeout=90, what="20 heartbeating")
