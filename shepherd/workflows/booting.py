@@ -41,10 +41,10 @@ from typing import Any
 import bmdb
 from shepherd.inventory.host_keys import key_line_fingerprint
 from shepherd.power import BootDevice, PowerControl, PowerError, set_boot_and_verify
-from shepherd.power.mismatch import BMC_IDENTITY, refuse_if_mismatched
 from shepherd.providers.base import ProviderMachine
 from shepherd.remote import HostKeyMismatch
 from shepherd.workflows import ladder
+from shepherd.workflows.bmc_check import check_the_bmc
 from shepherd.workflows.common import WorkflowFailure
 from shepherd.workflows.initializer import (
     HostKeyPin,
@@ -100,7 +100,7 @@ def boot_into(work: bmdb.Work, machine: ProviderMachine, power: PowerControl,
     """Boot ``machine`` into ``target`` and take it over (the module's four steps);
     ``WorkflowFailure`` with what was last observed when a step misses its deadline."""
     step("boot_device")
-    check_the_bmc(work, power)
+    check_the_bmc(work, power, "boot_device")
     set_boot(power, target)
     step("rebooting")
     powered_on = reboot(work, machine, power, settings)
@@ -110,17 +110,6 @@ def boot_into(work: bmdb.Work, machine: ProviderMachine, power: PowerControl,
     await_first_heartbeat(work, target, settings)
     log.info("%s booted into %s (agent key %s…)", work.machine_id, target.name,
              taken.agent_key.hex()[:12])
-
-
-def check_the_bmc(work: bmdb.Work, power: PowerControl) -> None:
-    """Before the first BMC call that changes anything: the BMC must manage this
-    machine (``shepherd.power.mismatch``; a mismatch holds it). Noted in history."""
-    try:
-        checked = refuse_if_mismatched(work.session, work.machine_id, power,
-                                       work.process.value)
-    except PowerError as error:
-        raise WorkflowFailure(f"boot_device: {type(error).__name__}: {error}") from error
-    work.note(BMC_IDENTITY, checked.reason)
 
 
 def set_boot(power: PowerControl, target: Target) -> None:

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import bmdb
 from shepherd.power import PowerControl, PowerError
-from shepherd.power.mismatch import BMC_IDENTITY, refuse_if_mismatched
 from shepherd.providers.base import NotFound, Provider, ProviderMachine
 from shepherd.remote import HostKeyMismatch
 from shepherd.workflows import ladder
+from shepherd.workflows.bmc_check import check_the_bmc
 from shepherd.workflows.common import (
     PERMANENT_BACKOFF,
     WorkflowFailure,
@@ -89,7 +89,8 @@ def recover(work: bmdb.Work, provider: Provider, power_for: PowerFor,
         endpoint = ladder.Endpoint(machine.address, machine.ssh_port)
         watch = ladder.Watch(power, endpoint, settings.ladder, clock, sleep)
         work.ensure_held()
-        check_the_bmc(work, power)
+        # A swapped inventory line would reset a healthy neighbour: check first.
+        check_the_bmc(work, power, "bmc")
         refuse_a_second_reset(work, settings.ladder.rung_timeout)
         try:
             verified = ladder.climb(power, watch, note)
@@ -146,19 +147,6 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
         record_agent(tx, work.machine_id, taken)
 
     return replace_agent
-
-
-def check_the_bmc(work: bmdb.Work, power: PowerControl) -> None:
-    """Before the first reset: the BMC must manage this machine, not another (a swapped
-    inventory line would reset a healthy neighbour while this one stays hung). A
-    mismatch holds the machine and fails here (``shepherd.power.mismatch``); the
-    outcome is in history either way, "not compared" included."""
-    try:
-        checked = refuse_if_mismatched(work.session, work.machine_id, power,
-                                       work.process.value)
-    except PowerError as error:
-        raise WorkflowFailure(f"bmc: {type(error).__name__}: {error}") from error
-    work.note(BMC_IDENTITY, checked.reason)
 
 
 def refuse_a_second_reset(work: bmdb.Work, rung_timeout: float) -> None:
