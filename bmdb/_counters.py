@@ -172,6 +172,12 @@ def trigger_ddl(dialect: str) -> tuple[str, ...]:
     return tuple(_postgresql_ddl() if dialect == "postgresql" else _sqlite_ddl())
 
 
+def reinstall_trigger_ddl(dialect: str) -> tuple[str, ...]:
+    """Statements replacing every trigger with ``trigger_ddl``'s: what a migration runs
+    when the triggers change (a new hold kind's bit)."""
+    return (*drop_trigger_ddl(dialect), *trigger_ddl(dialect))
+
+
 def drop_trigger_ddl(dialect: str) -> tuple[str, ...]:
     """Statements dropping what ``trigger_ddl`` creates (the migration's downgrade)."""
     names = [name for name, _ in _trigger_names()]

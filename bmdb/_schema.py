@@ -443,7 +443,7 @@ resumptions = Table(
     "resumptions",
     metadata,
     # When something fleet-wide last resumed (``heartbeats``: a callback server
-    # process started, or accepted heartbeats again after a pause), and why: the
+    # accepted its first heartbeats, or some again after a pause), and why: the
     # Recovery backlog counts no machine silent within one heartbeat timeout of it
     # (``resumptions.py``). One row per name, moved forward by every resumption.
     Column("name", String(64), primary_key=True),

@@ -1,4 +1,5 @@
-"""Maintenance, quarantine and host-key holds: machines Shepherd leaves alone, and why.
+"""Holds (maintenance, quarantine, host-key and BMC mismatches): machines Shepherd
+leaves alone, and why.
 
 A hold is a row of ``machine_holds`` (machine, kind, reason, who, since). Any hold
 takes the machine out of every backlog (``backlog.not_held``) and out of the

@@ -4,7 +4,7 @@ Why: while the callback server is down (or cut off from the agents), every agent
 looks silent; when it comes back, the agents come back one by one over their
 retry backoff, and the last of them still look silent for a moment. Recovery
 restarting those would be a restart for nothing. So a callback server records a
-resumption when it starts and when it accepts heartbeats again after a pause
+resumption with the first heartbeats it accepts, and with the first after a pause
 (``shepherd.server.resumption``), and the Recovery backlog counts **no machine
 silent within one heartbeat timeout of the last resumption** (``backlog.
 not_resuming``, enforced in the one query every claim and every count of silent

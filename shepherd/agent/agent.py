@@ -376,6 +376,8 @@ def read_system_identity(root: str, warnings: list[str]) -> dict[str, str]:
         if value and not _TEXT_FORBIDDEN.search(value):
             found[key] = value[:DMI_MAX]
     return found
+
+
 MODEL_FIELDS = ("model name", "Model", "cpu model")
 
 

@@ -22,13 +22,12 @@ from shepherd.inventory.fields import InventoryError
 from shepherd.inventory.file import load_inventory, ssh_endpoint
 from shepherd.inventory.host_keys import parse_host_key
 from shepherd.inventory.probe import probe_machines
+from shepherd.inventory.provider import NAME as STATIC_PROVIDER
 from shepherd.operations import BadArgument
 from shepherd.power import SystemIdentity
 from shepherd.providers.base import ProviderMachine
 
 EXIT_PROBE_FAILED = 1
-#: The provider an inventory file's machines are registered by.
-STATIC = "static"
 
 
 def check(ctx: Context) -> int:
@@ -59,7 +58,7 @@ def _known_identities(ctx: Context, machines: list[ProviderMachine]
     compare with: the check needs no BMDB, and says so rather than guessing."""
     ids = [m.provider_id for m in machines]
     try:
-        known = ctx.db.read(lambda tx: operations.machine_identities(tx, STATIC, ids))
+        known = ctx.db.read(lambda tx: operations.machine_identities(tx, STATIC_PROVIDER, ids))
     except (bmdb.BMDBError, BadArgument) as error:
         return {}, f"identities not compared: no BMDB to read them from ({error})"
     return known, None

@@ -20,7 +20,10 @@ from shepherd.providers.base import (
     ProviderMachine,
 )
 
-__all__ = ["InventoryError", "StaticProvider", "load_inventory"]
+__all__ = ["NAME", "InventoryError", "StaticProvider", "load_inventory"]
+
+#: The provider an inventory file's machines are registered by (``Provided.provider``).
+NAME = "static"
 
 
 class StaticProvider:
@@ -31,7 +34,7 @@ class StaticProvider:
     provider, whose ``reboot`` works only with a ``reboot_hook``.
     """
 
-    def __init__(self, path: Path | str, *, name: str = "static",
+    def __init__(self, path: Path | str, *, name: str = NAME,
                  reboot_hook: Callable[[ProviderMachine], None] | None = None) -> None:
         self.path = Path(path)
         self._name = name

@@ -43,7 +43,7 @@ class HostKeyAccepted:
     #: The accepted key's fingerprint, and the recorded pin's it replaced (None: none).
     fingerprint: str
     replaced: str | None
-    #: Holds still keeping the machine out (maintenance, quarantine).
+    #: Holds of other kinds still keeping the machine out.
     remaining: list[bmdb.Hold]
 
 

@@ -26,7 +26,7 @@ depends_on = None
 
 def _reinstall_triggers() -> None:
     dialect = op.get_bind().dialect.name
-    for statement in (*counters.drop_trigger_ddl(dialect), *counters.trigger_ddl(dialect)):
+    for statement in counters.reinstall_trigger_ddl(dialect):
         op.execute(statement)
 
 
