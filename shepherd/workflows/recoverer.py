@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import bmdb
-from shepherd.power import PowerControl, PowerError
+from shepherd.power import PowerAction, PowerControl, PowerError
 from shepherd.providers.base import NotFound, Provider, ProviderMachine
 from shepherd.remote import HostKeyMismatch
 from shepherd.workflows import ladder
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 #: The power control of a machine, or None when nothing can reboot it.
 PowerFor = Callable[[ProviderMachine], PowerControl | None]
 QUARANTINE_ACTOR = "shepherd recovery"
+#: The recorded actions that reset a machine (a boot-device change does not).
+RESETS = frozenset(action.value for action in PowerAction)
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,8 @@ def refuse_a_second_reset(work: bmdb.Work, rung_timeout: float) -> None:
         return bmdb.power_of(tx, work.machine_id), tx.now
 
     seen, now = work.session.db.read(read)
-    if seen is None or seen.acted_at is None or not seen.may_be_under_way(
-            now - dt.timedelta(seconds=rung_timeout)):
+    if (seen is None or seen.acted_at is None or seen.action not in RESETS
+            or not seen.may_be_under_way(now - dt.timedelta(seconds=rung_timeout))):
         return
     until = seen.acted_at + dt.timedelta(seconds=rung_timeout)
     wait = max(1.0, (until - now).total_seconds())

@@ -329,6 +329,9 @@ def test_no_second_reset_within_a_rung_timeout_of_an_earlier_one(
     session.transact(lambda tx: tx.execute(sa.update(p).values(
         acted_at=tx.now - dt.timedelta(seconds=9))))
     session.transact(lambda tx: bmdb.clear_backoff(tx, machine_id, bmdb.Process.RECOVERY))
+    # An operator's boot-device change just now is no reset: the ladder goes on.
+    session.transact(lambda tx: bmdb.record_power_action(
+        tx, machine_id, "boot_device disk (once)", via))
     work = claim_one(session, bmdb.Process.RECOVERY)
     assert recover(work, provider, recorded, FAST).ok
     assert simulator.devices[provider_id].reboots == 1
