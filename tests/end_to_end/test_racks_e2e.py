@@ -301,7 +301,9 @@ def test_a_swapped_pair_of_inventory_lines_holds_both_and_resets_neither(racked)
 
     [held] = wait_until(lambda: mismatch_holds(hung), 60, "the hung machine held", cp)
     assert "the BMC manages uuid" in held.reason and "the machine reports uuid" in held.reason
-    failed = rows(cp, ids[hung], "Failed", bmdb.Process.RECOVERY.value)[-1]
+    # The hold is committed before the failure that follows it: wait for that too.
+    failed = wait_until(lambda: rows(cp, ids[hung], "Failed", bmdb.Process.RECOVERY.value)[-1:],
+                        30, "the Recovery failure after the hold", cp)[0]
     assert "BmcMismatch" in failed["cause"], failed
     refused = cp.cli("python", "-m", "shepherd.cli", "power", "cycle", healthy)
     assert refused.returncode != 0 and "the BMC manages uuid" in refused.stderr, refused
