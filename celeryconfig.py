@@ -32,7 +32,7 @@ from kombu import Exchange, Queue
 from bmdb import Process
 from shepherd import task_api
 from shepherd.config import Settings
-from shepherd.task_api import AGENT_START, INSTALL, RECOVERY, TaskCall
+from shepherd.task_api import AGENT_START, BMC_SYNC, INSTALL, RECOVERY, TaskCall
 
 CONTROL_QUEUE = "shepherd.control"
 MACHINES_QUEUE = "shepherd.machines"
@@ -53,6 +53,8 @@ ROUTING: dict[str, Any] = {
     "task_default_routing_key": CONTROL_QUEUE,
     "task_routes": {
         **{name: {"queue": queue} for name, queue in MACHINE_QUEUES.items()},
+        # The power and health sync talks to BMCs: beside Recovery, never before control.
+        BMC_SYNC.name: {"queue": MACHINES_QUEUE},
         "shepherd.*": {"queue": CONTROL_QUEUE},
     },
 }
@@ -132,6 +134,8 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
         "source-install": (settings.source_interval,
                            task_api.SOURCE.bind(Process.OS_INSTALL.value)),
         "sweep": (settings.sweep_interval, task_api.SWEEP.bind()),
+        "bmc-sync": (settings.bmc_sync_tick if settings.bmc_sync_interval > 0 else 0,
+                     task_api.BMC_SYNC.bind()),
         # Nothing to prune when history is kept for ever.
         "prune-history": (settings.history_prune_interval if settings.history_keep else 0,
                           task_api.PRUNE_HISTORY.bind()),

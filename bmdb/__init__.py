@@ -36,6 +36,22 @@ from bmdb.backoff import (
     default_backoff,
     next_interval,
 )
+from bmdb.bmc_syncs import ANSWERING as BMC_ANSWERING
+from bmdb.bmc_syncs import AUTH_REFUSED as BMC_AUTH_REFUSED
+from bmdb.bmc_syncs import FAILING as BMC_FAILING
+from bmdb.bmc_syncs import NOT_ANSWERING as BMC_NOT_ANSWERING
+from bmdb.bmc_syncs import SLOW as BMC_SLOW
+from bmdb.bmc_syncs import UNREACHABLE as BMC_UNREACHABLE
+from bmdb.bmc_syncs import BmcSync, BmcSyncCounts
+from bmdb.bmc_syncs import Reading as BmcReading
+from bmdb.bmc_syncs import claim_due as claim_bmc_reads
+from bmdb.bmc_syncs import counts as bmc_sync_counts
+from bmdb.bmc_syncs import drop as drop_bmc_sync
+from bmdb.bmc_syncs import enroll as enroll_bmcs
+from bmdb.bmc_syncs import of_machine as bmc_sync_of
+from bmdb.bmc_syncs import of_machines as bmc_syncs_of
+from bmdb.bmc_syncs import postpone as postpone_bmc_read
+from bmdb.bmc_syncs import record as record_bmc_reading
 from bmdb.capacity import (
     INTENT_LIFETIME,
     cool_down,
@@ -214,7 +230,13 @@ from bmdb.work import adopt_in as adopt_work
 __all__ = [
     "AGENT_START_BACKOFF",
     "ANY",
+    "BMC_ANSWERING",
+    "BMC_AUTH_REFUSED",
+    "BMC_FAILING",
     "BMC_MISMATCH_HOLD",
+    "BMC_NOT_ANSWERING",
+    "BMC_SLOW",
+    "BMC_UNREACHABLE",
     "BMDB",
     "ENDINGS",
     "EXCLUSION_GROUPS",
@@ -240,6 +262,9 @@ __all__ = [
     "BackoffInfo",
     "BadURL",
     "Beat",
+    "BmcReading",
+    "BmcSync",
+    "BmcSyncCounts",
     "CommitOutcomeUnknown",
     "CutoffTooRecent",
     "DatabaseURL",
@@ -294,8 +319,12 @@ __all__ = [
     "agents_started",
     "alive_sessions",
     "any_claimable",
+    "bmc_sync_counts",
+    "bmc_sync_of",
+    "bmc_syncs_of",
     "check_prune_age",
     "check_revision",
+    "claim_bmc_reads",
     "clear_backoff",
     "clear_refusal",
     "close_installation_request",
@@ -314,9 +343,11 @@ __all__ = [
     "delete_os_installation_request",
     "delete_provided",
     "dispatch_installation",
+    "drop_bmc_sync",
     "eligible",
     "end_installation_steps",
     "engine_url",
+    "enroll_bmcs",
     "ensure_server_key",
     "exclusion_group",
     "fleet_counts",
@@ -357,12 +388,14 @@ __all__ = [
     "pin_host_key",
     "pin_installed_host_key",
     "pinned_host_key",
+    "postpone_bmc_read",
     "power_of",
     "provided_by_provider_id",
     "provided_machine_id",
     "put_hold",
     "quarantine_if_due",
     "read_clock",
+    "record_bmc_reading",
     "record_heartbeat",
     "record_heartbeats",
     "record_history",

@@ -35,6 +35,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    Float,
     ForeignKey,
     ForeignKeyConstraint,
     Index,
@@ -337,6 +338,33 @@ power_states = Table(
     Column("action_outcome", String(16)),
     # The power control that was asked (``PowerControl.description``: never a password).
     Column("via", String(256), nullable=False),
+)
+
+bmc_syncs = Table(
+    "bmc_syncs",
+    metadata,
+    # The power and health sync's book (``bmc_syncs.py``): when the machine's BMC is
+    # read next (moving ``due_at`` ahead is the read's claim), and what the last read
+    # found. One row per machine with a BMC in the inventory.
+    _machine_key(),
+    Column("due_at", UTCDateTime, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("status_since", UTCDateTime),
+    Column("read_at", UTCDateTime),
+    Column("health", String(16)),
+    Column("health_detail", String(256)),
+    Column("problem", String(512)),
+    Column("answer_seconds", Float),
+    Column("contradiction", String(512)),
+    Column("via", String(256)),
+    Index("ix_bmc_syncs_due_at", "due_at"),
+    # What ``/metrics`` counts: the few rows that are wrong, never the whole book.
+    Index("ix_bmc_syncs_not_answering", "status",
+          postgresql_where=sa.text("status <> 'answering'"),
+          sqlite_where=sa.text("status <> 'answering'")),
+    Index("ix_bmc_syncs_contradicting", "machine_id",
+          postgresql_where=sa.text("contradiction IS NOT NULL"),
+          sqlite_where=sa.text("contradiction IS NOT NULL")),
 )
 
 # -- beyond machines ---------------------------------------------------------

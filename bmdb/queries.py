@@ -20,6 +20,8 @@ from bmdb import _schema as schema
 from bmdb import power_states
 from bmdb._database import Tx
 from bmdb._types import AnySelect
+from bmdb.bmc_syncs import FIELDS as BMC_FIELDS
+from bmdb.bmc_syncs import BmcSync
 from bmdb.host_keys import RecordedPin
 from bmdb.power_states import PowerObservation
 from bmdb.vocabulary import TAG_NAMES, Process
@@ -331,6 +333,8 @@ class Glance:
     #: stored (callers escape it); None when the report has none.
     hostname: str | None = None
     power: PowerObservation | None = None
+    #: What the power and health sync's last read of the machine's BMC found.
+    bmc: BmcSync | None = None
 
 
 def glances(tx: Tx, machine_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, Glance]:
@@ -350,16 +354,25 @@ def glance_joins(source: sa.FromClause, machine_id: sa.ColumnElement[uuid.UUID]
     """``source`` with the glance's tables joined on ``machine_id`` (primary-key probes,
     one per table and row), and the columns ``glance_of`` reads."""
     a, h = schema.agent_started, schema.agent_heartbeat
-    r, p = schema.hardware_report, schema.power_states
+    r, p, b = schema.hardware_report, schema.power_states, schema.bmc_syncs
     joined = (source.outerjoin(a, a.c.machine_id == machine_id)
               .outerjoin(h, h.c.machine_id == machine_id)
               .outerjoin(r, r.c.machine_id == machine_id)
-              .outerjoin(p, p.c.machine_id == machine_id))
+              .outerjoin(p, p.c.machine_id == machine_id)
+              .outerjoin(b, b.c.machine_id == machine_id))
     return joined, [a.c.started_at, h.c.last_heartbeat_at, r.c.hostname, p.c.state,
-                    p.c.observed_at, p.c.action, p.c.acted_at, p.c.via, p.c.action_outcome]
+                    p.c.observed_at, p.c.action, p.c.acted_at, p.c.via, p.c.action_outcome,
+                    *(column.label(BMC_PREFIX + column.name) for column in b.c)]
+
+
+#: The prefix of the ``bmc_syncs`` columns in a glance's row (``via`` is in both tables).
+BMC_PREFIX = "bmc_sync_"
 
 
 def glance_of(row: sa.RowMapping) -> Glance:
     """The glance of a row carrying ``glance_joins``' columns."""
+    booked = row[BMC_PREFIX + "machine_id"] is not None
     return Glance(row["started_at"], row["last_heartbeat_at"], row["hostname"],
-                  None if row["via"] is None else power_states.observation(row))
+                  None if row["via"] is None else power_states.observation(row),
+                  BmcSync(**{name: row[BMC_PREFIX + name] for name in BMC_FIELDS})
+                  if booked else None)

@@ -63,6 +63,10 @@ class Event(enum.StrEnum):
     PINNED = "Pinned"
     FORGOTTEN = "Forgotten"
     ASKED = "Asked"
+    # The power and health sync's findings: a BMC's status changed; a BMC contradicts
+    # the agent (``bmc_syncs``).
+    STATUS = "Status"
+    CONTRADICTS = "Contradicts"
     # An installation's own: what is wanted, withdrawn, and each step it took.
     WANTED = "Wanted"
     WITHDRAWN = "Withdrawn"
@@ -86,6 +90,8 @@ class Topic(enum.StrEnum):
     POWER = "Power"
     #: A BMC found to manage another system than the machine (its hold).
     BMC_MISMATCH = "BmcMismatch"
+    #: What the power and health sync found of a machine's BMC (``bmc_syncs``).
+    BMC = "Bmc"
     #: A machine's agent, e.g. ``shepherd up`` resuming forgets every agent.
     AGENT = "Agent"
 

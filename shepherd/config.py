@@ -164,6 +164,16 @@ class Settings:
     bmc_calls_max: int = setting(16, "BMC calls in flight fleet-wide, at most (Recovery, "
                                  "shepherd power and installations share them)",
                                  minimum=1, maximum=1024)
+    bmc_calls_reserved: int = setting(4, "of those, the slots the power and health sync "
+                                      "leaves to Recovery, shepherd power and "
+                                      "installations", minimum=0, maximum=1023)
+    bmc_sync_interval: float = setting(300.0, "seconds between two reads of a machine's "
+                                       "BMC by the power and health sync, at least (0: "
+                                       "no sync)")
+    bmc_sync_tick: float = setting(10.0, "seconds between the sync's runs, and how long "
+                                   "one run starts reads", minimum=1.0)
+    bmc_slow: float = setting(5.0, "seconds after which a BMC's answer counts as slow",
+                              minimum=0.1)
     recovery_max_share: float = setting(0.10, "share of the fleet that may be silent "
                                         "before Recovery pauses (0.1 or 10%)", kind=share)
     recovery_min_silent: int = setting(1, "machines that may be silent whatever the share")

@@ -151,10 +151,10 @@ class BMDBCollector(Collector):
         up = GaugeMetricFamily("shepherd_bmdb_up", "1 when the BMDB answered this scrape.")
         started = time.perf_counter()
         try:
-            counts, outcomes, refusals, sessions = self.db.read(
+            counts, outcomes, refusals, sessions, bmcs = self.db.read(
                 lambda tx: (bmdb.fleet_counts(tx, self.thresholds),
                             bmdb.task_outcomes(tx), bmdb.current_refusals(tx),
-                            SessionFigures.read(tx)))
+                            SessionFigures.read(tx), bmdb.bmc_sync_counts(tx)))
         except Exception as error:  # a scrape must answer even when the BMDB does not
             log.warning("metrics: BMDB read failed: %s", error)
             up.add_metric([], 0)
@@ -170,6 +170,7 @@ class BMDBCollector(Collector):
         yield _refusing(refusals, self.providers)
         yield from _outcomes(outcomes)
         yield from _sessions(sessions)
+        yield from _bmcs(bmcs)
         if self.guard is not None:
             yield from guard_metrics(self.db, self.thresholds, self.guard)
 
@@ -209,6 +210,23 @@ def _fleet(c: bmdb.FleetCounts) -> Iterator[Metric]:
     for kind, count in sorted(c.held.items()):
         held.add_metric([kind], count)
     yield held
+
+
+def _bmcs(counts: bmdb.BmcSyncCounts) -> Iterator[Metric]:
+    """What the power and health sync's last reads found wrong: BMCs by status (a
+    sample per status, 0 included, so an alert can tell "none" from "not scraped"),
+    and BMCs that say Off while their machine's agent heartbeats."""
+    family = GaugeMetricFamily(
+        "shepherd_bmcs_not_answering", "Machines whose BMC did not answer the power and "
+        "health sync's last read, by status (unreachable, auth-refused, failing; slow: "
+        "answered late). Recovery only restarts agents behind the first three.",
+        labels=["status"])
+    for status, count in sorted(counts.by_status.items()):
+        family.add_metric([status], count)
+    yield family
+    yield _gauge("shepherd_bmc_contradictions", "Machines whose BMC said Off at the sync's "
+                 "last read while their agent heartbeated: usually a BMC wired to "
+                 "another machine.", counts.contradictions)
 
 
 def _refusing(refusals: Iterable[bmdb.Refusal], providers: Iterable[str]

@@ -31,7 +31,9 @@ from shepherd.workflows.guard import GuardLimits
 # What only workers and servers use loads where it is used: the CLI builds a Runtime
 # for every command, and would otherwise load SSH, the metrics and the key library.
 if TYPE_CHECKING:
-    from shepherd.power import PowerControl
+    from shepherd.bmc import BmcSpec
+    from shepherd.power import BmcControl, PowerControl
+    from shepherd.workflows.bmc_sync import SyncSettings as BmcSyncSettings
     from shepherd.workflows.initializer import InitializerSettings
     from shepherd.workflows.installation import InstallationSettings
     from shepherd.workflows.ladder import LadderSettings
@@ -217,6 +219,10 @@ def check_settings(settings: Settings) -> None:
     else:
         raise SettingsError(f"SHEPHERD_PROVIDER={settings.provider!r}: expected simulator, "
                             "equinix or static")
+    if settings.bmc_calls_reserved >= settings.bmc_calls_max:
+        raise SettingsError(
+            f"SHEPHERD_BMC_CALLS_RESERVED={settings.bmc_calls_reserved} must leave the power "
+            f"and health sync at least one of SHEPHERD_BMC_CALLS_MAX={settings.bmc_calls_max}")
     if settings.prometheus_multiproc_dir:
         check_writable_directory("PROMETHEUS_MULTIPROC_DIR", settings.prometheus_multiproc_dir)
     if settings.visibility_timeout <= settings.machine_task_time_limit:
@@ -351,6 +357,22 @@ def power_for(settings: Settings, provider: Provider, session: bmdb.Session,
     if settings.provider in API_PROVIDERS:
         return power.ProviderPower(provider, machine.provider_id, recorder=recorder)
     return None
+
+
+def bmc_sync_settings(settings: Settings) -> BmcSyncSettings:
+    from shepherd.workflows.bmc_sync import SyncSettings
+
+    return SyncSettings(interval=settings.bmc_sync_interval, tick=settings.bmc_sync_tick,
+                        calls_cap=settings.bmc_calls_max, reserved=settings.bmc_calls_reserved,
+                        slow=settings.bmc_slow, heartbeat_timeout=settings.heartbeat_timeout)
+
+
+def bmc_driver(settings: Settings) -> Callable[[BmcSpec], BmcControl]:
+    """Builds a BMC's bare driver with the settings' timeouts (``power_for`` wraps it)."""
+    from shepherd import power
+
+    return lambda spec: power.connect(spec, timeout=settings.bmc_timeout,
+                                      attempts=settings.bmc_attempts)
 
 
 #: The longest an operator's command, page or scrape waits for the callback server.

@@ -121,6 +121,8 @@ SOURCE = TaskDef("shepherd.source", _source)
 SWEEP = TaskDef("shepherd.sweep", _control_task)
 PRUNE_HISTORY = TaskDef("shepherd.prune_history", _control_task)
 RECOVERY_GUARD = TaskDef("shepherd.recovery_guard", _control_task)
+#: The power and health sync: it talks to BMCs, so it runs beside the per-machine tasks.
+BMC_SYNC = TaskDef("shepherd.bmc_sync", _control_task)
 
 #: The per-machine task of each process (what sourcing and ``shepherd start`` send).
 MACHINE_TASKS = {Process.AGENT_START: AGENT_START, Process.RECOVERY: RECOVERY,
@@ -128,4 +130,5 @@ MACHINE_TASKS = {Process.AGENT_START: AGENT_START, Process.RECOVERY: RECOVERY,
 
 #: Every task the workers register.
 ALL: tuple[TaskDef[..., Outcome], ...] = (
-    AGENT_START, RECOVERY, INSTALL, RECONCILE, UPDATE, SOURCE, SWEEP, PRUNE_HISTORY, RECOVERY_GUARD)
+    AGENT_START, RECOVERY, INSTALL, RECONCILE, UPDATE, SOURCE, SWEEP, PRUNE_HISTORY, RECOVERY_GUARD,
+    BMC_SYNC)

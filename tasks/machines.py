@@ -1,4 +1,5 @@
-"""Per-machine tasks: ``shepherd.agent_start``, ``shepherd.recovery`` and ``shepherd.install``.
+"""Per-machine tasks: ``shepherd.agent_start``, ``shepherd.recovery`` and ``shepherd.install``;
+and ``shepherd.bmc_sync``, which reads BMCs as Recovery does, on the same queue.
 
 Each takes ``(machine_id, work_id=None)`` as strings and runs the machine's work
 (``shepherd.workflows.machine_work``: adopt or claim by hand, the guard, the workflow,
@@ -14,8 +15,8 @@ import uuid
 from typing import Any
 
 import bmdb
-from shepherd import metrics, task_api
-from shepherd.workflows import guard, installation, recovery_claims
+from shepherd import metrics, runtime, task_api
+from shepherd.workflows import bmc_sync, guard, installation, recovery_claims
 from shepherd.workflows.machine_work import run_machine_work
 from tasks.celery_app import app
 from tasks.errors import (
@@ -70,3 +71,12 @@ def recovery(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
 def install(machine_id: str, work_id: str | None = None) -> dict[str, Any]:
     """Have the machine's agent write and verify its wanted OS image (OSInstall)."""
     return run(bmdb.Process.OS_INSTALL, machine_id, work_id)
+
+
+@task_api.BMC_SYNC.implement(app)
+def sync_bmcs() -> dict[str, Any]:
+    """Read the BMCs whose read is due, within the budget (the rules:
+    ``shepherd.workflows.bmc_sync``); beat sends one every SHEPHERD_BMC_SYNC_TICK."""
+    rt = app.runtime
+    return bmc_sync.sync(rt.session, rt.provider, runtime.bmc_sync_settings(rt.settings),
+                         runtime.bmc_driver(rt.settings)).to_json()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import bmdb
 from shepherd import operations
 from shepherd.cli import render
@@ -25,8 +27,12 @@ def machines(ctx: Context) -> int:
     f = operations.machine_filter(
         tags=args.tag, without=args.without, provider=args.provider, work=args.work,
         backoff=args.backoff, limit=args.limit, after=args.after)
-    found = ctx.db.read(lambda tx: operations.list_machines(tx, f))
-    ctx.emit(found, lambda: render.machines(found))
+    def read(tx: bmdb.Tx) -> tuple[operations.MachineList, dict[Any, bmdb.Glance], Any]:
+        listed = operations.list_machines(tx, f)
+        return listed, operations.glances(tx, [m.id for m in listed.machines]), tx.now
+
+    found, looks, now = ctx.db.read(read)
+    ctx.emit(found, lambda: render.machines(found, looks, now))
     return 0
 
 

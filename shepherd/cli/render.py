@@ -40,10 +40,13 @@ def fleet(c: Any, refusals: Sequence[Any] = (), stopped_up: Path | None = None,
     return "\n".join(lines)
 
 
-def machines(found: Any) -> str:
+def machines(found: Any, looks: dict[Any, Any], now: Any) -> str:
+    """The list; POWER is the last reading with its age, and what the power and health
+    sync found wrong with the BMC (``operations.power_shown``)."""
     counts = "  ".join(f"{tag}={n}" for tag, n in found.tag_counts.items())
     rows = [(m.id, m.provider, m.provider_id,
              operations.status_text(m.provider_status, m.provider), m.address,
+             _power_cell(looks.get(m.id), m, now),
              [operations.short_tag(t) for t in m.tags], m.work, m.backoffs, m.holds)
             for m in found.machines]
     matched = f"~{found.matched} (estimated)" if found.matched_estimated else found.matched
@@ -51,13 +54,20 @@ def machines(found: Any) -> str:
              found.next_cursor or found.matched_estimated else f"{matched} matching")
     lines = [
         f"fleet: {found.total} machines  {counts}",
-        text_tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "TAGS",
-                      "WORK", "BACKOFF", "HELD"], rows),
+        text_tables.table(["MACHINE", "PROVIDER", "PROVIDER ID", "STATUS", "ADDRESS", "POWER",
+                           "TAGS", "WORK", "BACKOFF", "HELD"], rows),
         f"({shown}; tags: {operations.TAG_LEGEND})",
     ]
     if found.next_cursor:
         lines.append(f"next page: add --after {found.next_cursor}")
     return "\n".join(lines)
+
+
+def _power_cell(look: Any, m: Any, now: Any) -> str:
+    if look is None:
+        return "—"
+    return str(operations.power_shown(look.power, m.provider, m.provider_status, now,
+                                      look.bmc).text)
 
 
 #: Causes are shown whole: they are the answer to "why", and a rung's cause cut at 80
@@ -87,6 +97,7 @@ def show(d: Any) -> str:
     lines.append(f"  {d.host_key_origin}: {d.host_key_fingerprint}" if d.host_key
                  else "  none recorded (an inventory pin, if any, is in the file; else the "
                       "next takeover records one)")
+    lines += ["", "POWER AND BMC", *_power(d)]
     lines += ["", "WORK"]
     if not d.work:
         lines.append("  (none)")
@@ -105,6 +116,22 @@ def show(d: Any) -> str:
     else:
         lines.append("  (none)")
     return "\n".join(lines)
+
+
+def _power(d: Any) -> list[str]:
+    """The last power reading or action, and the power and health sync's last read."""
+    provided = d.tags.get("Provided") or {}
+    shown = operations.power_shown(d.power, provided.get("provider"),
+                                   provided.get("provider_status"), d.now)
+    lines = [f"  power: {shown.text}" + (f" ({shown.title})" if shown.title else "")]
+    if d.bmc is None:
+        lines.append("  sync: never read (no BMC in the inventory, or not booked yet)")
+    else:
+        worry, story = operations.bmc_said(d.bmc, d.now)
+        lines.append(f"  sync: {_safe(story)}")
+        if worry:
+            lines.append(f"  LOOK: {worry}")
+    return lines
 
 
 def _holds(holds: list[Any]) -> list[str]:

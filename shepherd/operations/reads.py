@@ -82,6 +82,7 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
         host_key_origin=(f"chosen by installation generation {pin.generation}"
                          if pin is not None and pin.chosen else "recorded at the first takeover"),
         installation=installation_view(bmdb.installation_of(tx, machine_id), tx.now),
+        power=bmdb.power_of(tx, machine_id), bmc=bmdb.bmc_sync_of(tx, machine_id),
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bmdb
-from bmdb import BackoffInfo, Hold, PowerObservation, Refusal, WorkInfo
+from bmdb import BackoffInfo, BmcSync, Hold, PowerObservation, Refusal, WorkInfo
 from shepherd import text_tables
 from shepherd.operations.installation_views import InstallationView
 from shepherd.operations.stored import printable
@@ -100,6 +100,9 @@ class MachineDetail:
     host_key_origin: str = "recorded at the first takeover"
     #: What is wanted installed and where it stands.
     installation: InstallationView | None = None
+    #: The last power reading and action, and the power and health sync's last read.
+    power: PowerObservation | None = None
+    bmc: BmcSync | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,45 @@ def heartbeat_shown(started: dt.datetime | None, last: dt.datetime | None,
 
 
 def power_shown(observed: PowerObservation | None, provider: str | None,
+                provider_status: str | None, now: dt.datetime,
+                bmc: BmcSync | None = None) -> Shown:
+    """``power_alone``, and what the power and health sync last found of the BMC
+    (``bmc_said``) where it found anything worth a look: one cell for both, so the
+    list keeps its width, with the whole story in the title."""
+    shown = power_alone(observed, provider, provider_status, now)
+    if bmc is None:
+        return shown
+    worry, story = bmc_said(bmc, now)
+    return Shown(f"{shown.text} · {worry}" if worry else shown.text,
+                 shown.late or bool(worry), shown.source,
+                 f"{shown.title}; {story}" if shown.title else story)
+
+
+def bmc_said(bmc: BmcSync, now: dt.datetime) -> tuple[str, str]:
+    """What the sync's last read of a BMC says: a few words when something is wrong
+    ("BMC unreachable", "Critical", "contradicts the agent"; "" when all is well), and
+    the whole story, with the ages, for a title or ``show``."""
+    worries = []
+    if bmc.status != bmdb.BMC_ANSWERING:
+        worries.append(f"BMC {bmc.status}")
+    if bmc.health not in (None, "OK"):
+        worries.append(str(bmc.health))
+    if bmc.contradiction:
+        worries.append("contradicts the agent")
+    since = f" since {iso(bmc.status_since)}" if bmc.status_since else ""
+    story = [f"BMC {bmc.status}{since}"
+             + (f" ({bmc.problem})" if bmc.problem else "")
+             + (f", answered in {bmc.answer_seconds:.2f}s" if bmc.answering
+                and bmc.answer_seconds is not None else ""),
+             (f"health {bmc.health or 'not reported'} ({bmc.health_detail or '-'}), read "
+              f"{ago(bmc.read_at, now)}" if bmc.read_at else "no answered read yet"),
+             f"next read due {iso(bmc.due_at)}"]
+    if bmc.contradiction:
+        story.append(bmc.contradiction)
+    return ", ".join(worries), "; ".join(story)
+
+
+def power_alone(observed: PowerObservation | None, provider: str | None,
                 provider_status: str | None, now: dt.datetime) -> Shown:
     """A machine's power as Shepherd last knew it, without asking anyone now.
 

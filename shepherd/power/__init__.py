@@ -14,10 +14,12 @@ from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
     BmcBusy,
+    BmcSurvey,
     BmcUnreachable,
     BootDevice,
     BootDeviceNotTaken,
     BootOverride,
+    Health,
     PowerAction,
     PowerControl,
     PowerError,
@@ -31,8 +33,11 @@ from shepherd.power.provider import ProviderPower
 from shepherd.power.recorded import IntentNotRecorded, PowerRecorder, recorder_for
 from shepherd.power.redfish import RedfishPower
 
+#: A BMC's own driver: a ``PowerControl`` that can also ``survey`` (``BmcDriver``).
+BmcControl = RedfishPower | IpmiPower
 
-def connect(spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3) -> PowerControl:
+
+def connect(spec: BmcSpec, *, timeout: float = 10.0, attempts: int = 3) -> BmcControl:
     """The driver for ``spec``: nothing is sent until its first call (so building
     one for every listed machine is free, and credentials are read per call)."""
     if spec.driver == "redfish":
@@ -47,11 +52,14 @@ __all__ = [
     "ActionUnsupported",
     "BmcAuthFailed",
     "BmcBusy",
+    "BmcControl",
+    "BmcSurvey",
     "BmcUnreachable",
     "BootDevice",
     "BootDeviceNotTaken",
     "BootOverride",
     "ExclusivePower",
+    "Health",
     "IntentNotRecorded",
     "IpmiPower",
     "PowerAction",

@@ -27,9 +27,9 @@ from typing import Protocol, runtime_checkable
 from shepherd.bmc import BmcAuthFailed, PowerError
 
 __all__ = [
-    "ActionUnsupported", "BmcAuthFailed", "BmcBusy", "BmcUnreachable", "BootDevice",
-    "BootDeviceNotTaken", "BootOverride", "PowerAction", "PowerControl", "PowerError",
-    "PowerState", "SystemIdentity",
+    "ActionUnsupported", "BmcAuthFailed", "BmcBusy", "BmcSurvey", "BmcUnreachable",
+    "BootDevice", "BootDeviceNotTaken", "BootOverride", "Health", "PowerAction",
+    "PowerControl", "PowerError", "PowerState", "SystemIdentity",
 ]
 
 
@@ -103,6 +103,32 @@ class SystemIdentity:
     uuid: str | None = None
     serial: str | None = None
     model: str | None = None
+
+
+class Health(enum.StrEnum):
+    """A system's health as its BMC judges it, in Redfish's words (``Status.Health``);
+    an IPMI BMC's chassis faults are mapped onto them (``shepherd.power.ipmi``)."""
+
+    OK = "OK"
+    WARNING = "Warning"
+    CRITICAL = "Critical"
+
+
+@dataclass(frozen=True)
+class BmcSurvey:
+    """What one read of a BMC tells the power and health sync
+    (``shepherd.workflows.bmc_sync``): the power, the health and the system's identity,
+    read in as few requests as the protocol allows (a Redfish System read whole: the
+    service root and the System; one IPMI session), because the sync reads every BMC of
+    the fleet again and again."""
+
+    power: PowerState
+    #: None: the BMC reports no health at all (said as such, never guessed as OK).
+    health: Health | None
+    #: The BMC's own words behind ``health``, for people: "Status.Health OK, State
+    #: Enabled"; "chassis: power fault, drive fault". At most a few hundred characters.
+    health_detail: str
+    identity: SystemIdentity
 
 
 class BootDeviceNotTaken(PowerError):

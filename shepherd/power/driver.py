@@ -15,7 +15,7 @@ from typing import ClassVar, TypeVar
 import tenacity
 
 from shepherd.bmc import BmcSpec, Driver
-from shepherd.power.base import BmcUnreachable
+from shepherd.power.base import BmcSurvey, BmcUnreachable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +70,10 @@ class BmcDriver:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.description})"
+
+    def survey(self) -> BmcSurvey:
+        """Power, health and identity in one read (``BmcSurvey``); the drivers' own."""
+        raise NotImplementedError
 
     def retried(self, what: str, once: Callable[[], T]) -> T:
         """``once()`` under this driver's retries (``with_retries``)."""

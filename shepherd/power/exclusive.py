@@ -13,6 +13,11 @@ both with its session; a busy BMC, or a full cap, is waited for, up to ``wait``
 seconds, then ``BmcBusy``. Invariant, enforced by the singletons' primary key: no two
 holders of one BMC's name, and no more holders of ``bmc-call:*`` than ``calls_cap``.
 
+Recovery comes first in that line: the power and health sync takes its calls only from
+the slots after the first ``reserved`` (``SHEPHERD_BMC_CALLS_RESERVED``), while Recovery,
+``shepherd power`` and installations may take any. However busy the sync keeps the
+BMCs, those ``reserved`` slots stay free for them.
+
 The singleton belongs to a BMDB *session*, and one session can serve several
 threads (the CLI's parallel probes, a threaded worker): to the BMDB they are one
 holder. A process-wide lock per name therefore comes first.
@@ -90,15 +95,18 @@ class ExclusivePower:
 
     def __init__(self, inner: PowerControl, session: bmdb.Session, lock_name: str,
                  wait: float = 30.0, recorder: PowerRecorder | None = None,
-                 calls_cap: int | None = None) -> None:
-        """``calls_cap``: the fleet-wide cap of BMC calls in flight (None: none)."""
+                 calls_cap: int | None = None, reserved: int = 0) -> None:
+        """``calls_cap``: the fleet-wide cap of BMC calls in flight (None: none);
+        ``reserved``: how many of its slots this holder leaves to others (the sync's)."""
+        if calls_cap is not None and not 0 <= reserved < calls_cap:
+            raise ValueError(f"reserved must leave at least one of {calls_cap} call slots")
         self.inner = inner
         self.recorder = recorder
         self.session = session
         self.lock_name = lock_name
         self.singleton = singleton_name(lock_name)
         self.wait = wait
-        self.call_slots = [] if calls_cap is None else call_slots(calls_cap)
+        self.call_slots = [] if calls_cap is None else call_slots(calls_cap)[reserved:]
         self._slot: str | None = None
         self.description = inner.description
         self.reads_state = inner.reads_state

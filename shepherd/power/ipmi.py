@@ -31,9 +31,18 @@ byte zero), so pyghmi would read every change there as not taken. The bit is kep
 persistent bit is reported as read; many BMCs (ipmi_sim too) never keep it.
 
 The identity is the system GUID (Get System GUID), read in the byte order Linux
-shows in ``/sys/class/dmi/id/product_uuid`` (``ipmi_call.system_guid`` says why);
-``None`` where the BMC does not support the command. Serial number and model would
-come from the FRU inventory, which is not read here: they are always None.
+shows in ``/sys/class/dmi/id/product_uuid`` (``ipmi_call.system_guid`` says why),
+and the serial number and model of FRU device 0's product area, the fields Linux
+shows as ``product_serial`` and ``product_name`` (``ipmi_call.fru_product`` says why
+not the board's). Each is None where the BMC has none to give.
+
+``survey`` reads the power, the health and the identity in one child and one IPMI
+session (Get Chassis Status, Get System GUID, a few FRU reads): the power and health
+sync asks it of every BMC again and again, and a session costs more round trips than
+the reads in it. IPMI has no health of its own; the chassis status's fault bits are
+mapped onto one (``chassis_health``). ``identity`` is the same read, one way of
+reading a BMC: the FRU serial (what decides a mismatch where the GUID cannot) costs
+a few commands more in a session that is opened anyway, no second login.
 """
 
 from __future__ import annotations
@@ -42,14 +51,17 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
+    BmcSurvey,
     BootDevice,
     BootOverride,
+    Health,
     PowerAction,
     PowerError,
     PowerState,
@@ -72,6 +84,33 @@ BOOT_NAMES: dict[BootDevice, str] = {
     BootDevice.DISK: "hd", BootDevice.NETWORK: "network", BootDevice.CD: "optical",
 }
 BOOT_DEVICES = {name: device for device, name in BOOT_NAMES.items()}
+#: Chassis faults (``ipmi_call.CHASSIS_FAULTS``' names) that make a system Critical;
+#: every other one makes it Warning (``chassis_health`` says why).
+CRITICAL_FAULTS = frozenset({"power fault", "power overload", "power control fault",
+                             "cooling fault"})
+
+
+def chassis_health(faults: Sequence[str]) -> Health:
+    """The health a chassis status's faults mean, as a Redfish BMC would judge them.
+
+    Critical: the system cannot run, or cannot be trusted to: its main power failed
+    (power fault), it was shut down by an overload (power overload), the BMC's own
+    power changes do not take (power control fault: every power action of Recovery
+    rests on them), or its cooling failed (cooling fault: a thermal shutdown, or
+    damage, is next).
+    Warning: the system runs but wants a person: a drive fault (one drive of many,
+    often redundant; the bit does not say which), an open chassis (chassis intrusion)
+    or an active panel interlock (both a person's doing more than a failure's).
+    A name not known here is Warning too: reported, never taken for OK.
+    """
+    if any(fault in CRITICAL_FAULTS for fault in faults):
+        return Health.CRITICAL
+    return Health.WARNING if faults else Health.OK
+
+
+def chassis_detail(faults: Sequence[str]) -> str:
+    """``BmcSurvey.health_detail``: "chassis status: no fault" or the faults, by name."""
+    return f"chassis status: {', '.join(faults) if faults else 'no fault'}"
 
 
 class IpmiPower(BmcDriver):
@@ -115,14 +154,16 @@ class IpmiPower(BmcDriver):
         return BootOverride(device, persistent if device is not None else None, raw)
 
     def identity(self) -> SystemIdentity:
-        """The system GUID as a UUID string in SMBIOS/DMI byte order (as in
-        ``/sys/class/dmi/id/product_uuid``; see ``ipmi_call.system_guid``), passed on
-        as read (all-zero too). ``uuid`` is None when the BMC does not support Get
-        System GUID or answers it short. ``serial`` and ``model`` are always None: they
-        live in the FRU inventory, which this driver does not read."""
-        answer = self._call("read the system GUID", "guid")
-        uuid = answer.get("uuid")
-        return SystemIdentity(uuid=str(uuid) if uuid else None)
+        """The survey's identity (``survey``): the system GUID as a UUID string in
+        SMBIOS/DMI byte order (as in ``/sys/class/dmi/id/product_uuid``; see
+        ``ipmi_call.system_guid``) and FRU device 0's product serial and name, each
+        passed on as read (an all-zero GUID too) or None where the BMC gives none."""
+        return self._survey("read the system identity").identity
+
+    def survey(self) -> BmcSurvey:
+        """Power, health and identity in one child process and one IPMI session; the
+        health is the chassis status's faults (``chassis_health``)."""
+        return self._survey("survey power, health and identity")
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         name = BOOT_NAMES[device]
@@ -132,6 +173,19 @@ class IpmiPower(BmcDriver):
                  "persistent" if persistent else "once")
 
     # -- plumbing ----------------------------------------------------------------
+
+    def _survey(self, what: str) -> BmcSurvey:
+        answer = self._call(what, "survey")
+        faults = [str(fault) for fault in answer.get("faults") or []]
+
+        def text(field: str) -> str | None:
+            value = answer.get(field)
+            return str(value) if value else None
+
+        return BmcSurvey(power=POWER_STATES.get(str(answer.get("power")), PowerState.UNKNOWN),
+                         health=chassis_health(faults), health_detail=chassis_detail(faults),
+                         identity=SystemIdentity(uuid=text("uuid"), serial=text("serial"),
+                                                 model=text("model")))
 
     def _call(self, what: str, op: str, fields: dict[str, Any] | None = None
               ) -> dict[str, Any]:

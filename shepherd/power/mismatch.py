@@ -17,7 +17,7 @@ import uuid
 
 import bmdb
 from shepherd.power import identity
-from shepherd.power.base import PowerControl, PowerError
+from shepherd.power.base import PowerControl, PowerError, SystemIdentity
 
 #: The history event a workflow notes the check's outcome under.
 BMC_IDENTITY = "BmcIdentity"
@@ -37,13 +37,21 @@ def refuse_if_mismatched(session: bmdb.Session, machine_id: uuid.UUID, power: Po
     if held:
         raise BmcMismatch(f"held on a BMC mismatch since {held[0].since:%Y-%m-%d %H:%M}: "
                           f"{held[0].reason}")
+    return hold_if_mismatched(session, machine_id, power.identity(), power.description, actor)
+
+
+def hold_if_mismatched(session: bmdb.Session, machine_id: uuid.UUID,
+                       bmc: SystemIdentity, via: str,
+                       actor: str) -> identity.IdentityCheck:
+    """``bmc`` (read through ``via``) compared with the machine's own DMI: the outcome, or
+    ``BmcMismatch`` once the machine is held. The power and health sync calls this with
+    the identity its read brought, so a swapped pair is held before anyone acts."""
     report = session.db.read(lambda tx: bmdb.machine_tag(tx, "HardwareReport", machine_id))
     machine = identity.from_report(report["report"] if report else None)
-    bmc = power.identity()
     checked = identity.compare(bmc, machine)
     if not checked.mismatch:
         return checked
-    reason = (f"{power.description}: {checked.reason} (BMC: {identity.describe(bmc)}; "
+    reason = (f"{via}: {checked.reason} (BMC: {identity.describe(bmc)}; "
               f"machine: {identity.describe(machine)})")
     session.transact(lambda tx: bmdb.put_hold(tx, machine_id, bmdb.BMC_MISMATCH_HOLD,
                                               reason, actor))

@@ -13,6 +13,14 @@ of its own (a fresh client, a fresh GET): what the BMC kept, not what we sent.
 The identity is the System's ``UUID``, ``SerialNumber`` and ``Model``, trimmed and
 otherwise as sent: whether it matches the machine is ``shepherd.power.identity``'s call.
 
+A survey (``survey``: power, health, identity) is one call, so two requests: the
+service root, which ``sushy.Sushy`` reads as it is built (the Redfish version its
+resources are parsed by), and the System. Its health is the worse of the System's
+``Status.Health`` (the resource's own) and ``Status.HealthRollup`` (which includes
+its subordinates: processors, memory, drives, fans, power supplies on most BMCs):
+a failed DIMM is the machine's fault for a fleet's health, and a rollup that says OK
+while the System itself warns still warns.
+
 Each call opens a fresh client, reads the password at that moment (a rotated
 secret takes effect at once), and closes it. HTTP Basic, not a Redfish session:
 a session per call costs two more requests, and one left behind by a killed
@@ -33,9 +41,11 @@ from sushy import exceptions as sushy_errors
 from shepherd.power.base import (
     ActionUnsupported,
     BmcAuthFailed,
+    BmcSurvey,
     BmcUnreachable,
     BootDevice,
     BootOverride,
+    Health,
     PowerAction,
     PowerError,
     PowerState,
@@ -68,6 +78,12 @@ BOOT_DEVICES = {target.value: device for device, target in BOOT_TARGETS.items()}
 #: BootSourceOverrideEnabled as persistence; "Disabled" means no override at all.
 PERSISTENCE = {sushy.BootSourceOverrideEnabled.CONTINUOUS.value: True,
                sushy.BootSourceOverrideEnabled.ONCE.value: False}
+
+#: The ``Status`` keys a health is read from, in this order: the System's own, then its
+#: rollup, as the standard spells it and as some BMCs (sushy-emulator among them) do.
+HEALTH_KEYS = ("Health", "HealthRollup", "HealthRollUp")
+#: Worst last: the survey's health is the worst of the keys that map.
+HEALTH_ORDER = (Health.OK, Health.WARNING, Health.CRITICAL)
 
 
 class RedfishPower(BmcDriver):
@@ -117,6 +133,12 @@ class RedfishPower(BmcDriver):
 
     def identity(self) -> SystemIdentity:
         return self._call("read the system's identity", _identity)
+
+    def survey(self) -> BmcSurvey:
+        """Power, health and identity from one GET of the System (after sushy's read
+        of the service root): the sync calls this on every BMC of the fleet, again
+        and again."""
+        return self._call("survey the system", _survey)
 
     def set_boot_device(self, device: BootDevice, *, persistent: bool = False) -> None:
         target = BOOT_TARGETS[device]
@@ -233,6 +255,44 @@ def _identity(system: Any) -> SystemIdentity:
                           model=_reported(system.model))
 
 
+def _survey(system: Any) -> BmcSurvey:
+    """The power as ``power_state`` maps it; the health and its words from the JSON
+    (``_health``), not sushy's mapped ``status``: that drops a value it does not know
+    ("Degraded", "ok") and reads no ``HealthRollUp``."""
+    health, detail = _health(system.json.get("Status"))
+    return BmcSurvey(power=POWER_STATES.get(system.power_state, PowerState.UNKNOWN),
+                     health=health, health_detail=detail, identity=_identity(system))
+
+
+def _health(status: object) -> tuple[Health | None, str]:
+    """The worst health ``status`` reports (``HEALTH_KEYS``), and the BMC's words for
+    it: "Status.Health OK, HealthRollup Warning, State Enabled". A value that is not a
+    Redfish health is shown, not counted; with none that is, the health is None."""
+    fields = status if isinstance(status, dict) else {}
+    reported = [(key, fields[key]) for key in (*HEALTH_KEYS, "State")
+                if fields.get(key) is not None]
+    healths = [_known_health(value) for key, value in reported if key in HEALTH_KEYS]
+    known = [health for health in healths if health is not None]
+    words = ", ".join(f"{key} {_word(value)}" for key, value in reported)
+    if known:
+        return max(known, key=HEALTH_ORDER.index), _short(f"Status.{words}")
+    if words:
+        return None, _short(f"the BMC reports no health: Status.{words}")
+    return None, ("the BMC reports no health (no Status)" if status is None
+                  else "the BMC reports no health (nothing in Status)")
+
+
+def _known_health(value: object) -> Health | None:
+    """``value`` as a Redfish health, whatever its case ("ok" is OK); None otherwise."""
+    text = str(value).strip().casefold()
+    return next((h for h in HEALTH_ORDER if h.value.casefold() == text), None)
+
+
+def _word(value: object) -> str:
+    """A value of the BMC's, short and on one line, for ``health_detail``."""
+    return _short(str(value), limit=60)
+
+
 def _reported(value: object) -> str | None:
     """``value`` without surrounding whitespace; None when absent or blank, as a BMC
     that sends ``""`` or ``" "`` reports nothing."""
@@ -240,6 +300,6 @@ def _reported(value: object) -> str | None:
     return text or None
 
 
-def _short(error: Exception, limit: int = 300) -> str:
+def _short(error: object, limit: int = 300) -> str:
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -232,7 +232,8 @@ class AtAGlance:
         return cls(look.hostname,
                    operations.heartbeat_shown(look.agent_started_at, look.last_heartbeat_at,
                                             now, thresholds),
-                   operations.power_shown(look.power, provider, provider_status, now),
+                   operations.power_shown(look.power, provider, provider_status, now,
+                                          look.bmc),
                    operations.provider_shown(provider))
 
 

@@ -27,6 +27,18 @@ Additions of ours (the first two optional):
 * Systems that *ignore boot overrides* (``ignore_boot=`` or ``set_ignore_boot``): a
   PATCH of ``Boot.BootSourceOverrideTarget`` is answered 204 and never applied, the
   BMC that lies about the next boot. Wrapped the same way as frozen systems.
+* A log of every request served (``requests``), kept by the emulator process itself,
+  so that tests can check from the BMC's side how many calls a client made and how
+  many were in flight at once (``peak_in_flight``): what a client cannot see of its
+  own concurrency. Logged outside sushy-emulator's auth, so refusals count too.
+* *Slow* systems (``set_slow``): every request under a system's path waits before it
+  is served, as a busy BMC does; other systems answer at once.
+* A password change (``set_password``): sushy-emulator reads its htpasswd file on
+  every request, so rewriting it is enough: no restart, nothing lost.
+* A BMC that hangs (``pause``/``resume``: SIGSTOP/SIGCONT): the kernel still accepts
+  connections (the listen backlog) and nothing answers, as a wedged BMC; and one that
+  reboots (``stop`` then ``start``: back on the same port, its state kept when the
+  workdir is the caller's).
 
 And one repair (``_atomic_driver``): the fake driver's reads and changes of a system
 are made atomic, so that no acknowledged reset is lost (a real BMC loses none).
@@ -42,6 +54,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,9 +62,10 @@ import tempfile
 import threading
 import time
 import uuid as uuid_module
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 import requests
 
@@ -67,6 +81,10 @@ POWER_STATES = ("On", "Off")
 FROZEN_FILE_KEY = "SHEPHERD_FROZEN_FILE"
 RESETS_FILE_KEY = "SHEPHERD_RESETS_FILE"
 IGNORE_BOOT_FILE_KEY = "SHEPHERD_IGNORE_BOOT_FILE"
+#: The file each request served is appended to (one JSON line, ``Request``'s fields),
+#: and the file of slow system paths (JSON: path -> seconds).
+REQUESTS_FILE_KEY = "SHEPHERD_REQUESTS_FILE"
+SLOW_FILE_KEY = "SHEPHERD_SLOW_FILE"
 INSTALL_HINT = "pip install sushy-tools (or: pip install -e '.[dev]')"
 
 
@@ -81,6 +99,44 @@ class System(NamedTuple):
     name: str
     uuid: str
     power_state: str = "Off"
+
+
+class Request(NamedTuple):
+    """One request as the emulator served it (``RedfishEmulator.requests``).
+
+    ``start`` is taken when the request reaches the app (its headers read), ``end``
+    just before the last of its response is sent (``time.time()``, both in the
+    emulator process): so a client's own view of a call contains the span, and two
+    spans that overlap were two calls in flight at once, never one call after another.
+    """
+
+    start: float
+    end: float
+    method: str
+    #: ``PATH_INFO``: without the query string.
+    path: str
+    status: int
+
+    @property
+    def span(self) -> tuple[float, float]:
+        return (self.start, self.end)
+
+
+def peak_in_flight(spans: Iterable[tuple[float, float]]) -> int:
+    """The most ``[start, end]`` intervals that overlap at any one moment (0 for none).
+
+    Closed intervals: one that starts when another ends overlaps it (``Request``'s
+    spans never touch when one call followed the other)."""
+    events: list[tuple[float, int]] = []
+    for start, end in spans:
+        if end < start:
+            raise ValueError(f"a span ends before it starts: [{start}, {end}]")
+        events += [(start, 0), (end, 1)]  # at equal times, starts first: closed intervals
+    peak = current = 0
+    for _, is_end in sorted(events):
+        current += -1 if is_end else 1
+        peak = max(peak, current)
+    return peak
 
 
 def available() -> bool:
@@ -99,6 +155,10 @@ class RedfishEmulator:
     ``frozen``: names of systems whose resets are acknowledged and never done;
     ``ignore_boot``: names of systems whose boot overrides are acknowledged and never
     kept (both can change while running: ``set_frozen``, ``set_ignore_boot``).
+
+    ``stop()`` then ``start()`` brings it back on the port it had. The systems' power
+    and the logs live in ``workdir``: kept across that when the workdir is the
+    caller's; an own one is removed by ``stop()``, so the emulator starts afresh.
     """
 
     def __init__(self, systems: Sequence[tuple[str, str, str] | tuple[str, str]], *,
@@ -131,15 +191,19 @@ class RedfishEmulator:
         self._by_name = {s.name: s for s in self.systems}
         self._frozen = {self._system(name).uuid for name in frozen}
         self._ignore_boot = {self._system(name).uuid for name in ignore_boot}
+        self._slow: dict[str, float] = {}
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="shepherd-redfish-"))
         self._requested_port = port
+        #: The port the emulator was first served on: where a restart must come back.
+        self._served_port: int | None = None
         self.port = port
         self.start_timeout = start_timeout
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._settler: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._paused = False
 
     def __repr__(self) -> str:
         return (f"RedfishEmulator({self.base_url}, systems={[s.name for s in self.systems]}, "
@@ -155,6 +219,11 @@ class RedfishEmulator:
     def system_path(self, name: str) -> str:
         """The Redfish path of system ``name`` (an inventory's ``bmc.system``)."""
         return f"/redfish/v1/Systems/{self._system(name).uuid}"
+
+    def system_uuid(self, name: str) -> str:
+        """System ``name``'s Redfish ``UUID``: what its machine's DMI says when the
+        inventory maps it right (the simulator's racks write it there)."""
+        return self._system(name).uuid
 
     @property
     def auth(self) -> tuple[str, str] | None:
@@ -188,7 +257,8 @@ class RedfishEmulator:
         self.stop()
 
     def start(self) -> RedfishEmulator:
-        """Launch the emulator and return once ``GET /redfish/v1/`` answers 200."""
+        """Launch the emulator and return once ``GET /redfish/v1/`` answers 200; again
+        after a ``stop``, on the port it had (where an inventory addresses it)."""
         if self.process is not None:
             raise EmulatorError("this emulator is already started")
         if not available():
@@ -197,10 +267,13 @@ class RedfishEmulator:
         (self.workdir / "state").mkdir(exist_ok=True)
         self._write_frozen()
         self._write_ignore_boot()
+        self._write_slow()
         auth_file = self._write_htpasswd() if self.username else None
+        self._stopping.clear()
+        fixed = self._requested_port or self._served_port
         # A port picked by bind-and-close can be taken meanwhile: pick again, twice.
         for attempt in range(3):
-            self.port = self._requested_port or _free_port()
+            self.port = fixed or _free_port()
             self._launch(self._write_config(auth_file))
             try:
                 self._wait_ready()
@@ -208,8 +281,9 @@ class RedfishEmulator:
             except EmulatorError:
                 in_use = "Address already in use" in self._log_tail()
                 self._terminate()
-                if self._requested_port or not in_use or attempt == 2:
+                if fixed or not in_use or attempt == 2:
                     raise
+        self._served_port = self.port
         if self.notify_url and self.settle_interval > 0:
             self._settler = threading.Thread(target=self._settle, daemon=True,
                                              name=f"redfish-settle-{self.port}")
@@ -255,6 +329,11 @@ class RedfishEmulator:
 
     def _terminate(self) -> None:
         process, self.process = self.process, None
+        if process is not None and self._paused and process.poll() is None:
+            # A stopped process keeps a TERM pending: continue it, and it dies at once.
+            process.terminate()
+            process.send_signal(signal.SIGCONT)
+        self._paused = False
         stop_process(process)
         if self._log_file is not None:
             self._log_file.close()
@@ -284,6 +363,8 @@ class RedfishEmulator:
             FROZEN_FILE_KEY: str(self._frozen_path),
             RESETS_FILE_KEY: str(self._resets_path),
             IGNORE_BOOT_FILE_KEY: str(self._ignore_boot_path),
+            REQUESTS_FILE_KEY: str(self._requests_path),
+            SLOW_FILE_KEY: str(self._slow_path),
         }
         if auth_file is not None:
             settings["SUSHY_EMULATOR_AUTH_FILE"] = str(auth_file)
@@ -305,9 +386,12 @@ class RedfishEmulator:
         # Few rounds: every request is checked, and this is a loopback test BMC.
         digest = bcrypt.hashpw(self._password.encode(), bcrypt.gensalt(rounds=4)).decode()
         path = self.workdir / "htpasswd"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # Replaced at once: the emulator reads it on every request (set_password).
+        temporary = path.with_suffix(".tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(f"{self.username}:{digest}\n")
+        temporary.replace(path)
         return path
 
     @property
@@ -321,6 +405,17 @@ class RedfishEmulator:
     @property
     def _ignore_boot_path(self) -> Path:
         return self.workdir / "ignore-boot.json"
+
+    @property
+    def _requests_path(self) -> Path:
+        return self.workdir / "requests.jsonl"
+
+    @property
+    def _slow_path(self) -> Path:
+        return self.workdir / "slow.json"
+
+    def _write_slow(self) -> None:
+        _replace_json(self._slow_path, self._slow)
 
     def _write_frozen(self) -> None:
         _write_uuids(self._frozen_path, self._frozen)
@@ -348,6 +443,55 @@ class RedfishEmulator:
         else:
             self._ignore_boot.discard(uuid)
         self._write_ignore_boot()
+
+    def set_slow(self, name: str, seconds: float) -> None:
+        """Make every request under system ``name``'s path wait ``seconds`` before it is
+        served (0: at once again), from the next request on. Other systems are not
+        slowed: the wait is outside the fake driver's lock."""
+        if seconds < 0:
+            raise ValueError(f"a delay cannot be negative: {seconds}")
+        path = self.system_path(name)
+        if seconds:
+            self._slow[path] = float(seconds)
+        else:
+            self._slow.pop(path, None)
+        self._write_slow()
+
+    def set_password(self, password: str) -> None:
+        """From the next request on, take ``password`` and refuse the old one (401),
+        as a BMC whose password was changed behind our back; nothing restarts."""
+        if self.username is None:
+            raise EmulatorError("this emulator has no credentials to change")
+        self._password = password
+        self._write_htpasswd()
+
+    def pause(self) -> None:
+        """Stop answering (SIGSTOP): connections are still accepted, by the kernel, and
+        never answered, as a hung BMC's. ``resume`` serves them."""
+        self._signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """Answer again (SIGCONT), the requests that waited meanwhile first."""
+        self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def _signal(self, number: signal.Signals) -> None:
+        if self.process is None or self.process.poll() is not None:
+            raise EmulatorError(f"{self!r} is not running")
+        self.process.send_signal(number)
+
+    def requests(self) -> list[Request]:
+        """Every request the emulator served, by arrival: ours too (the readiness check,
+        the settler's reads, ``power_state``...). A request still in flight is not
+        there yet: it is logged when it ends."""
+        try:
+            text = self._requests_path.read_text()
+        except FileNotFoundError:
+            return []
+        complete = text[: text.rfind("\n") + 1]  # a line being written is not read
+        entries = [Request(**json.loads(line)) for line in complete.splitlines() if line]
+        return sorted(entries, key=lambda request: request.start)
 
     def resets(self, name: str) -> list[str]:
         """The ResetType of every reset system ``name`` was sent, oldest first, frozen
@@ -387,8 +531,14 @@ class RedfishEmulator:
 
 def _write_uuids(path: Path, uuids: set[str]) -> None:
     """Replace ``path`` at once: the emulator process reads it on every request."""
+    _replace_json(path, sorted(uuids))
+
+
+def _replace_json(path: Path, value: object) -> None:
+    """Write ``value`` to ``path`` at once: the emulator process may read it meanwhile."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # set before the first start
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(sorted(uuids)))
+    temporary.write_text(json.dumps(value))
     temporary.replace(path)
 
 
@@ -471,6 +621,109 @@ def _atomic_driver() -> None:
     FakeDriver._shepherd_atomic = True
 
 
+def _observed_app() -> None:
+    """Log and slow every request, outermost: on sushy-emulator's ``Application.__call__``
+    (the WSGI entry werkzeug calls), outside the auth middleware its ``configure``
+    puts in ``wsgi_app``, so that refused requests are logged and slowed too."""
+    from sushy_tools.emulator.main import Application
+
+    if getattr(Application, "_shepherd_observed", False):
+        return
+    served = Application.__call__
+
+    def observed(self: Any, environ: WSGIEnvironment,
+                 start_response: StartResponse) -> Iterable[bytes]:
+        return _observe(lambda e, s: served(self, e, s), environ, start_response,
+                        self.config.get(REQUESTS_FILE_KEY), self.config.get(SLOW_FILE_KEY))
+
+    Application.__call__ = observed
+    Application._shepherd_observed = True
+
+
+def _observe(app: WSGIApplication, environ: WSGIEnvironment, start_response: StartResponse,
+             log_file: str | None, slow_file: str | None) -> Iterable[bytes]:
+    """``app``'s answer to the request, after the wait its path is given (``set_slow``),
+    logged to ``log_file`` once its last byte is about to be sent."""
+    start = time.time()
+    method, path = str(environ.get("REQUEST_METHOD", "")), str(environ.get("PATH_INFO", ""))
+    delay = _delay_for(path, slow_file)
+    if delay:
+        time.sleep(delay)
+    status = [500]  # what werkzeug answers when the app raises before starting
+
+    def recording(status_line: str, headers: list[tuple[str, str]],
+                  exc_info: Any = None) -> Any:
+        status[0] = int(status_line.split(None, 1)[0])
+        return start_response(status_line, headers, exc_info)
+
+    def record(end: float) -> None:
+        if log_file:
+            _append_line(log_file, {"start": start, "end": end, "method": method,
+                                    "path": path, "status": status[0]})
+
+    try:
+        body = app(environ, recording)
+    except BaseException:
+        record(time.time())
+        raise
+    return _Timed(body, record)
+
+
+class _Timed:
+    """A response body that calls ``record(time.time())`` once: just before its last
+    chunk is handed to the server (so before the client can have it: the next call of
+    a client that waits for each answer starts after this end), or on ``close`` when
+    the body was not read to its end (an error, a client gone)."""
+
+    def __init__(self, body: Iterable[bytes], record: Callable[[float], None]) -> None:
+        self._body = body
+        self._record: Callable[[float], None] | None = record
+
+    def __iter__(self) -> Iterator[bytes]:
+        chunks = iter(self._body)
+        chunk = next(chunks, None)
+        while chunk is not None:
+            following = next(chunks, None)
+            if following is None:
+                self._end()
+            yield chunk
+            chunk = following
+        self._end()
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        record, self._record = self._record, None
+        if record is not None:
+            record(time.time())
+
+
+def _append_line(path: str, entry: dict[str, object]) -> None:
+    """One ``write`` with ``O_APPEND``: lines of requests served at once never mix."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(entry) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _delay_for(path: str, slow_file: str | None) -> float:
+    """The wait ``set_slow`` gave the system ``path`` is under (0: none); read anew on
+    every request, so that it can change while the emulator runs."""
+    try:
+        slow = json.loads(Path(slow_file).read_text()) if slow_file else {}
+    except (OSError, ValueError):
+        return 0.0
+    return max((float(seconds) for prefix, seconds in slow.items()
+                if path == prefix or path.startswith(prefix.rstrip("/") + "/")), default=0.0)
+
+
 def _uuids_in(path: str | None) -> set[str]:
     """The uuids a ``_write_uuids`` file lists; none when there is no such file."""
     try:
@@ -480,13 +733,14 @@ def _uuids_in(path: str | None) -> set[str]:
 
 
 def main() -> int:
-    """``python -m shepherd.simulator.redfish --config FILE``: sushy-emulator, freezable
-    and with systems that ignore boot overrides."""
+    """``python -m shepherd.simulator.redfish --config FILE``: sushy-emulator, freezable,
+    with systems that ignore boot overrides, slow systems and a log of its requests."""
     from sushy_tools.emulator import main as emulator
 
     _freezable_driver()
     _boot_ignoring_driver()
     _atomic_driver()  # last: its lock covers the two wrappers above
+    _observed_app()  # outside the lock: a slow system must not hold up the others
     return int(emulator.main() or 0)
 
 

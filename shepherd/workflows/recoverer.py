@@ -88,6 +88,7 @@ def recover(work: bmdb.Work, provider: Provider, power_for: PowerFor,
             raise WorkflowFailure(
                 f"nothing can reboot this machine: its inventory entry has no bmc table and "
                 f"provider {provider.name} has no reboot API", settings.permanent_backoff)
+        refuse_a_bmc_not_answering(work, machine)
         endpoint = ladder.Endpoint(machine.address, machine.ssh_port)
         watch = ladder.Watch(power, endpoint, settings.ladder, clock, sleep)
         work.ensure_held()
@@ -149,6 +150,25 @@ def restart_agent(work: bmdb.Work, machine: ProviderMachine, settings: Recoverer
         record_agent(tx, work.machine_id, taken)
 
     return replace_agent
+
+
+def refuse_a_bmc_not_answering(work: bmdb.Work, machine: ProviderMachine) -> None:
+    """Fail before the ladder when the power and health sync found this machine's BMC
+    not answering (unreachable, refusing its credentials, or failing) at its last read:
+    the agent restart (rung 0) was all Recovery could do there. Climbing would only
+    learn the same thing mid-ladder, after minutes of timeouts, with the BMC's lock
+    held. The sync's next answered read clears the mark (``shepherd.workflows.bmc_sync``),
+    and the next attempt climbs."""
+    if machine.bmc is None:
+        return  # a provider's reboot API: not the sync's to read
+    synced = work.session.db.read(lambda tx: bmdb.bmc_sync_of(tx, work.machine_id))
+    if synced is None or synced.answering:
+        return
+    since = iso(synced.status_since) if synced.status_since else "its last read"
+    raise WorkflowFailure(
+        f"bmc: the power and health sync found {synced.via} {synced.status} since {since}"
+        f" ({synced.problem}); only the agent restart could be tried, and no reset is "
+        f"tried until the BMC answers the sync again")
 
 
 def refuse_a_second_reset(work: bmdb.Work, rung_timeout: float) -> None:

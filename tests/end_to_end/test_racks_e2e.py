@@ -389,3 +389,65 @@ def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked
         assert "not-the-bmc-password" not in cp.log(name)
     assert all(password not in (h["cause"] or "") for h in cp.history())
     assert overlapping_work(cp.history()) == []
+
+
+def bmc_booked(cp: ControlPlane, machine_id: uuid.UUID) -> bmdb.BmcSync | None:
+    return cp.db.read(lambda tx: bmdb.bmc_sync_of(tx, machine_id))
+
+
+def not_answering_gauge(cp: ControlPlane, status: str) -> float:
+    from shepherd.metrics import BMDBCollector
+
+    [family] = [f for f in BMDBCollector(cp.db).collect()
+                if f.name == "shepherd_bmcs_not_answering"]
+    return next(s.value for s in family.samples if s.labels["status"] == status)
+
+
+def test_the_sync_reads_every_bmc_and_marks_one_that_stops_answering(racked) -> None:
+    """The power and health sync through the workers and beat: every racked BMC read
+    within its interval, its power and health in ``show`` and ``machines``; the BMC
+    hung (SIGSTOP): unreachable in ``show`` and ``/metrics``'s gauge, and Recovery of a
+    machine behind it stops before its ladder; the BMC back: cleared by the sync alone."""
+    cp, racks = racked(2, SHEPHERD_BMC_SYNC_INTERVAL="2", SHEPHERD_BMC_SYNC_TICK="1",
+                       SHEPHERD_BMC_TIMEOUT="2", SHEPHERD_BMC_ATTEMPTS="1",
+                       SHEPHERD_BMC_SLOW="1.5", SHEPHERD_BMC_CALLS_RESERVED="2")
+    hung, other = (m.id for m in racks.machines)
+    cp.start_worker("w1", concurrency=3)
+    cp.start_beat()
+    cp.wait_for(lambda c: c.heartbeating == 2, timeout=60, what="2 machines heartbeating")
+    ids = {name: machine_of(cp, name) for name in (hung, other)}
+
+    def status_of(name: str) -> str | None:
+        found = bmc_booked(cp, ids[name])
+        return found.status if found and found.read_at else None
+
+    for name in (hung, other):
+        wait_until(lambda n=name: status_of(n) == "answering", 30, f"{name} read", cp)
+    shown = cp.cli("python", "-m", "shepherd.cli", "show", hung).stdout
+    assert "sync: BMC answering" in shown and "health OK" in shown, shown
+    listed = cp.cli("python", "-m", "shepherd.cli", "machines").stdout
+    assert "POWER" in listed and "On · " in listed, listed
+
+    assert racks.bmc is not None
+    racks.bmc.pause()
+    try:
+        for name in (hung, other):
+            wait_until(lambda n=name: status_of(n) == "unreachable", 30,
+                       f"{name}'s BMC marked unreachable", cp)
+        assert not_answering_gauge(cp, "unreachable") == 2
+        shown = cp.cli("python", "-m", "shepherd.cli", "show", hung).stdout
+        assert "LOOK: BMC unreachable" in shown, shown
+        cp.simulator.hang(hung)
+        failed = wait_until(lambda: rows(cp, ids[hung], "Failed",
+                                         bmdb.Process.RECOVERY.value)[-1:], 60,
+                            "Recovery to stop before its ladder", cp)[0]
+        assert "the power and health sync found" in failed["cause"], failed
+        rungs = [r["cause"] for r in rows(cp, ids[hung], "Rung")]
+        assert rungs and all(r.startswith("rung 0 (agent restart)") for r in rungs), rungs
+    finally:
+        racks.bmc.resume()
+    for name in (hung, other):
+        wait_until(lambda n=name: status_of(n) == "answering", 30,
+                   f"{name}'s BMC answering again", cp)
+    assert not_answering_gauge(cp, "unreachable") == 0
+    assert cp.log_problems("beat") == []

@@ -402,3 +402,31 @@ def test_a_full_cap_is_busy_after_the_wait_and_keeps_no_bmc(db: bmdb.BMDB,
     finally:
         other.close()
         ours.close()
+
+
+def test_the_slots_reserved_stay_free_for_recovery_however_busy_the_sync(
+        db: bmdb.BMDB, tmp_path: Path) -> None:
+    """The sync (``reserved=1`` of 3) may hold only the last two slots: with both taken,
+    a third sync call is busy, and Recovery's call (``reserved=0``) still gets the
+    first slot at once."""
+    sync_a, sync_b, recovery = sessions(db, 3)
+    try:
+        directories = bmc_directories(tmp_path, 4)
+        holders = [ExclusivePower(SharedBmc(directories[n]), session,
+                                  f"bmc:ipmi:10.0.2.{n}:623", wait=0.6, calls_cap=3,
+                                  reserved=1) for n, session in enumerate((sync_a, sync_b))]
+        with holders[0].held(), holders[1].held():
+            assert {h._slot for h in holders} == {"bmc-call:1", "bmc-call:2"}
+            third = ExclusivePower(SharedBmc(directories[2]), recovery, "bmc:ipmi:10.0.2.2:623",
+                                   wait=0.6, calls_cap=3, reserved=1)
+            with pytest.raises(BmcBusy, match="2 BMC calls are in flight fleet-wide"):
+                third.act(PowerAction.POWER_OFF)
+            first = ExclusivePower(SharedBmc(directories[3]), recovery,
+                                   "bmc:ipmi:10.0.2.3:623", wait=0.6, calls_cap=3)
+            first.act(PowerAction.POWER_OFF)
+            assert first._slot == "bmc-call:0"
+        with pytest.raises(ValueError, match="at least one of 3"):
+            ExclusivePower(SharedBmc(directories[0]), sync_a, LOCK, calls_cap=3, reserved=3)
+    finally:
+        for session in (sync_a, sync_b, recovery):
+            session.close()

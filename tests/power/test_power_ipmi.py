@@ -7,11 +7,15 @@ independent client (``ipmitool -I lanplus``).
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import socket
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +25,18 @@ from shepherd.bmc import BmcSpec
 from shepherd.power import (
     ActionUnsupported,
     BmcAuthFailed,
+    BmcSurvey,
     BmcUnreachable,
+    Health,
     IpmiPower,
     PowerAction,
     PowerState,
     SystemIdentity,
     connect,
+    ipmi,
     ipmi_call,
 )
-from tests.support.bmc_fixtures import IPMI_GUID, IpmiBmc
+from tests.support.bmc_fixtures import IPMI_GUID, IpmiBmc, IpmiFru, secret_file, with_checksum
 
 
 def ipmitool_power(bmc: IpmiBmc) -> str:
@@ -122,7 +129,7 @@ def test_identity_is_the_system_guid_as_dmi_shows_it(ipmi_bmc: IpmiBmc) -> None:
     assert raw.returncode == 0, raw.stderr
     assert raw.stdout.split() == [IPMI_GUID[i:i + 2] for i in range(0, 32, 2)]
     identity = IpmiPower(ipmi_bmc.spec(), timeout=10).identity()
-    assert identity == SystemIdentity(uuid="674523a1-ab89-efcd-a123-456789abcdef")
+    assert identity.uuid == "674523a1-ab89-efcd-a123-456789abcdef"
     assert identity.uuid == str(uuid.UUID(bytes_le=bytes.fromhex(IPMI_GUID)))
     assert identity.uuid == ipmitool_guid(ipmi_bmc, "smbios")
     assert ipmitool_guid(ipmi_bmc, "ipmi") == "efcdab89-6745-23a1-efcd-ab89674523a1"
@@ -151,7 +158,7 @@ def test_a_placeholder_guid_is_passed_on_as_read(tmp_path: Path, byte: str) -> N
         identity = IpmiPower(bmc.spec(), timeout=10).identity()
     finally:
         bmc.stop()
-    assert identity == SystemIdentity(uuid=str(uuid.UUID(bytes=bytes.fromhex(byte * 16))))
+    assert identity.uuid == str(uuid.UUID(bytes=bytes.fromhex(byte * 16)))
 
 
 def test_reading_the_guid_with_a_wrong_password_is_refused_and_never_shown(
@@ -160,7 +167,8 @@ def test_reading_the_guid_with_a_wrong_password_is_refused_and_never_shown(
     caplog.set_level(logging.DEBUG)
     wrong = Path(ipmi_bmc.wrong_password_file).read_text().strip()
     started = time.monotonic()
-    with pytest.raises(BmcAuthFailed, match="read the system GUID: Incorrect password") as refused:
+    with pytest.raises(BmcAuthFailed, match="read the system identity: Incorrect password"
+                       ) as refused:
         IpmiPower(ipmi_bmc.spec(wrong_password=True)).identity()
     assert time.monotonic() - started < 5, "a refusal is not retried"
     message = str(refused.value)
@@ -250,3 +258,329 @@ def test_a_process_forked_after_a_call_still_works(ipmi_bmc: IpmiBmc) -> None:
     finally:
         child.join(timeout=10)
     assert child.exitcode == 0
+
+
+# -- survey: power, health and identity in one child and one session ------------------
+
+FRU = IpmiFru()  # what the ipmi_bmc fixture's FRU device 0 holds
+IPMI_UUID = str(uuid.UUID(bytes_le=bytes.fromhex(IPMI_GUID)))
+
+
+def ipmitool_fields(bmc: IpmiBmc, *args: str) -> dict[str, str]:
+    """An ipmitool command's ``name : value`` lines (the last of a repeated name)."""
+    result = bmc.ipmitool(*args)
+    assert result.returncode == 0, result.stderr
+    lines = (line.partition(":") for line in result.stdout.splitlines())
+    return {name.strip(): value.strip() for name, colon, value in lines if colon}
+
+
+def children(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Records each IPMI helper process the driver starts."""
+    started: list[object] = []
+    run = subprocess.run
+
+    def counting(args: Any, **options: Any) -> Any:
+        if str(ipmi.CHILD) in args:
+            started.append(args)
+        return run(args, **options)
+
+    monkeypatch.setattr(subprocess, "run", counting)
+    return started
+
+
+def test_survey_reads_power_health_and_identity_as_ipmitool_does(
+        ipmi_bmc: IpmiBmc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One helper process, one Get Chassis Status (the chassis script asked once), and
+    the session logged out afterwards (ipmitool's own is the only one active)."""
+    started = children(monkeypatch)
+    asked = len(ipmi_bmc.chassis_log)
+    survey = IpmiPower(ipmi_bmc.spec(), timeout=10).survey()
+    assert survey == BmcSurvey(
+        power=PowerState.ON, health=Health.OK, health_detail="chassis status: no fault",
+        identity=SystemIdentity(uuid=IPMI_UUID, serial=FRU.product_serial,
+                                model=FRU.product_name))
+    assert len(started) == 1
+    assert ipmi_bmc.chassis_log[asked:] == ["0x20 get power"]
+    assert ipmitool_fields(ipmi_bmc, "session", "info", "active")["active sessions"] == "1"
+    chassis = ipmitool_fields(ipmi_bmc, "chassis", "status")
+    assert chassis["System Power"] == "on"
+    assert {chassis[name] for name in ("Power Overload", "Main Power Fault",
+                                       "Power Control Fault", "Drive Fault",
+                                       "Cooling/Fan Fault")} == {"false"}
+    assert chassis["Power Interlock"] == chassis["Chassis Intrusion"] == "inactive"
+    fru = ipmitool_fields(ipmi_bmc, "fru", "print", "0")
+    assert (fru["Product Serial"], fru["Product Name"]) == (FRU.product_serial,
+                                                            FRU.product_name)
+    assert fru["Board Serial"] == FRU.board_serial != survey.identity.serial
+    assert survey.identity.uuid == ipmitool_guid(ipmi_bmc, "smbios")
+
+
+def test_the_survey_op_answers_the_chassis_bytes_ipmitool_reads(ipmi_bmc: IpmiBmc) -> None:
+    """The helper's JSON as the driver gets it (run as the driver runs it)."""
+    request = {"host": "127.0.0.1", "port": ipmi_bmc.port, "username": "admin",
+               "password": ipmi_bmc.password, "op": "survey"}
+    child = subprocess.run([sys.executable, "-P", str(ipmi.CHILD)], input=json.dumps(request),
+                           capture_output=True, text=True, timeout=20)
+    answer = json.loads(child.stdout)
+    raw = ipmi_bmc.ipmitool("raw", "0x00", "0x01")
+    assert raw.returncode == 0, raw.stderr
+    assert answer == {"power": "on", "faults": [], "chassis": raw.stdout.strip(),
+                      "uuid": IPMI_UUID, "serial": FRU.product_serial,
+                      "model": FRU.product_name}
+
+
+def test_survey_of_a_machine_powered_off(ipmi_bmc: IpmiBmc) -> None:
+    power = IpmiPower(ipmi_bmc.spec(), timeout=10)
+    power.act(PowerAction.POWER_OFF)
+    survey = power.survey()
+    assert (survey.power, survey.health) == (PowerState.OFF, Health.OK)
+    assert ipmitool_fields(ipmi_bmc, "chassis", "status")["System Power"] == "off"
+    assert survey.identity.serial == FRU.product_serial  # the FRU reads with power off
+
+
+def test_identity_is_the_surveys(ipmi_bmc: IpmiBmc) -> None:
+    assert IpmiPower(ipmi_bmc.spec(), timeout=10).identity() == SystemIdentity(
+        uuid=IPMI_UUID, serial=FRU.product_serial, model=FRU.product_name)
+
+
+def test_a_bmc_without_a_fru_has_no_serial_or_model(tmp_path: Path) -> None:
+    """ipmi_sim answers "Invalid data field" for a FRU device it does not have."""
+    bmc = IpmiBmc(tmp_path / "no-fru", fru=None).start()
+    try:
+        survey = IpmiPower(bmc.spec(), timeout=10).survey()
+        listed = bmc.ipmitool("fru", "print", "0")
+    finally:
+        bmc.stop()
+    assert survey == BmcSurvey(PowerState.ON, Health.OK, "chassis status: no fault",
+                               SystemIdentity(uuid=IPMI_UUID))
+    assert listed.returncode != 0 and "Device not present" in listed.stdout + listed.stderr
+
+
+def test_a_survey_with_a_wrong_password_is_refused_and_never_shown(
+        ipmi_bmc: IpmiBmc, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = Path(ipmi_bmc.wrong_password_file).read_text().strip()
+    started = time.monotonic()
+    with pytest.raises(BmcAuthFailed, match="survey power, health and identity: Incorrect "
+                                            "password") as refused:
+        IpmiPower(ipmi_bmc.spec(wrong_password=True)).survey()
+    assert time.monotonic() - started < 5, "a refusal is not retried"
+    captured = capsys.readouterr()
+    everything = [str(refused.value), caplog.text, captured.out, captured.err]
+    for secret in (wrong, ipmi_bmc.password):
+        assert not [text for text in everything if secret in text]
+
+
+def test_a_stopped_bmc_is_unreachable_until_it_answers_again_on_its_port(
+        ipmi_bmc: IpmiBmc) -> None:
+    """Also the fixture's ``stop()`` then ``start()``: the same port, the same spec."""
+    port = ipmi_bmc.port
+    ipmi_bmc.stop()
+    with pytest.raises(BmcUnreachable, match="survey power, health and identity: no answer "
+                                             "after 2 attempts"):
+        IpmiPower(ipmi_bmc.spec(), timeout=1, attempts=2, backoff=0.05).survey()
+    ipmi_bmc.start()
+    assert ipmi_bmc.port == port
+    assert IpmiPower(ipmi_bmc.spec(), timeout=10).survey().power == PowerState.ON
+
+
+def test_a_changed_bmc_password_is_refused_until_shepherd_is_told(ipmi_bmc: IpmiBmc) -> None:
+    """Also the fixture's ``set_password``: same port, the old password refused (by
+    ipmitool too), the spec's file left behind until rewritten."""
+    port, old = ipmi_bmc.port, ipmi_bmc.password
+    power = IpmiPower(ipmi_bmc.spec(), timeout=10)
+    new = ipmi_bmc.set_password()
+    assert ipmi_bmc.port == port and new == ipmi_bmc.password != old
+    with pytest.raises(BmcAuthFailed, match="Incorrect password"):
+        power.survey()
+    secret_file(ipmi_bmc.current_password_file, old)
+    assert ipmi_bmc.ipmitool("chassis", "power", "status").returncode != 0
+    secret_file(ipmi_bmc.current_password_file, new)
+    secret_file(Path(ipmi_bmc.password_file), new)  # the inventory is told
+    assert power.survey().health == Health.OK
+
+
+def test_a_slow_bmc_is_surveyed_with_one_chassis_read(ipmi_bmc: IpmiBmc) -> None:
+    ipmi_bmc.set_delay(0.5)
+    asked = len(ipmi_bmc.calls())
+    started = time.monotonic()
+    assert IpmiPower(ipmi_bmc.spec(), timeout=10).survey().power == PowerState.ON
+    assert time.monotonic() - started >= 0.5
+    [(start, end, args)] = ipmi_bmc.calls()[asked:]
+    assert args == "0x20 get power" and end - start >= 0.5
+
+
+# -- the fixture's chassis log and delay ------------------------------------------------
+
+
+def test_the_chassis_script_logs_each_call_with_its_start_and_end(ipmi_bmc: IpmiBmc) -> None:
+    before = time.time()
+    assert ipmi_bmc.ipmitool("chassis", "power", "off").returncode == 0
+    after = time.time()
+    start, end, args = ipmi_bmc.calls()[-1]
+    assert args == "0x20 set power 0" and before <= start <= end <= after
+    assert ipmi_bmc.chassis_log == [args for _, _, args in ipmi_bmc.calls()]
+
+
+def test_a_delay_slows_every_chassis_read_until_reset(ipmi_bmc: IpmiBmc) -> None:
+    ipmi_bmc.set_delay(1.0)
+    assert ipmitool_power(ipmi_bmc) == "on"
+    start, end, args = ipmi_bmc.calls()[-1]
+    assert args == "0x20 get power" and end - start >= 1.0
+    ipmi_bmc.set_delay(0)
+    assert ipmitool_power(ipmi_bmc) == "on"
+    start, end, _ = ipmi_bmc.calls()[-1]
+    assert end - start < 1.0
+
+
+# -- the survey's decoding, on bytes no simulator sends ---------------------------------
+# ipmi_sim answers Get Chassis Status with the power bit alone (its other bytes are
+# always zero), so the fault bits are tested here, on the bytes the spec defines.
+
+
+@pytest.mark.parametrize(("data", "power", "faults"), [
+    ("01 00 00", "on", []),
+    ("00 00 00", "off", []),
+    ("61 1f 00", "on", []),  # restore policy and last power event: not faults
+    ("03 00 00", "on", ["power overload"]),
+    ("04 00 00", "off", ["interlock"]),
+    ("08 00 00", "off", ["power fault"]),
+    ("11 00 00", "on", ["power control fault"]),
+    ("01 00 01", "on", ["chassis intrusion"]),
+    ("01 00 02", "on", []),  # front panel lockout: a setting
+    ("01 00 04", "on", ["drive fault"]),
+    ("01 00 08", "on", ["cooling fault"]),
+    ("1f 00 0f 40", "on", ["power overload", "interlock", "power fault",
+                           "power control fault", "chassis intrusion", "drive fault",
+                           "cooling fault"]),
+])
+def test_chassis_status_bits(data: str, power: str, faults: list[str]) -> None:
+    assert ipmi_call.chassis_status(bytes.fromhex(data)) == {
+        "power": power, "faults": faults, "chassis": data}
+
+
+def test_a_short_chassis_status_is_refused() -> None:
+    with pytest.raises(ValueError, match="unexpected chassis status answer 01 00"):
+        ipmi_call.chassis_status(b"\x01\x00")
+
+
+@pytest.mark.parametrize(("faults", "health"), [
+    ([], Health.OK),
+    (["drive fault"], Health.WARNING),
+    (["interlock"], Health.WARNING),
+    (["chassis intrusion"], Health.WARNING),
+    (["something new"], Health.WARNING),
+    (["power fault"], Health.CRITICAL),
+    (["power overload"], Health.CRITICAL),
+    (["power control fault"], Health.CRITICAL),
+    (["drive fault", "cooling fault"], Health.CRITICAL),
+])
+def test_chassis_faults_map_onto_health(faults: list[str], health: Health) -> None:
+    assert ipmi.chassis_health(faults) == health
+
+
+def test_the_health_detail_names_the_faults() -> None:
+    assert ipmi.chassis_detail([]) == "chassis status: no fault"
+    assert (ipmi.chassis_detail(["drive fault", "cooling fault"])
+            == "chassis status: drive fault, cooling fault")
+
+
+class SurveyedBmc:
+    """Stands for pyghmi's Command where ipmi_sim cannot: chassis status ``chassis``,
+    the fixture's GUID, and FRU device 0 from ``fru`` (None: "Invalid data field"),
+    at most ``limit`` bytes a read (more: 0xC8), addressed by words if ``words``."""
+
+    def __init__(self, chassis: str = "01 00 00", fru: bytes | None = FRU.image(),
+                 limit: int = 255, words: bool = False) -> None:
+        self.chassis = bytes.fromhex(chassis)
+        self.fru = fru
+        self.limit = limit
+        self.words = words
+        self.asked: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def raw_command(self, netfn: int, command: int, data: Sequence[int] = ()
+                    ) -> dict[str, Any]:
+        self.asked.append((netfn, command, tuple(data)))
+        if (netfn, command) == (0, 1):
+            return {"data": list(self.chassis)}
+        if (netfn, command) == (6, 0x37):
+            return {"data": list(bytes.fromhex(IPMI_GUID))}
+        if self.fru is None:
+            return {"error": "Invalid data field in request", "code": 0xCC}
+        if command == 0x10:
+            return {"data": [len(self.fru) & 0xFF, len(self.fru) >> 8, int(self.words)]}
+        unit = 2 if self.words else 1
+        offset, count = (data[1] | data[2] << 8) * unit, data[3] * unit
+        if count > self.limit:
+            return {"error": "Request data length limit exceeded", "code": 0xC8}
+        chunk = self.fru[offset:offset + count]
+        return {"data": [len(chunk) // unit, *chunk]}
+
+
+def test_the_survey_reports_the_chassis_faults() -> None:
+    answer = ipmi_call.survey(SurveyedBmc(chassis="19 00 0c"), failure)
+    assert answer == {"power": "on", "chassis": "19 00 0c", "uuid": IPMI_UUID,
+                      "faults": ["power fault", "power control fault", "drive fault",
+                                 "cooling fault"],
+                      "serial": FRU.product_serial, "model": FRU.product_name}
+
+
+def test_a_failed_chassis_status_fails_the_survey() -> None:
+    class Busy(SurveyedBmc):
+        def raw_command(self, netfn: int, command: int, data: Sequence[int] = ()
+                        ) -> dict[str, Any]:
+            return {"error": "Unspecified error", "code": 0xFF}
+
+    assert ipmi_call.survey(Busy(), failure) == {
+        "error": "failed", "message": "Unspecified error (completion code 0xff)"}
+    assert ipmi_call.survey(SurveyedBmc(chassis="01 00"), failure) == {
+        "error": "failed", "message": "unexpected chassis status answer 01 00"}
+
+
+def test_only_the_fru_header_and_product_area_are_read() -> None:
+    """Three FRU commands for a 2 KiB inventory whose product area fits one read."""
+    bmc = SurveyedBmc(fru=FRU.image(size=2048))
+    assert ipmi_call.fru_product(bmc) == {"serial": FRU.product_serial,
+                                          "model": FRU.product_name}
+    assert [(command, data) for _, command, data in bmc.asked] == [
+        (0x10, (0,)), (0x11, (0, 0, 0, 8)), (0x11, (0, 72, 0, 224))]
+
+
+@pytest.mark.parametrize(("limit", "words"), [(255, False), (23, False), (8, False),
+                                              (32, True)])
+def test_a_fru_read_in_pieces_or_by_words_reads_the_same(limit: int, words: bool) -> None:
+    assert ipmi_call.fru_product(SurveyedBmc(limit=limit, words=words)) == {
+        "serial": FRU.product_serial, "model": FRU.product_name}
+
+
+def fru_with_header(image: bytes, **changes: int) -> bytes:
+    """``image`` with common header bytes changed (by index: ``b4=0``), checksum redone."""
+    header = bytearray(image[:7])
+    for name, value in changes.items():
+        header[int(name[1:])] = value
+    return with_checksum(bytes(header)) + image[8:]
+
+
+def corrupted(image: bytes, index: int) -> bytes:
+    return image[:index] + bytes([image[index] ^ 0x20]) + image[index + 1:]
+
+
+@pytest.mark.parametrize("fru", [
+    pytest.param(None, id="no FRU device"),
+    pytest.param(fru_with_header(FRU.image(), b4=0), id="no product area (a board area)"),
+    pytest.param(corrupted(FRU.image(), 7), id="header checksum"),
+    pytest.param(corrupted(FRU.image(), 80), id="product area checksum"),
+    pytest.param(fru_with_header(FRU.image(), b0=2), id="unknown header version"),
+    pytest.param(fru_with_header(FRU.image(), b4=40), id="product area past the end"),
+    pytest.param(b"", id="empty"),
+])
+def test_a_fru_without_a_sound_product_area_gives_nulls(fru: bytes | None) -> None:
+    """Never the board's serial in the system's place, never a failed survey."""
+    answer = ipmi_call.survey(SurveyedBmc(fru=fru), failure)
+    assert answer == {"power": "on", "faults": [], "chassis": "01 00 00",
+                      "uuid": IPMI_UUID, "serial": None, "model": None}
+
+
+def test_a_fru_that_refuses_even_small_reads_gives_nulls() -> None:
+    assert ipmi_call.fru_product(SurveyedBmc(limit=4)) == {"serial": None, "model": None}

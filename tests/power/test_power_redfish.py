@@ -27,7 +27,9 @@ from shepherd.bmc import BmcSpec
 from shepherd.power import (
     ActionUnsupported,
     BmcAuthFailed,
+    BmcSurvey,
     BmcUnreachable,
+    Health,
     PowerAction,
     PowerError,
     PowerState,
@@ -259,6 +261,117 @@ def test_identity_of_an_unreachable_bmc_fails_within_a_bound(tmp_path: Path) -> 
     assert time.monotonic() - started < 2.0
     assert f"127.0.0.1:{port}" in str(failed.value)
     assert "irrelevant" not in str(failed.value)
+
+# -- survey ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_survey_reads_power_health_and_identity_in_two_requests(tmp_path: Path) -> None:
+    """Each system's power, health and identity; and, from the BMC's own log, what one
+    survey costs: the service root (``sushy.Sushy`` reads it as it is built) and the
+    System, nothing else (no session, no registries, no collection once discovered)."""
+    with running_redfish(tmp_path, [("node-1", "On"), ("node-2", "Off")]) as bmc:
+        emulator = bmc.emulator
+        uuids = {system.name: system.uuid for system in emulator.systems}
+        for name, power in (("node-1", PowerState.ON), ("node-2", PowerState.OFF)):
+            before = len(emulator.requests())
+            survey = RedfishPower(bmc.spec(name), timeout=5).survey()
+            made = [(r.method, r.path, r.status) for r in emulator.requests()[before:]]
+            assert made == [("GET", "/redfish/v1/", 200),
+                            ("GET", emulator.system_path(name), 200)]
+            assert survey == BmcSurvey(
+                power=power, health=Health.OK, health_detail=survey.health_detail,
+                identity=SystemIdentity(uuid=uuids[name]))
+            # sushy-emulator spells the rollup HealthRollUp: read as sent.
+            assert survey.health_detail == ("Status.Health OK, HealthRollUp OK, "
+                                            "State Enabled")
+
+
+@pytest.mark.timeout(60)
+def test_a_survey_that_discovers_the_system_lists_them_once(redfish_bmc: RedfishBmc) -> None:
+    emulator = redfish_bmc.emulator
+    power = RedfishPower(redfish_bmc.spec(), timeout=5)
+    before = len(emulator.requests())
+    assert power.survey().identity.uuid == emulator.systems[0].uuid
+    assert power.survey().power == PowerState.ON
+    assert [r.path for r in emulator.requests()[before:]] == [
+        "/redfish/v1/", "/redfish/v1/Systems", emulator.system_path("node-1"),
+        "/redfish/v1/", emulator.system_path("node-1")]
+
+
+@pytest.mark.timeout(60)
+def test_a_survey_with_a_wrong_password_is_refused_and_never_shown(
+        redfish_bmc: RedfishBmc, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = Path(redfish_bmc.wrong_password_file).read_text().strip()
+    power = RedfishPower(redfish_bmc.spec("node-1", wrong_password=True), timeout=5,
+                         attempts=3)
+    before = len(redfish_bmc.emulator.requests())
+    with pytest.raises(BmcAuthFailed, match="survey the system: HTTP 401") as refused:
+        power.survey()
+    statuses = [r.status for r in redfish_bmc.emulator.requests()[before:]]
+    assert statuses == [200, 401], "a refusal is not retried"
+    message = str(refused.value)
+    assert redfish_bmc.address in message
+    for secret in (wrong, redfish_bmc.password):
+        assert secret not in message and secret not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_survey_of_a_stopped_bmc_is_unreachable_within_a_bound(
+        redfish_bmc: RedfishBmc) -> None:
+    power = RedfishPower(redfish_bmc.spec("node-1"), timeout=0.5, attempts=2, backoff=0.05)
+    assert power.survey().health == Health.OK
+    redfish_bmc.emulator.stop()
+    started = time.monotonic()
+    with pytest.raises(BmcUnreachable, match="survey the system: no answer after 2 attempts"):
+        power.survey()
+    assert time.monotonic() - started < 2.0
+
+
+def _surveyed(sent: dict[str, object]) -> BmcSurvey:
+    """``_survey`` of sushy's own System over a canned JSON: what the emulator cannot
+    send (other healths, other spellings, none at all)."""
+    from sushy.resources.system.system import System
+
+    connector = mock.Mock()
+    connector.get.return_value.json.return_value = {
+        "@odata.id": "/redfish/v1/Systems/1", "Id": "1", **sent}
+    system = System(connector, "/redfish/v1/Systems/1", redfish_version="1.0.2")
+    return redfish_module._survey(system)
+
+
+@pytest.mark.parametrize(("status", "health", "detail"), [
+    ({"Health": "OK", "State": "Enabled"}, Health.OK, "Status.Health OK, State Enabled"),
+    # The rollup (subordinates: a DIMM, a fan) is worse: the machine is.
+    ({"Health": "OK", "HealthRollup": "Critical", "State": "Enabled"}, Health.CRITICAL,
+     "Status.Health OK, HealthRollup Critical, State Enabled"),
+    ({"Health": "Warning", "HealthRollup": "OK"}, Health.WARNING,
+     "Status.Health Warning, HealthRollup OK"),
+    ({"Health": "ok"}, Health.OK, "Status.Health ok"),
+    ({"Health": "Degraded", "HealthRollup": "Warning"}, Health.WARNING,
+     "Status.Health Degraded, HealthRollup Warning"),
+    ({"Health": "Degraded", "State": "Enabled"}, None,
+     "the BMC reports no health: Status.Health Degraded, State Enabled"),
+    ({"Health": None, "State": "StandbyOffline"}, None,
+     "the BMC reports no health: Status.State StandbyOffline"),
+    ({}, None, "the BMC reports no health (nothing in Status)"),
+    (None, None, "the BMC reports no health (no Status)"),
+])
+def test_a_survey_takes_the_worst_health_reported_and_guesses_none(
+        status: dict[str, object] | None, health: Health | None, detail: str) -> None:
+    sent: dict[str, object] = {"PowerState": "On", "UUID": "u-1"}
+    if status is not None:
+        sent["Status"] = status
+    survey = _surveyed(sent)
+    assert (survey.health, survey.health_detail) == (health, detail)
+    assert survey.power == PowerState.ON and survey.identity == SystemIdentity(uuid="u-1")
+
+
+def test_a_survey_keeps_an_unknown_power_state_unknown() -> None:
+    assert _surveyed({"PowerState": "Paused"}).power == PowerState.UNKNOWN
+    assert _surveyed({}).power == PowerState.UNKNOWN
+
 
 # -- TLS ------------------------------------------------------------------------------
 

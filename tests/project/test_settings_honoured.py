@@ -69,6 +69,10 @@ RACKS_QUARANTINE = ("tests/end_to_end/test_racks_e2e.py::"
                     "test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off")
 RULES = ("tests/workflows/test_recovery_rules.py::"
          "test_ladder_and_bmc_settings_reach_what_workers_build")
+SYNC_RULES = ("tests/workflows/test_recovery_rules.py::"
+              "test_the_sync_settings_reach_the_sync_and_beat")
+SYNC_E2E = ("tests/end_to_end/test_racks_e2e.py::"
+            "test_the_sync_reads_every_bmc_and_marks_one_that_stops_answering")
 #: A worker and beat pruning history with a 1-day retention every second.
 PRUNED = ("tests/bmdb/test_history_retention.py::"
           "test_the_worker_prunes_by_the_settings_and_beat_schedules_it")
@@ -140,6 +144,10 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "bmc_attempts": {W: RULES},
     "bmc_lock_wait": {W: RULES},
     "bmc_calls_max": {W: RULES},
+    "bmc_calls_reserved": {W: SYNC_RULES},
+    "bmc_sync_interval": {W: SYNC_E2E, B: SYNC_RULES},
+    "bmc_sync_tick": {W: SYNC_RULES, B: SYNC_E2E},
+    "bmc_slow": {W: SYNC_RULES},
     "recovery_max_share": {W: probe, S: probe, C: probe},
     "recovery_min_silent": {W: "tests/workflows/test_workflows.py::"
                             "test_recovery_guard_pauses_on_a_fleet_wide_silence"},

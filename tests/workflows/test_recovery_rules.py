@@ -158,6 +158,33 @@ def test_ladder_and_bmc_settings_reach_what_workers_build(session: bmdb.Session)
     assert settings.machine_task_soft_time_limit > 4 * 17 + 23 + 4 * (9 + 4 * 6)
 
 
+def test_the_sync_settings_reach_the_sync_and_beat() -> None:
+    """The power and health sync's budget from the environment: the worker's sync
+    settings, its drivers' bounds, and beat's schedule (no entry when it is off)."""
+    from celeryconfig import beat_schedule
+
+    settings = Settings.from_env({
+        "SHEPHERD_BMC_SYNC_INTERVAL": "45", "SHEPHERD_BMC_SYNC_TICK": "3",
+        "SHEPHERD_BMC_CALLS_MAX": "7", "SHEPHERD_BMC_CALLS_RESERVED": "2",
+        "SHEPHERD_BMC_SLOW": "1.5", "SHEPHERD_HEARTBEAT_TIMEOUT": "90",
+        "SHEPHERD_BMC_TIMEOUT": "4", "SHEPHERD_BMC_ATTEMPTS": "6",
+        "SHEPHERD_PROVIDER": "static",
+    })
+    synced = runtime.bmc_sync_settings(settings)
+    assert (synced.interval, synced.tick, synced.calls_cap, synced.reserved, synced.slow,
+            synced.heartbeat_timeout, synced.threads) == (45, 3, 7, 2, 1.5, 90, 5)
+    driver = runtime.bmc_driver(settings)(BmcSpec(
+        driver="redfish", address="http://127.0.0.1:9", username="admin",
+        password_file="/nonexistent"))
+    assert (driver.timeout, driver.attempts) == (4, 6)
+    assert beat_schedule(settings)["bmc-sync"]["schedule"] == 3
+    off = dataclasses.replace(settings, bmc_sync_interval=0.0)
+    assert "bmc-sync" not in beat_schedule(off)
+    with pytest.raises(SettingsError, match="SHEPHERD_BMC_CALLS_RESERVED=7 must leave"):
+        runtime.check_settings(dataclasses.replace(settings, bmc_calls_reserved=7,
+                                                   static_inventory="x.toml"))
+
+
 def test_a_ladder_longer_than_the_brokers_patience_is_refused() -> None:
     """Redis hands an unacknowledged message to another worker after the visibility
     timeout: a Recovery that may take longer would be run twice."""
