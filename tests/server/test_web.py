@@ -692,6 +692,49 @@ def test_the_list_shows_hostname_heartbeat_age_and_power(web, browse) -> None:
     assert "late" in silent_page.attributes_by_id["heartbeat"]["class"]
 
 
+def test_what_the_sync_found_wrong_with_a_bmc_is_in_the_power_cell(web, browse) -> None:
+    """A BMC the sync found unreachable, one whose system is Critical, and one that says
+    Off while the agent heartbeats: each marked late in the list's power cell with a
+    few words; the machine page tells the whole story. A healthy BMC adds nothing."""
+    server, db, fleet = web
+    down, critical, off = fleet.silent, fleet.quiet, fleet.fresh_agent
+
+    def seed(tx: bmdb.Tx) -> None:
+        machines = (fleet.healthy, down, critical, off)
+        bmdb.enroll_bmcs(tx, {machine: 0 for machine in machines})
+        for machine in machines:
+            bmdb.record_power_observed(tx, machine, "Off" if machine == off else "On",
+                                       "redfish http://bmc")
+        ok = bmdb.BmcReading("answering", 0.05, "redfish http://bmc", health="OK",
+                             health_detail="Status.Health OK")
+        bmdb.record_bmc_reading(tx, fleet.healthy, ok)
+        bmdb.record_bmc_reading(tx, down, ok)
+        bmdb.record_bmc_reading(tx, down, bmdb.BmcReading(
+            "unreachable", 0.0, "redfish http://bmc", problem="BmcUnreachable: no answer"))
+        bmdb.record_bmc_reading(tx, critical, bmdb.BmcReading(
+            "answering", 0.05, "redfish http://bmc", health="Critical",
+            health_detail="Status.Health Critical, State Enabled"))
+        bmdb.record_bmc_reading(tx, off, bmdb.BmcReading(
+            "answering", 0.05, "redfish http://bmc", health="OK", health_detail="OK",
+            contradiction="the BMC says Off, but the agent heartbeated at <script>"))
+
+    db.read(seed)
+    page = browse(f"{server.url}/machines")
+    rows = {a["data-machine"]: t for a, t in page.rows_with("data-machine")}
+    assert "BMC" not in rows[str(fleet.healthy)]
+    assert "late" not in _cells(page, fleet.healthy)["power"]
+    for machine, words in ((down, "BMC unreachable"), (critical, "Critical"),
+                           (off, "contradicts the agent")):
+        assert words in rows[str(machine)], rows[str(machine)]
+        assert "late" in _cells(page, machine)["power"]
+    detail = browse(f"{server.url}/machines/{down}")
+    assert "BMC unreachable since" in detail.by_id["power"]
+    assert "BmcUnreachable: no answer" in detail.by_id["power"]
+    assert "health OK (Status.Health OK), read" in detail.by_id["power"]
+    flagged = browse(f"{server.url}/machines/{off}")
+    assert "the agent heartbeated at <script>" in flagged.by_id["power"]
+
+
 def test_simulated_and_api_machines_name_their_provider_and_its_power(web, browse) -> None:
     """The provider the BMDB records, the simulator marked as such; without a reading,
     an API provider's device state stands in, marked "(provider)"."""
