@@ -305,3 +305,18 @@ def test_an_ipmi_bmc_is_read_with_its_chassis_health_and_marked_while_it_is_down
     make_due(session, rack)
     bmc_sync.sync(session, rack.provider, SETTINGS, connect)
     assert booked(session, machine).status == "answering"
+
+
+def test_a_new_rack_is_read_over_an_interval_and_never_in_step(session: bmdb.Session) -> None:
+    """Jitter: forty new machines' first reads spread over the first interval (not one
+    burst), and every next read one interval later plus up to a tenth, never sooner."""
+    machines = session.transact(lambda tx: [bmdb.create_machine(tx) for _ in range(40)])
+    assert bmc_sync.enroll(session, machines, 100) == 40
+    assert bmc_sync.enroll(session, machines, 100) == 0  # booked once
+    now = session.db.read(lambda tx: tx.now)
+    offsets = sorted((booked(session, m).due_at - now).total_seconds() for m in machines)
+    assert -1 <= offsets[0] and offsets[-1] <= 100
+    assert offsets[-1] - offsets[0] > 50  # spread, not in step
+    nexts = [bmc_sync.next_read_in(100) for _ in range(200)]
+    assert all(100 <= n <= 100 * (1 + bmc_sync.JITTER) for n in nexts)
+    assert len(set(nexts)) > 100
