@@ -129,6 +129,9 @@ class BmcSurvey:
     #: Enabled"; "chassis: power fault, drive fault". At most a few hundred characters.
     health_detail: str
     identity: SystemIdentity
+    #: How long the BMC took, as its driver measured it (an IPMI helper's own start
+    #: left out); None: not measured, the caller times the call.
+    seconds: float | None = None
 
 
 class BootDeviceNotTaken(PowerError):

@@ -185,7 +185,8 @@ class IpmiPower(BmcDriver):
         return BmcSurvey(power=POWER_STATES.get(str(answer.get("power")), PowerState.UNKNOWN),
                          health=chassis_health(faults), health_detail=chassis_detail(faults),
                          identity=SystemIdentity(uuid=text("uuid"), serial=text("serial"),
-                                                 model=text("model")))
+                                                 model=text("model")),
+                         seconds=_seconds(answer.get("seconds")))
 
     def _call(self, what: str, op: str, fields: dict[str, Any] | None = None
               ) -> dict[str, Any]:
@@ -220,3 +221,8 @@ class IpmiPower(BmcDriver):
         if kind == "unsupported":
             raise ActionUnsupported(detail)
         raise PowerError(detail)
+
+
+def _seconds(value: object) -> float | None:
+    """The helper's own measure of the session, when it sent a number."""
+    return float(value) if isinstance(value, int | float) else None

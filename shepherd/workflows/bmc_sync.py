@@ -191,8 +191,19 @@ def _by_bmc(due: list[uuid.UUID], machines: dict[uuid.UUID, ProviderMachine],
 
 def _read_group(session: bmdb.Session, group: list[tuple[uuid.UUID, ProviderMachine]],
                 settings: SyncSettings, connect: Connect) -> list[str]:
-    return [read_one(session, machine_id, machine, settings, connect)
-            for machine_id, machine in group]
+    """One BMC's due machines, in turn. Once the BMC did not answer, the rest are marked
+    unreachable without a call: each would wait out the same timeouts (up to
+    attempts x timeout apiece) with a thread of the run, and say nothing new."""
+    outcomes: list[str] = []
+    for machine_id, machine in group:
+        if outcomes and outcomes[-1] == bmdb.BMC_UNREACHABLE:
+            via = connect(machine.bmc).description if machine.bmc else "its BMC"
+            outcomes.append(_record_failure(session, machine_id, via, BmcUnreachable(
+                f"{via}: not asked: it did not answer a read of another of its machines "
+                f"a moment before")))
+            continue
+        outcomes.append(read_one(session, machine_id, machine, settings, connect))
+    return outcomes
 
 
 def _count(result: SyncResult, outcome: str) -> None:
@@ -234,11 +245,14 @@ def read_one(session: bmdb.Session, machine_id: uuid.UUID, machine: ProviderMach
 
 
 def _timed_survey(power: ExclusivePower, driver: BmcControl) -> tuple[BmcSurvey, float]:
-    """The survey, and the seconds the BMC took (not the wait for its lock)."""
+    """The survey, and the seconds the BMC took: the driver's measure where it has one
+    (an IPMI helper's start is the worker's time, not the BMC's), else the call's; never
+    the wait for the BMC's lock."""
     with power.held():
         started = time.monotonic()
         survey = driver.survey()
-        return survey, time.monotonic() - started
+        took = time.monotonic() - started
+    return survey, took if survey.seconds is None else survey.seconds
 
 
 def _record_failure(session: bmdb.Session, machine_id: uuid.UUID, via: str,

@@ -298,7 +298,9 @@ def test_survey_reads_power_health_and_identity_as_ipmitool_does(
     assert survey == BmcSurvey(
         power=PowerState.ON, health=Health.OK, health_detail="chassis status: no fault",
         identity=SystemIdentity(uuid=IPMI_UUID, serial=FRU.product_serial,
-                                model=FRU.product_name))
+                                model=FRU.product_name), seconds=survey.seconds)
+    # The BMC's time, measured by the helper from its login: not its own start.
+    assert survey.seconds is not None and 0 < survey.seconds < 10
     assert len(started) == 1
     assert ipmi_bmc.chassis_log[asked:] == ["0x20 get power"]
     assert ipmitool_fields(ipmi_bmc, "session", "info", "active")["active sessions"] == "1"
@@ -324,6 +326,8 @@ def test_the_survey_op_answers_the_chassis_bytes_ipmitool_reads(ipmi_bmc: IpmiBm
     answer = json.loads(child.stdout)
     raw = ipmi_bmc.ipmitool("raw", "0x00", "0x01")
     assert raw.returncode == 0, raw.stderr
+    seconds = answer.pop("seconds")
+    assert isinstance(seconds, float) and 0 < seconds < 20
     assert answer == {"power": "on", "faults": [], "chassis": raw.stdout.strip(),
                       "uuid": IPMI_UUID, "serial": FRU.product_serial,
                       "model": FRU.product_name}
@@ -352,7 +356,7 @@ def test_a_bmc_without_a_fru_has_no_serial_or_model(tmp_path: Path) -> None:
     finally:
         bmc.stop()
     assert survey == BmcSurvey(PowerState.ON, Health.OK, "chassis status: no fault",
-                               SystemIdentity(uuid=IPMI_UUID))
+                               SystemIdentity(uuid=IPMI_UUID), seconds=survey.seconds)
     assert listed.returncode != 0 and "Device not present" in listed.stdout + listed.stderr
 
 

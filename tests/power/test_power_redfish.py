@@ -281,7 +281,8 @@ def test_a_survey_reads_power_health_and_identity_in_two_requests(tmp_path: Path
                             ("GET", emulator.system_path(name), 200)]
             assert survey == BmcSurvey(
                 power=power, health=Health.OK, health_detail=survey.health_detail,
-                identity=SystemIdentity(uuid=uuids[name]))
+                identity=SystemIdentity(uuid=uuids[name]), seconds=survey.seconds)
+            assert survey.seconds is not None and 0 < survey.seconds < 10
             # sushy-emulator spells the rollup HealthRollUp: read as sent.
             assert survey.health_detail == ("Status.Health OK, HealthRollUp OK, "
                                             "State Enabled")
