@@ -47,8 +47,10 @@ class BMDB:
         """The schema revisions the database is at (none before the first migration)."""
         return revisions.current_revisions(self.engine)
 
-    def start_session(self, component: str, interval: float = 5.0) -> Session:
-        return Session(self, component, interval)
+    def start_session(self, component: str, interval: float = 5.0, *,
+                      durable: bool = True) -> Session:
+        """A session (``Session`` says what ``durable=False`` gives up, and for whom)."""
+        return Session(self, component, interval, durable=durable)
 
     def read(self, body: Callable[[Tx], T]) -> T:
         """Run ``body`` in a transaction outside any session: for reads, and for the sweep."""

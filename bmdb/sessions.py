@@ -39,16 +39,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+#: A ``durable=False`` session's transactions: commit without waiting for the disk.
+_NOT_FLUSHED = sa.text("SET LOCAL synchronous_commit TO OFF")
+
+
 class Session:
     """A live lease on the BMDB. Use it as a context manager, or call ``close``."""
 
-    def __init__(self, db: BMDB, component: str, interval: float = 5.0) -> None:
+    def __init__(self, db: BMDB, component: str, interval: float = 5.0, *,
+                 durable: bool = True) -> None:
+        """``durable=False``: this session's commits return before they are flushed to
+        disk (PostgreSQL's ``synchronous_commit = off``, per transaction). They are
+        visible to everyone at once, as any commit; only a crash of the database can
+        lose the last of them. For a session whose writes a crash may lose because they
+        are observations made again soon (the power and health sync's), so its commits
+        never queue heartbeats' behind another disk flush."""
         if interval < 1:
             raise ValueError("session interval must be at least 1 second")
         self.db = db
         self.id = uuid.uuid4()
         self.component = component
         self.interval = interval
+        self.durable = durable
         self._stopped = threading.Event()
         self._expired = threading.Event()
         # Built once: every transaction of the session runs it first.
@@ -118,6 +130,8 @@ class Session:
         self._lease_until = asked_at + self.interval
 
     def _open(self, conn: Connection) -> Tx:
+        if not self.durable and conn.dialect.name == "postgresql":
+            conn.execute(_NOT_FLUSHED)
         row = conn.execute(self._liveness).one_or_none()
         if row is None or row.deadline <= row[1]:
             self._expired.set()

@@ -78,5 +78,6 @@ def sync_bmcs() -> dict[str, Any]:
     """Read the BMCs whose read is due, within the budget (the rules:
     ``shepherd.workflows.bmc_sync``); beat sends one every SHEPHERD_BMC_SYNC_TICK."""
     rt = app.runtime
-    return bmc_sync.sync(rt.session, rt.provider, runtime.bmc_sync_settings(rt.settings),
-                         runtime.bmc_driver(rt.settings)).to_json()
+    with bmc_sync.open_session(rt.db, rt.settings.session_interval) as session:
+        return bmc_sync.sync(session, rt.provider, runtime.bmc_sync_settings(rt.settings),
+                             runtime.bmc_driver(rt.settings)).to_json()

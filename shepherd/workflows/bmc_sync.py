@@ -18,8 +18,11 @@ read here keeps four rules, each enforced where it is named:
   ``SHEPHERD_BMC_CALLS_RESERVED``, which stay free for Recovery, ``shepherd power`` and
   installations; a BMC or slot not free within ``LOCK_WAIT`` is read again soon, not
   waited for.
-* **Jitter**: a new machine's first read falls anywhere in the first interval, and
-  each next read up to ``JITTER`` of an interval late, so a fleet never polls in step.
+* **Jitter and pace**: a new machine's first read falls anywhere in the first
+  interval, and each next read up to ``JITTER`` of an interval late, so a fleet never
+  polls in step; and a run reads at most twice the pace the interval needs
+  (``reads_per_run``), so even a backlog of every machine drains in half an interval
+  without a burst of BMDB commits beside the heartbeats.
 
 What a read finds is recorded (``bmdb.record_bmc_reading``, and the power through
 ``bmdb.record_power_observed``): the health, the time the BMC took, and its status,
@@ -36,7 +39,9 @@ returns once they ended.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+import math
 import random
 import time
 import uuid
@@ -70,6 +75,8 @@ LOCK_WAIT = 2.0
 RETRY_BUSY = 5.0
 #: Reads claimed per transaction.
 BATCH = 64
+#: How much faster than the interval needs a run may read (``reads_per_run``).
+PACE = 2.0
 #: Who the sync's holds and history name.
 ACTOR = "bmc-sync"
 
@@ -112,6 +119,15 @@ class SyncResult:
         return asdict(self)
 
 
+def open_session(db: bmdb.BMDB, interval: float) -> bmdb.Session:
+    """The sync's own BMDB session, not the worker's: its commits are not flushed to
+    disk before they return (``durable=False``). Everything it writes is an observation
+    read again within an interval, or a BMC lock that a crashed BMDB frees anyway; so a
+    crash may lose the last of it, and heartbeats never wait behind its disk flushes
+    (the bench measured their p99 up 50 % beside a backlog's reads without this)."""
+    return db.start_session("bmc-sync", interval=interval, durable=False)
+
+
 #: Builds the driver of a BMC (``shepherd.power.connect`` with the settings' timeouts).
 Connect = Callable[[BmcSpec], BmcControl]
 
@@ -123,9 +139,12 @@ def sync(session: bmdb.Session, provider: Provider, settings: SyncSettings,
     machines = machines_with_a_bmc(session, provider)
     result = SyncResult(enrolled=enroll(session, machines, settings.interval))
     deadline = clock() + settings.tick
+    budget = reads_per_run(len(machines), settings)
     with ThreadPoolExecutor(settings.threads, thread_name_prefix="bmc-sync") as pool:
-        while clock() < deadline:
-            due = session.transact(lambda tx: claim(tx, settings.interval))
+        while clock() < deadline and budget > 0:
+            due = session.transact(functools.partial(claim, interval=settings.interval,
+                                                     most=budget))
+            budget -= len(due)
             if not due:
                 break
             groups = _by_bmc(due, machines, session, result)
@@ -159,8 +178,17 @@ def enroll(session: bmdb.Session, machines: Iterable[uuid.UUID], interval: float
     return session.transact(lambda tx: bmdb.enroll_bmcs(tx, offsets))
 
 
-def claim(tx: bmdb.Tx, interval: float) -> list[uuid.UUID]:
-    return bmdb.claim_bmc_reads(tx, BATCH, lambda: next_read_in(interval))
+def reads_per_run(machines: int, settings: SyncSettings) -> int:
+    """The most reads one run starts: twice the pace the interval needs (every machine
+    once per interval, a run every tick), and at least one per thread. So a backlog
+    (a new rack, a sync that was off) drains within half an interval, at a pace that
+    leaves the BMDB's commits to the heartbeats, instead of in one burst."""
+    return max(settings.threads, math.ceil(PACE * machines * settings.tick
+                                           / settings.interval))
+
+
+def claim(tx: bmdb.Tx, interval: float, most: int) -> list[uuid.UUID]:
+    return bmdb.claim_bmc_reads(tx, min(BATCH, most), lambda: next_read_in(interval))
 
 
 def next_read_in(interval: float) -> float:

@@ -78,3 +78,31 @@ def test_a_lease_that_could_not_be_extended_is_not_alive(db):
     with pytest.raises(bmdb.SessionExpired):
         work.ensure_held()
     session.close()
+
+
+def test_a_session_not_durable_commits_without_waiting_for_the_disk(db) -> None:
+    """``durable=False`` (the power and health sync's session): each of its
+    transactions, and only its, runs with ``synchronous_commit`` off, even where the
+    database's own setting is on; what it commits is seen by other sessions at once."""
+    setting = sa.text("SHOW synchronous_commit")
+    if db.engine.dialect.name != "postgresql":
+        with db.start_session("sync", durable=False) as relaxed:
+            assert relaxed.transact(lambda tx: bmdb.create_machine(tx)) is not None
+        return  # SQLite has no such setting: every commit is what it is
+    name = db.read(lambda tx: tx.execute(sa.text("SELECT current_database()")).scalar())
+    with db.engine.connect() as conn:  # the tests' server turns it off: on, for this one
+        conn.execute(sa.text(f'ALTER DATABASE "{name}" SET synchronous_commit = on'))
+        conn.commit()
+    db.engine.dispose()
+    try:
+        with db.start_session("sync", durable=False) as relaxed, \
+                db.start_session("w") as usual:
+            assert relaxed.transact(lambda tx: tx.execute(setting).scalar()) == "off"
+            assert usual.transact(lambda tx: tx.execute(setting).scalar()) == "on"
+            machine = relaxed.transact(lambda tx: bmdb.create_machine(tx))
+            assert usual.transact(lambda tx: bmdb.machine_exists(tx, machine))
+    finally:
+        with db.engine.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" RESET synchronous_commit'))
+            conn.commit()
+        db.engine.dispose()

@@ -231,8 +231,11 @@ def test_two_syncs_at_once_keep_one_call_per_bmc_and_the_slots_left_to_recovery(
         results: list[bmc_sync.SyncResult] = []
 
         def run() -> None:
+            """Runs back to back, as a busy beat would start them (each run reads at
+            most its pace: ``reads_per_run``)."""
             with db.start_session("sync", interval=10) as own:
-                results.append(bmc_sync.sync(own, rack.provider, SETTINGS, connect))
+                for _ in range(4):
+                    results.append(bmc_sync.sync(own, rack.provider, SETTINGS, connect))
 
         threads = [threading.Thread(target=run) for _ in range(2)]
         for thread in threads:
@@ -321,8 +324,31 @@ def test_a_new_rack_is_read_over_an_interval_and_never_in_step(session: bmdb.Ses
     assert bmc_sync.enroll(session, machines, 100) == 0  # booked once
     now = session.db.read(lambda tx: tx.now)
     offsets = sorted((booked(session, m).due_at - now).total_seconds() for m in machines)
-    assert -1 <= offsets[0] and offsets[-1] <= 100
+    assert offsets[0] >= -1 and offsets[-1] <= 100
     assert offsets[-1] - offsets[0] > 50  # spread, not in step
     nexts = [bmc_sync.next_read_in(100) for _ in range(200)]
     assert all(100 <= n <= 100 * (1 + bmc_sync.JITTER) for n in nexts)
     assert len(set(nexts)) > 100
+
+
+def test_a_run_reads_at_twice_the_pace_the_interval_needs_and_no_faster(
+        session: bmdb.Session, tmp_path: Path) -> None:
+    """Forty machines all due (a backlog): at an interval of 100 s and a tick of 10 s
+    one run reads 2 x 40 x 10 / 100 = 8 of them, and the rest wait for the next runs,
+    so a backlog drains in half an interval instead of in one burst. Never fewer than
+    one read per thread."""
+    with running_redfish(tmp_path / "redfish", [(f"s{n}", "On") for n in range(40)]) as bmc:
+        read_at_pace(session, tmp_path, bmc)
+
+
+def read_at_pace(session: bmdb.Session, tmp_path: Path, redfish: RedfishBmc) -> None:
+    rack = redfish_rack(session, tmp_path, redfish, [(f"u{n}", f"s{n}") for n in range(40)])
+    paced = replace(SETTINGS, interval=100, tick=10)
+    assert bmc_sync.reads_per_run(40, paced) == 8
+    assert bmc_sync.reads_per_run(2, paced) == paced.threads
+    bmc_sync.enroll(session, rack.ids.values(), 0)
+    first = bmc_sync.sync(session, rack.provider, paced, connect)
+    assert first.answered == 8
+    reads = [bmc_sync.sync(session, rack.provider, paced, connect).answered for _ in range(4)]
+    assert reads == [8, 8, 8, 8]
+    assert bmc_sync.sync(session, rack.provider, paced, connect).answered == 0
