@@ -29,9 +29,9 @@ device 0 (null where there is none to read: ``fru_product`` says which and why).
 
 A survey's ``seconds`` are the BMC's: from the login to the last read, this process's
 own start (an interpreter and pyghmi, about 0.15 s of CPU) left out, so a BMC is not
-called slow for a busy worker's sake. And the process runs at a lower CPU priority
-(``NICENESS``): it waits on a BMC, while a callback server on the same host must
-answer heartbeats promptly; Python's start and pyghmi's import are what it costs.
+called slow for a busy worker's sake. The process keeps its worker's CPU priority: a
+lower one made it miss a 3 s timeout on a loaded host, and a call that times out
+reads as a BMC that does not answer.
 
 Why a process per call, see ``shepherd.power.ipmi``.
 """
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -369,13 +368,7 @@ def timed(answer: dict[str, Any], started: float) -> dict[str, Any]:
                                              "seconds": round(time.monotonic() - started, 4)}
 
 
-#: How much less CPU priority the helper takes than its worker (``os.nice``).
-NICENESS = 10
-
-
 def main() -> int:
-    with contextlib.suppress(OSError):  # a platform without it: run as we are
-        os.nice(NICENESS)
     request = json.loads(sys.stdin.read())
     print(json.dumps(call(request)), flush=True)
     return 0

@@ -711,8 +711,8 @@ def test_the_tasks_app_configures_itself_from_one_settings(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["broker"] == "redis://127.0.0.1:1/3"
-    assert seen["beat"] == ["prune-history", "source-agent-start", "source-install",
-                            "source-recovery", "sweep", "update"]
+    assert seen["beat"] == ["bmc-sync", "prune-history", "source-agent-start",
+                            "source-install", "source-recovery", "sweep", "update"]
     assert seen["every"] == seen["interval"] == 2.0
     assert seen["pool"] == 3
     assert seen["component"] == f"worker:{seen['pid']}"
