@@ -8,6 +8,7 @@ Each test runs the whole control plane for tens of seconds: marked slow.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
@@ -417,12 +418,12 @@ def test_the_sync_reads_every_bmc_and_marks_one_that_stops_answering(racked) -> 
     cp.wait_for(lambda c: c.heartbeating == 2, timeout=60, what="2 machines heartbeating")
     ids = {name: machine_of(cp, name) for name in (hung, other)}
 
-    def status_of(name: str) -> str | None:
+    def has_status(name: str, status: str) -> bool:
         found = bmc_booked(cp, ids[name])
-        return found.status if found and found.read_at else None
+        return found is not None and found.read_at is not None and found.status == status
 
     for name in (hung, other):
-        wait_until(lambda n=name: status_of(n) == "answering", 30, f"{name} read", cp)
+        wait_until(functools.partial(has_status, name, "answering"), 30, f"{name} read", cp)
     shown = cp.cli("python", "-m", "shepherd.cli", "show", hung).stdout
     assert "sync: BMC answering" in shown and "health OK" in shown, shown
     listed = cp.cli("python", "-m", "shepherd.cli", "machines").stdout
@@ -432,7 +433,7 @@ def test_the_sync_reads_every_bmc_and_marks_one_that_stops_answering(racked) -> 
     racks.bmc.pause()
     try:
         for name in (hung, other):
-            wait_until(lambda n=name: status_of(n) == "unreachable", 30,
+            wait_until(functools.partial(has_status, name, "unreachable"), 30,
                        f"{name}'s BMC marked unreachable", cp)
         assert not_answering_gauge(cp, "unreachable") == 2
         shown = cp.cli("python", "-m", "shepherd.cli", "show", hung).stdout
@@ -447,7 +448,7 @@ def test_the_sync_reads_every_bmc_and_marks_one_that_stops_answering(racked) -> 
     finally:
         racks.bmc.resume()
     for name in (hung, other):
-        wait_until(lambda n=name: status_of(n) == "answering", 30,
+        wait_until(functools.partial(has_status, name, "answering"), 30,
                    f"{name}'s BMC answering again", cp)
     assert not_answering_gauge(cp, "unreachable") == 0
     assert cp.log_problems("beat") == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import threading
 import time
 import uuid
@@ -102,7 +103,8 @@ def booked(session: bmdb.Session, machine_id: uuid.UUID) -> bmdb.BmcSync:
 def make_due(session: bmdb.Session, rack: Rack) -> None:
     """Every booked read due now (as if the interval had passed)."""
     for machine_id in rack.ids.values():
-        session.transact(lambda tx, m=machine_id: bmdb.postpone_bmc_read(tx, m, 0))
+        session.transact(functools.partial(bmdb.postpone_bmc_read, machine_id=machine_id,
+                                           seconds=0))
 
 
 def bmc_history(session: bmdb.Session, machine_id: uuid.UUID) -> list[str]:
@@ -126,7 +128,7 @@ def test_one_read_records_power_and_health_and_none_comes_before_the_interval(
         found = booked(session, rack.id(name))
         assert (found.status, found.health, found.problem) == ("answering", "OK", None)
         assert found.read_at is not None and found.answer_seconds is not None
-        seen = session.db.read(lambda tx, n=name: bmdb.power_of(tx, rack.id(n)))
+        seen = session.db.read(functools.partial(bmdb.power_of, machine_id=rack.id(name)))
         assert seen is not None and seen.state == state and seen.observed_at is not None
         assert found.due_at - found.read_at >= dt.timedelta(seconds=SETTINGS.interval - 1)
     reads = [r for r in redfish.emulator.requests() if r.start >= began]
@@ -258,13 +260,13 @@ def test_a_swapped_pair_is_held_by_the_sync_before_anyone_acts(
     rack = redfish_rack(session, tmp_path, redfish, [("u1", "node-2"), ("u2", "node-1")])
     for name, own in (("u1", "node-1"), ("u2", "node-2")):
         system = {"uuid": redfish.emulator.system_uuid(own)}
-        session.transact(lambda tx, n=name, s=system: bmdb.set_hardware_report(
-            tx, rack.id(n), {"hostname": n, "system": s}))
+        session.transact(functools.partial(bmdb.set_hardware_report, machine_id=rack.id(name),
+                                           report={"hostname": name, "system": system}))
     result = read_all_now(session, rack)
     assert result.held == 2
     for name in ("u1", "u2"):
-        holds = session.db.read(lambda tx, n=name: bmdb.holds_of(
-            tx, rack.id(n), bmdb.BMC_MISMATCH_HOLD))
+        holds = session.db.read(functools.partial(bmdb.holds_of, machine_id=rack.id(name),
+                                                  kind=bmdb.BMC_MISMATCH_HOLD))
         assert len(holds) == 1 and holds[0].actor == bmc_sync.ACTOR
     assert redfish.emulator.resets("node-1") == redfish.emulator.resets("node-2") == []
     # Held: the next reads leave them alone (nothing their BMC says is theirs).
