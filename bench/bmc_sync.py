@@ -162,12 +162,8 @@ class Pass:
     began: float = 0.0
     ended: float = 0.0
     runs: int = 0
-    answered: int = 0
-    failed: int = 0
-    busy: int = 0
-    held: int = 0
-    dropped: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
+    #: The runs' counts, added up.
+    totals: bmc_sync.SyncResult = field(default_factory=bmc_sync.SyncResult)
     #: CPU seconds of this process, and of its children reaped meanwhile (IPMI calls).
     cpu_process: float = 0.0
     cpu_children: float = 0.0
@@ -175,8 +171,7 @@ class Pass:
 
     @property
     def reads(self) -> int:
-        """Machines read (answered, failed or held): not those postponed as busy."""
-        return self.answered + self.failed + self.held
+        return self.totals.reads
 
 
 def _children_cpu() -> float:
@@ -201,10 +196,7 @@ def one_pass(session: bmdb.Session, provider: StaticProvider, settings: bmc_sync
         next_run += settings.tick
         result = bmc_sync.sync(session, provider, settings, connect)
         done.runs += 1
-        for name in ("answered", "failed", "busy", "held", "dropped"):
-            setattr(done, name, getattr(done, name) + getattr(result, name))
-        for status, count in result.statuses.items():
-            done.statuses[status] = done.statuses.get(status, 0) + count
+        done.totals.include(result)
         if not result.statuses:
             time.sleep(0.2)  # only reads postponed as busy are left: due within seconds
     done.seconds = time.monotonic() - started
@@ -398,13 +390,11 @@ def heartbeats(url: str, workdir: Path, session: bmdb.Session, found: Fleet,
 
 
 def pass_figures(done: Pass, machines: int, interval: float) -> dict[str, Any]:
-    calls = max(done.reads + done.busy, 1)
+    calls = max(done.reads + done.totals.busy, 1)
     return {
         "seconds": done.seconds, "interval_s": interval,
         "interval_ratio": done.seconds / interval, "complete": done.complete,
-        "runs": done.runs, "machines": machines, "answered": done.answered,
-        "failed": done.failed, "busy": done.busy, "held": done.held,
-        "dropped": done.dropped, "statuses": done.statuses,
+        "runs": done.runs, "machines": machines, **done.totals.to_json(),
         "cpu_process_s": done.cpu_process, "cpu_children_s": done.cpu_children,
         "cpu_ms_per_call": (done.cpu_process + done.cpu_children) / calls * 1000,
         "process_cpu_ms_per_call": done.cpu_process / calls * 1000,

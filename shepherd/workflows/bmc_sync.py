@@ -115,6 +115,18 @@ class SyncResult:
     def add(self, outcome: str) -> None:
         self.statuses[outcome] = self.statuses.get(outcome, 0) + 1
 
+    def include(self, other: SyncResult) -> None:
+        """Adds another run's counts: what several runs did together (a pass)."""
+        for name in ("enrolled", "answered", "failed", "busy", "held", "dropped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for status, count in other.statuses.items():
+            self.statuses[status] = self.statuses.get(status, 0) + count
+
+    @property
+    def reads(self) -> int:
+        """Machines read (answered, failed or held): not those postponed as busy."""
+        return self.answered + self.failed + self.held
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -225,7 +237,7 @@ def _read_group(session: bmdb.Session, group: list[tuple[uuid.UUID, ProviderMach
     outcomes: list[str] = []
     for machine_id, machine in group:
         if outcomes and outcomes[-1] == bmdb.BMC_UNREACHABLE:
-            via = connect(machine.bmc).description if machine.bmc else "its BMC"
+            via = machine.bmc.description if machine.bmc else "its BMC"
             outcomes.append(_record_failure(session, machine_id, via, BmcUnreachable(
                 f"{via}: not asked: it did not answer a read of another of its machines "
                 f"a moment before")))
