@@ -17,6 +17,12 @@ BMC's few session slots for as long as the worker lives. A child per call
 interpreter start, small beside a BMC's own pace. The password goes to the child
 on stdin, never in argv.
 
+``timeout`` is the BMC's time, counted by the child once it has started (its own
+SIGALRM, ``ipmi_call.bound_the_bmc_time``): a loaded worker host stretches the
+child's start to seconds, and that must not read as a BMC that does not answer (which
+stops Recovery's ladder and marks the BMC unreachable). The parent still kills a
+child that has not answered within ``timeout`` plus ``HELPER_START``.
+
 IPMI has no graceful restart (only a soft power-off): ``supports`` says so and
 ``act`` raises ``ActionUnsupported``; the ladder goes on to a force restart.
 
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -72,6 +79,9 @@ from shepherd.power.driver import BmcDriver, Transient
 log = logging.getLogger(__name__)
 
 CHILD = Path(__file__).with_name("ipmi_call.py")
+#: Seconds a child may take to start (an interpreter and pyghmi's imports) beyond
+#: ``timeout``: seconds on a loaded host, a fraction of one otherwise.
+HELPER_START = 20.0
 #: What each action sends (IPMI chassis control); GRACEFUL_RESTART has no IPMI form.
 OPERATIONS: dict[PowerAction, str] = {
     PowerAction.FORCE_RESTART: "reset",
@@ -116,7 +126,8 @@ def chassis_detail(faults: Sequence[str]) -> str:
 class IpmiPower(BmcDriver):
     """One machine's power through its IPMI BMC (``spec.driver == "ipmi"``, UDP ``spec.port``).
 
-    ``timeout`` bounds each attempt (the child process is killed after it);
+    ``timeout`` bounds each attempt's time with the BMC (the child process ends after
+    it, its own start not counted);
     ``attempts`` how many times a call is tried when the BMC does not answer,
     ``backoff`` seconds apart at first (doubling).
     """
@@ -195,12 +206,17 @@ class IpmiPower(BmcDriver):
     def _once(self, what: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         password = self.spec.read_password()
         request = {**fields, "host": self.spec.address, "port": self.spec.port,
-                   "username": self.spec.username, "password": password, "op": op}
+                   "username": self.spec.username, "password": password, "op": op,
+                   "timeout": self.timeout}
+        limit = self.timeout + HELPER_START
         try:
             child = subprocess.run([sys.executable, "-P", str(CHILD)], input=json.dumps(request),
-                                   capture_output=True, text=True, timeout=self.timeout)
+                                   capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired:
-            raise Transient(f"no answer within {self.timeout:g}s") from None
+            raise Transient(f"no answer within {limit:g}s, the helper's start "
+                            "included") from None
+        if child.returncode == -signal.SIGALRM:  # the child's own bound on the BMC
+            raise Transient(f"no answer within {self.timeout:g}s")
         try:
             answer = json.loads(child.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):

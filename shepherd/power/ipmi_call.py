@@ -6,7 +6,7 @@ nothing of Shepherd is imported here, only the standard library and pyghmi). Rea
 one JSON request on stdin (the password travels there, never in argv), writes
 one JSON line on stdout:
 
-    {"host": "...", "port": 623, "username": "...", "password": "...",
+    {"host": "...", "port": 623, "username": "...", "password": "...", "timeout": 10.0,
      "op": "status" | "on" | "off" | "reset" | "bootdev_get" | "bootdev_set" | "survey",
      "device": "hd" | "network" | "optical", "persistent": true | false}  (bootdev_set)
     -> {"power": "on" | "off"}  or  {"done": true}
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -92,6 +93,7 @@ def call(request: dict[str, Any]) -> dict[str, Any]:
     from pyghmi import exceptions
     from pyghmi.ipmi import command
 
+    bound_the_bmc_time(request.get("timeout"))
     password = str(request["password"])
 
     def failure(kind: str, error: object) -> dict[str, Any]:
@@ -360,6 +362,15 @@ def completion_failure(response: dict[str, Any], failure: Failure) -> dict[str, 
     code = int(response.get("code") or 0)
     kind = "unsupported" if code in UNSUPPORTED_CODES else "failed"
     return failure(kind, f"{response['error']} (completion code {code:#04x})")
+
+
+def bound_the_bmc_time(seconds: object) -> None:
+    """The call's ``timeout``, counted from here: after this process's own start, which
+    a loaded host can stretch past a short timeout though no BMC was asked yet. SIGALRM
+    keeps its default action, so the kernel ends the process however pyghmi's threads
+    are blocked; the parent reads that exit as no answer within the timeout."""
+    if isinstance(seconds, int | float) and seconds > 0:
+        signal.setitimer(signal.ITIMER_REAL, float(seconds))
 
 
 def timed(answer: dict[str, Any], started: float) -> dict[str, Any]:
