@@ -205,6 +205,11 @@ from bmdb.tags import (
     set_provider_status,
     upsert_provided,
 )
+from bmdb.tokens import Token, TokenExists
+from bmdb.tokens import by_hash as token_by_hash
+from bmdb.tokens import create as create_token
+from bmdb.tokens import listed as list_tokens
+from bmdb.tokens import revoke as revoke_token
 from bmdb.urls import DatabaseURL, engine_url, load_driver, parse_url
 from bmdb.vocabulary import (
     BMC_MISMATCH_HOLD,
@@ -303,6 +308,8 @@ __all__ = [
     "SweepResult",
     "TakeoverView",
     "Thresholds",
+    "Token",
+    "TokenExists",
     "Topic",
     "Tx",
     "Unavailable",
@@ -332,6 +339,7 @@ __all__ = [
     "cool_down",
     "cooling",
     "create_machine",
+    "create_token",
     "current_refusals",
     "dead_sessions",
     "default_backoff",
@@ -367,6 +375,7 @@ __all__ = [
     "list_machines",
     "list_machines_at_a_glance",
     "list_sessions",
+    "list_tokens",
     "load_driver",
     "lock_agent_credentials",
     "machine_backoffs",
@@ -411,6 +420,7 @@ __all__ = [
     "refresh_provided",
     "release_singleton",
     "retriever",
+    "revoke_token",
     "served_image_in_flight",
     "served_image_of",
     "set_agent_started",
@@ -423,6 +433,7 @@ __all__ = [
     "sync_inventory_installations",
     "takeover_view",
     "task_outcomes",
+    "token_by_hash",
     "try_acquire_singleton",
     "upsert_provided",
     "want_installation",

@@ -407,6 +407,22 @@ server_keys = Table(
     Column("created_at", UTCDateTime, nullable=False),
 )
 
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    # The operators' API tokens (``tokens.py``), by name: the name is who did what in
+    # history. Only a SHA-256 of each token is kept; the token itself is shown once,
+    # when made. A revoked token keeps its row (``revoked_at``) until its name is used
+    # again, so ``shepherd token list`` shows what was revoked and when.
+    Column("name", String(64), primary_key=True),
+    Column("role", String(16), nullable=False),
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("created_by", String(200), nullable=False),
+    Column("expires_at", UTCDateTime, nullable=True),
+    Column("revoked_at", UTCDateTime, nullable=True),
+)
+
 state_counts = Table(
     "state_counts",
     metadata,

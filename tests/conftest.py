@@ -22,6 +22,7 @@ from tests.support.servers import MissingServer, PostgresServer, RedisServer, re
 #: only the helpers it calls.
 pytest_plugins = [
     "tests.support.agent_fixtures",
+    "tests.support.api_fixtures",
     "tests.support.bmc_fixtures",
     "tests.support.celery_fixtures",
     "tests.support.fault_fixtures",

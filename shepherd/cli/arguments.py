@@ -16,6 +16,9 @@ from typing import Any, NoReturn
 EXIT_BAD_ARGUMENT = 2
 BMDB_URL_HELP = "BMDB URL (default: $SHEPHERD_BMDB_URL or SQLite in ./var)"
 JSON_HELP = "one JSON document on stdout, for scripts"
+API_HELP = ("the operators' API (https://host:port) to send the command to, with the "
+            "token of $SHEPHERD_API_TOKEN or $SHEPHERD_API_TOKEN_FILE (default: "
+            "$SHEPHERD_API_URL; none: the BMDB directly)")
 STATE_HELP = ("the state directory of a `shepherd up` (default: $SHEPHERD_STATE_DIR or "
               "./var): its shepherd.env names the BMDB, broker and the rest it chose")
 BY_HELP = "who does this, for history (default: your login name)"
@@ -41,11 +44,12 @@ start and reconcile hand the work to the Celery workers through the broker
 (SHEPHERD_BROKER_URL); the CLI never runs a workflow itself.
 """
 #: Options every command takes, said once in the notes rather than in each synopsis.
-SHARED_OPTIONS = frozenset({"help", "bmdb_url", "state_dir", "json"})
+SHARED_OPTIONS = frozenset({"help", "bmdb_url", "state_dir", "json", "api"})
 
 #: Subcommands with an argument parser of their own: everything after the name is theirs.
 DELEGATED = {
-    "serve": ("shepherd.server.serve", "run the agent callback server and the web view"),
+    "serve": ("shepherd.cli.serve", "run the agent callback server, the operators' API "
+              "and the web view"),
     "simulator": ("shepherd.simulator.cli", "run the provider simulator"),
 }
 
@@ -125,16 +129,22 @@ def synopses(top: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
-def parser() -> argparse.ArgumentParser:
-    top = _TopParser(prog="shepherd", formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(base: type[Parser] = Parser) -> argparse.ArgumentParser:
+    """The whole command line. ``base``: the class of every (sub)parser; the operators'
+    API gives one whose usage errors raise instead of printing and exiting
+    (``shepherd.cli.api_server``)."""
+    top_class = _TopParser if base is Parser else base
+    top = top_class(prog="shepherd", formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--bmdb-url", help=BMDB_URL_HELP)
     top.add_argument("--state", dest="state_dir", type=Path, metavar="DIR", help=STATE_HELP)
     top.add_argument("--json", action="store_true", help=JSON_HELP)
-    sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
-    commands = _Commands(sub)
+    top.add_argument("--api", metavar="URL", help=API_HELP)
+    sub = top.add_subparsers(dest="command", required=True, parser_class=base)
+    commands = _Commands(sub, base)
     _operator_commands(commands)
     _inventory_commands(commands)
     _history_commands(commands)
+    _token_commands(commands)
     _machine_care_commands(commands)
     _up_command(commands.add("up", "run the whole control plane in the foreground", _up,
                              json=False))
@@ -157,10 +167,13 @@ class _Commands:
     given before the name; suppressed, the attribute is set only when given after it.
     """
 
-    def __init__(self, sub: Any) -> None:
+    def __init__(self, sub: Any, base: type[Parser] = Parser) -> None:
         self.sub = sub
+        self.base = base
         self.url = argparse.ArgumentParser(add_help=False)
         self.url.add_argument("--bmdb-url", default=argparse.SUPPRESS, help=BMDB_URL_HELP)
+        self.url.add_argument("--api", metavar="URL", default=argparse.SUPPRESS,
+                              help=API_HELP)
         self.url.add_argument("--state", dest="state_dir", type=Path,
                               default=argparse.SUPPRESS, metavar="DIR", help=STATE_HELP)
         self.json = argparse.ArgumentParser(add_help=False)
@@ -172,7 +185,7 @@ class _Commands:
         parents = [self.url, self.json] if json else [self.url]
         command: argparse.ArgumentParser = self.sub.add_parser(name, help=text,
                                                                parents=parents)
-        command.set_defaults(run=run)
+        command.set_defaults(run=run, command_path=(name,))
         return command
 
 
@@ -323,7 +336,8 @@ def _power(ctx: Any) -> int:
 def _history_commands(commands: _Commands) -> None:
     """``shepherd history prune``; its module loads only when the command is given."""
     history = commands.sub.add_parser("history", help="delete old history (retention)")
-    sub = history.add_subparsers(dest="history_command", required=True, parser_class=Parser)
+    sub = history.add_subparsers(dest="history_command", required=True,
+                                 parser_class=commands.base)
     prune = sub.add_parser("prune", parents=[commands.url, commands.json],
                            help="delete history older than --older-than now, in short "
                                 "transactions (never the last hour: the guard reads it)")
@@ -341,6 +355,37 @@ def _older_than(text: str) -> Any:
     return older_than(text)
 
 
+# -- shepherd token ---------------------------------------------------------------------
+
+
+def _token_commands(commands: _Commands) -> None:
+    """``shepherd token create|list|revoke``: the operators' API tokens (direct mode)."""
+    token = commands.sub.add_parser("token", help="the operators' API tokens: create, list, "
+                                    "revoke (needs the BMDB)")
+    sub = token.add_subparsers(dest="token_command", required=True,
+                               parser_class=commands.base)
+    create = sub.add_parser("create", parents=[commands.url],
+                            help="make a token and print it once (alone on stdout)")
+    create.add_argument("name", metavar="NAME", help="who holds it (history names it)")
+    create.add_argument("--role", required=True, choices=("viewer", "operator", "admin"),
+                        help="viewer reads; operator also acts on machines; admin also "
+                             "manages tokens and clears quarantine")
+    create.add_argument("--expires", metavar="AGE", help="lifetime: 90d, 12h or 30m "
+                        "(default: none)")
+    create.add_argument("--by", metavar="NAME", help=BY_HELP)
+    create.set_defaults(run=Runner("shepherd.cli.tokens", "create"),
+                        command_path=("token", "create"))
+    listed = sub.add_parser("list", parents=[commands.url, commands.json],
+                            help="every token, live, revoked or expired (never the token)")
+    listed.set_defaults(run=Runner("shepherd.cli.tokens", "listed"),
+                        command_path=("token", "list"))
+    revoke = sub.add_parser("revoke", parents=[commands.url, commands.json],
+                            help="refuse a token from its next request on")
+    revoke.add_argument("name", metavar="NAME", help="the token's name (shepherd token list)")
+    revoke.set_defaults(run=Runner("shepherd.cli.tokens", "revoke"),
+                        command_path=("token", "revoke"))
+
+
 # -- shepherd inventory ---------------------------------------------------------------
 
 
@@ -349,7 +394,7 @@ def _inventory_commands(commands: _Commands) -> None:
     the BMC drivers, which other commands need not wait for)."""
     inventory = commands.sub.add_parser("inventory", help="check a static inventory file")
     sub = inventory.add_subparsers(dest="inventory_command", required=True,
-                                   parser_class=Parser)
+                                   parser_class=commands.base)
     # --bmdb-url is accepted (as by every command) and unused: a file check needs no BMDB.
     check = sub.add_parser("check", parents=[commands.url, commands.json],
                            help="validate the file and list its machines; --probe asks "

@@ -27,6 +27,10 @@ def main(argv: Sequence[str] | None = None,
     nothing else, and a command loads what it uses (issue 14: start-up time)."""
     top = parser()
     args, rest = top.parse_known_args(argv)
+    if args.command not in DELEGATED and not rest:
+        status = _in_api_mode(args)
+        if status is not None:
+            return status
     if getattr(args, "state_dir", None):
         # Before anything reads a setting: every part (Settings, a Celery client, a
         # delegated server) then reads beneath this state directory.
@@ -42,6 +46,19 @@ def main(argv: Sequence[str] | None = None,
     if rest:
         top.error(f"unrecognized arguments: {' '.join(rest)}")
     return run(args, workers)
+
+
+def _in_api_mode(args: argparse.Namespace) -> int | None:
+    """Run the command through the operators' API if API mode is on (``api_client``);
+    None if it is not, and the command runs here."""
+    from shepherd.cli import api_client
+    from shepherd.client_settings import ClientSettingsError
+
+    try:
+        settings = api_client.wanted(args)
+    except ClientSettingsError as error:
+        return _fail(args, error, EXIT_BAD_ARGUMENT)
+    return None if settings is None else api_client.run(args, settings)
 
 
 def run(args: argparse.Namespace,

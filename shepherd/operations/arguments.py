@@ -29,7 +29,11 @@ class BadArgument(ValueError):
     """An operator's argument that cannot be used (a malformed id, an unknown machine)."""
 
 
-class UnknownMachine(BadArgument):
+class MachineNotFound(BadArgument):
+    """No machine has this name (the API answers 404)."""
+
+
+class UnknownMachine(MachineNotFound):
     def __init__(self, machine_id: uuid.UUID) -> None:
         super().__init__(f"no machine {machine_id} in the BMDB")
         self.machine_id = machine_id
@@ -63,7 +67,7 @@ def resolve_machine(tx: bmdb.Tx, text: str) -> uuid.UUID:
     if len(found) == 1:
         return found[0].machine_id
     if not found:
-        raise BadArgument(f"no machine named {name!r} (by UUID, provider or inventory id, "
+        raise MachineNotFound(f"no machine named {name!r} (by UUID, provider or inventory id, "
                           f"or a UUID prefix of at least {MIN_PREFIX} hex digits)")
     listed = ", ".join(_candidate(m) for m in found[:CANDIDATES_SHOWN])
     more = " and more" if len(found) > CANDIDATES_SHOWN else ""

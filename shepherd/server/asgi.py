@@ -347,10 +347,11 @@ def _app(routes: list[BaseRoute]) -> Starlette:
     return Starlette(routes=routes, exception_handlers={HTTPException: json_http_error})
 
 
-def operator_routes(health: Health, metrics_endpoint: Metrics, views: ASGIApp | None
-                    ) -> list[BaseRoute]:
+def operator_routes(health: Health, metrics_endpoint: Metrics, views: ASGIApp | None,
+                    api: Sequence[BaseRoute] = ()) -> list[BaseRoute]:
     routes: list[BaseRoute] = [Route("/healthz", health.check, methods=["GET"]),
-                               Route("/metrics", metrics_endpoint.scrape, methods=["GET"])]
+                               Route("/metrics", metrics_endpoint.scrape, methods=["GET"]),
+                               *api]
     if views is not None:
         routes.append(Mount("/", app=views))
     return routes

@@ -53,6 +53,12 @@ HEALTH_THREADS = 2
 #: chunk at a time, never for a whole download: see ``images``).
 IMAGE_CHECK_THREADS = 2
 IMAGE_READ_THREADS = 8
+#: Threads running the operators' API's commands (a power cycle may take minutes).
+API_THREADS = 8
+
+#: The operators' API (``shepherd.cli.api_server``), given by whoever composes the
+#: server: routes over the server's runtime, run in the thread pool given.
+OperatorApi = Callable[[Runtime, Pool], list[BaseRoute]]
 
 
 @dataclass
@@ -118,7 +124,8 @@ class RunningServer:
         self.stop()
 
 
-def start_server(runtime: Runtime, options: ServeOptions) -> RunningServer:
+def start_server(runtime: Runtime, options: ServeOptions,
+                 operator_api: OperatorApi | None = None) -> RunningServer:
     """Bind (port 0: a free one) and serve from a background thread; returns once listening.
 
     ``options`` should come from ``runtime.settings`` (``serve`` builds both from one
@@ -127,7 +134,7 @@ def start_server(runtime: Runtime, options: ServeOptions) -> RunningServer:
     """
     closers: list[Callable[[], None]] = []
     try:
-        return _start(runtime, options, closers)
+        return _start(runtime, options, closers, operator_api)
     except BaseException:
         for close in closers:
             close()
@@ -135,8 +142,8 @@ def start_server(runtime: Runtime, options: ServeOptions) -> RunningServer:
         raise
 
 
-def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], None]]
-           ) -> RunningServer:
+def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], None]],
+           operator_api: OperatorApi | None = None) -> RunningServer:
     tls = tls_context(options.tls.cert, options.tls.key) if options.tls else None
     views_here = views_on_agent_listener(options)
     metrics_here = options.operator_listen is None and is_loopback(options.listen[0])
@@ -149,7 +156,8 @@ def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], N
                         _pool(IMAGE_READ_THREADS, "image-read", closers), refusals)
     operators = None
     if options.operator_listen is not None or metrics_here:
-        operators = _operator_routes(runtime, options, health, views_here, closers)
+        operators = _operator_routes(runtime, options, health, views_here, closers,
+                                     operator_api)
 
     app = asgi.agents_app(api, health, operators if metrics_here else None, [images.route()])
     agents = Listener("agents", app, bind(*options.listen, options.limits.backlog),
@@ -178,15 +186,18 @@ def _pool(threads: int, name: str, closers: list[Callable[[], None]]) -> Pool:
 
 
 def _operator_routes(runtime: Runtime, options: ServeOptions, health: asgi.Health,
-                     views_here: bool, closers: list[Callable[[], None]]) -> list[BaseRoute]:
-    """/healthz, /metrics and, unless turned off, the web view."""
+                     views_here: bool, closers: list[Callable[[], None]],
+                     operator_api: OperatorApi | None = None) -> list[BaseRoute]:
+    """/healthz, /metrics, the operators' API (when given) and, unless turned off,
+    the web view."""
     metrics = asgi.Metrics(runtime, options.guard, options.metrics_cache)
     closers.append(metrics.close)
     views = None
     if options.operator_views and (options.operator_listen is not None or views_here):
         pages = _pool(VIEW_THREADS, "web", closers)
         views = WebView(runtime, options.guard, pages).app()
-    return asgi.operator_routes(health, metrics, views)
+    api = operator_api(runtime, _pool(API_THREADS, "api", closers)) if operator_api else []
+    return asgi.operator_routes(health, metrics, views, api)
 
 
 def views_on_agent_listener(options: ServeOptions) -> bool:
@@ -278,19 +289,22 @@ def apply_flags(settings: Settings, args: argparse.Namespace) -> Settings:
         serve_threads=args.threads, serve_operator_listen=args.operator_listen or "",
         serve_operator_views=args.operator_views,
         bmdb_pool_size=max(settings.bmdb_pool_size,
-                           args.threads + HEALTH_THREADS + IMAGE_CHECK_THREADS))
+                           args.threads + HEALTH_THREADS + IMAGE_CHECK_THREADS
+                           + API_THREADS))
 
 
-def serve(settings: Settings, *, db: bmdb.BMDB | None = None) -> RunningServer:
+def serve(settings: Settings, *, db: bmdb.BMDB | None = None,
+          operator_api: OperatorApi | None = None) -> RunningServer:
     """Start the server ``settings`` describe, over a runtime built from the same
-    settings (over ``db`` when given: tests, embedded use; ``stop()`` leaves it open)."""
+    settings (over ``db`` when given: tests, embedded use; ``stop()`` leaves it open),
+    with the operators' API when given (``shepherd.cli.serve`` gives it)."""
     options = ServeOptions.from_settings(settings)  # refused before anything is opened
     if db is None:
         check_bmdb_url(settings.bmdb_url)  # not at the first request, in every request
-    return start_server(Runtime(settings, COMPONENT, db=db), options)
+    return start_server(Runtime(settings, COMPONENT, db=db), options, operator_api)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, operator_api: OperatorApi | None = None) -> int:
     """Serve until SIGINT/SIGTERM; returns the process exit status."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -301,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = apply_flags(base, build_parser(base).parse_args(argv))
     try:
-        running = serve(settings)
+        running = serve(settings, operator_api=operator_api)
     except (OSError, ValueError) as error:
         log.error("cannot start the callback server: %s", error)
         return 2

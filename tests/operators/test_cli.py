@@ -507,7 +507,7 @@ COMMAND_ARGS = {
     "quarantine": ["clear", UNKNOWN], "host-key": ["forget", UNKNOWN],
     "bmc-mismatch": ["clear", UNKNOWN],
     "power": ["status", UNKNOWN], "install": [UNKNOWN, "debian-12"], "ssh-key": [],
-    "history": ["prune", "--older-than", "30d"],
+    "history": ["prune", "--older-than", "30d"], "token": ["list"],
 }
 #: Commands that never open the BMDB (``inventory check`` reads only its file).
 WITHOUT_BMDB = {"inventory"}

@@ -41,12 +41,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Words and tools every layer may use: files, secrets kept out of text, text
     # tables, OS processes, the tasks' declarations (names and parameters, no Celery),
     # the image catalog (inventories name its images, the server serves them, the
-    # installation workflow requests them, the simulator lists its demo image there).
+    # installation workflow requests them, the simulator lists its demo image there),
+    # the operators' roles (the server enforces them, the CLI's API mode names them).
     ("shepherd.files", "shepherd.redaction", "shepherd.text_tables", "shepherd.os_processes",
-     "shepherd.task_api", "shepherd.images"),
+     "shepherd.task_api", "shepherd.images", "shepherd.roles"),
     # Settings: the state directory's file beneath the environment and the kinds of
     # values settings take, then ``Settings``.
-    ("shepherd.state_env", "shepherd.config_kinds"),
+    # The CLI's API mode's settings, read beside ``Settings`` without the BMDB.
+    ("shepherd.state_env", "shepherd.config_kinds", "shepherd.client_settings"),
     ("shepherd.config",),
     # Programs of their own, run elsewhere: the agent (with its wire format) and the
     # simulator; Celery's configuration, derived from the settings.

@@ -34,7 +34,8 @@ from tests.support.source import (
 
 #: Outside the BMDB: what may use its face only.
 OUTSIDE_BMDB = ("shepherd", "tasks", "celeryconfig.py")
-ENVIRONMENT_READERS = ("shepherd/config.py", "shepherd/agent/", "shepherd/simulator/")
+ENVIRONMENT_READERS = ("shepherd/config.py", "shepherd/client_settings.py", "shepherd/agent/",
+                       "shepherd/simulator/")
 
 
 # -- the environment -------------------------------------------------------------------
