@@ -29,14 +29,17 @@ from shepherd.roles import Role
 PREFIX = "/api/v1"
 MACHINE = "a machine's UUID, inventory or provider id, or a unique UUID prefix"
 REASON = "why, kept in history"
+#: The longest wait a request may ask for: a thread of the API's pool waits that long.
+WAIT_MOST = 600.0
 
 #: JSON Schema of each parameter kind.
 KINDS: dict[str, dict[str, Any]] = {
-    "string": {"type": "string", "maxLength": 2000},
+    "string": {"type": "string", "maxLength": 2000, "pattern": "^[^\\u0000]*$"},
     "integer": {"type": "integer", "minimum": 1},
     "number": {"type": "number", "exclusiveMinimum": 0},
     "boolean": {"type": "boolean"},
-    "strings": {"type": "array", "items": {"type": "string", "maxLength": 200},
+    "strings": {"type": "array", "items": {"type": "string", "maxLength": 200,
+                                           "pattern": "^[^\\u0000]*$"},
                 "maxItems": 50},
 }
 
@@ -55,6 +58,8 @@ class Param:
     #: else as ``--name=value``.
     positional: bool = False
     help: str = ""
+    #: The largest number taken (a wait or a count a request could make endless).
+    maximum: float | None = None
 
     @property
     def flag(self) -> str:
@@ -64,6 +69,8 @@ class Param:
         kind = dict(KINDS[self.kind])
         if self.choices:
             kind = {"type": "string", "enum": list(self.choices)}
+        if self.maximum is not None:
+            kind["maximum"] = self.maximum
         return {**kind, "description": self.help} if self.help else kind
 
 
@@ -128,12 +135,15 @@ def _check_kind(p: Param, value: Any) -> None:
     if not (_is_kind(p.kind, value) and (not p.choices or value in p.choices)):
         wanted = f"one of {', '.join(p.choices)}" if p.choices else KINDS[p.kind]["type"]
         raise ValueError(f"{p.name}: {value!r} is not {wanted}")
+    if p.maximum is not None and value > p.maximum:
+        raise ValueError(f"{p.name}: {value!r} is more than {p.maximum:g}")
 
 
 def _is_kind(kind: str, value: Any) -> bool:
-    """Whether ``value`` is of ``kind`` within ``KINDS``' bounds (bool is no number)."""
+    """Whether ``value`` is of ``kind`` within ``KINDS``' bounds (bool is no number; no
+    string holds a NUL, which no command line can and PostgreSQL refuses)."""
     if kind == "string":
-        return isinstance(value, str) and len(value) <= 2000
+        return isinstance(value, str) and len(value) <= 2000 and "\x00" not in value
     if kind == "integer":
         return type(value) is int and value >= 1
     if kind == "number":
@@ -141,7 +151,7 @@ def _is_kind(kind: str, value: Any) -> bool:
     if kind == "boolean":
         return type(value) is bool
     return isinstance(value, list) and len(value) <= 50 and all(
-        isinstance(s, str) and len(s) <= 200 for s in value)
+        isinstance(s, str) and len(s) <= 200 and "\x00" not in s for s in value)
 
 
 def from_query(route: Route, query: Sequence[tuple[str, str]]) -> dict[str, Any]:
@@ -205,12 +215,13 @@ ROUTES: tuple[Route, ...] = (
         Param("provider", help="only machines of this provider"),
         Param("work", help="only machines held by work of this process (or any)"),
         Param("backoff", help="only machines in a backoff of this process (or any)"),
-        Param("limit", "integer", help="machines per page (default 500, at most 1000)"),
+        Param("limit", "integer", help="machines per page (default 500)", maximum=1000),
         Param("after", help="the page after this cursor (next_after of a page)")),
         summary="machines, filtered, a page at a time",
         answer=_obj("machines", machines=_ARRAY)),
     Route("show", "GET", "/machines/{machine}", Role.VIEWER, ("show",), ("{machine}",),
-          (_machine, Param("history", "integer", help="history rows, newest first")),
+          (_machine, Param("history", "integer", help="history rows, newest first",
+                           maximum=10_000)),
           summary="one machine: tags, holds, work, backoffs, power, history",
           answer=_obj("id", id=_STR)),
     Route("explain", "GET", "/machines/{machine}/explain", Role.VIEWER, ("explain",),
@@ -230,7 +241,8 @@ ROUTES: tuple[Route, ...] = (
           ("{process}", "{machine}"),
           (_machine, Param("process", where="body", positional=True, required=True,
                            help="agent-start or recovery"),
-           Param("wait", "number", "body", help="seconds a worker may take to adopt it")),
+           Param("wait", "number", "body", help="seconds a worker may take to adopt it",
+                 maximum=WAIT_MOST)),
           summary="start AgentStart or Recovery on a machine now, in a worker",
           answer=_obj("machine", "process", "work", "task", task=_STR)),
     Route("reconcile", "POST", "/reconcile", Role.OPERATOR, ("reconcile",),
@@ -270,7 +282,8 @@ ROUTES: tuple[Route, ...] = (
            Param("device", where="body", positional=True, choices=("disk", "network", "cd"),
                  help="bootdev only"),
            Param("persistent", "boolean", "body", help="bootdev only: every boot"),
-           Param("wait", "number", "body", help="seconds each change may take to be seen")),
+           Param("wait", "number", "body", help="seconds each change may take to be seen",
+                 maximum=WAIT_MOST)),
           summary="change a machine's power or next boot device through its BMC",
           answer=_obj()),
     Route("install", "POST", "/machines/{machine}/install", Role.OPERATOR, ("install",),

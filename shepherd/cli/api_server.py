@@ -51,6 +51,7 @@ from shepherd.config import Settings, SettingsError
 from shepherd.operations import tokens
 from shepherd.providers.base import ProviderError
 from shepherd.runtime import Runtime
+from shepherd.server.limits import log_internal_error
 from shepherd.server.pool import Pool
 
 log = logging.getLogger("shepherd.api")
@@ -137,7 +138,11 @@ class Api:
         async def endpoint(request: Request) -> Response:
             values = await _values(route, request)
             token = _bearer(request.headers.get("authorization"))
-            answer = await self.pool.run(lambda: self.answer(route, token, values))
+            try:
+                answer = await self.pool.run(lambda: self.answer(route, token, values))
+            except Exception as error:  # a bug: said in the log, never to the client
+                log_internal_error(log, f"api {route.name}", error)
+                answer = Answer(500, {"error": "internal error (the server's log says why)"})
             return _response(answer, _wants_text(request))
         return endpoint
 

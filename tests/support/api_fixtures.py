@@ -108,6 +108,7 @@ def api_plane(pg_url: str) -> Iterator[ApiPlane]:
         fleet = seed_fleet(db, session)
         found = make_tokens(db, session)
         with serve(settings, db=db, operator_api=api_factory(workers)) as server:
+            server.runtime.session.id  # its session now, not at the first action
             yield ApiPlane(server, db, server.url, fleet, found, workers)
     db.close()
 
@@ -130,9 +131,9 @@ def digest(db: bmdb.BMDB) -> dict[str, list[str]]:
 
 def valid_values(route: api_routes.Route, machine: uuid.UUID | str) -> dict[str, Any]:
     """Values a role allowed to would be answered for, naming ``machine``."""
-    choices = {"process": "recovery", "state": "on", "action": "forget", "command": "cycle",
+    choices: dict[str, Any] = {"process": "recovery", "state": "on", "action": "forget", "command": "cycle",
                "name": "viewer", "reason": "api test", "wait": 0.2}
-    values = {}
+    values: dict[str, Any] = {}
     for p in route.params:
         if p.name == "machine":
             values["machine"] = str(machine)
