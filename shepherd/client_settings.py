@@ -26,6 +26,8 @@ URL = "SHEPHERD_API_URL"
 TOKEN = "SHEPHERD_API_TOKEN"
 TOKEN_FILE = "SHEPHERD_API_TOKEN_FILE"
 CA_FILE = "SHEPHERD_API_CA_FILE"
+#: Every variable read here (none of them a ``Settings`` field).
+VARIABLES = (URL, TOKEN, TOKEN_FILE, CA_FILE)
 
 
 class ClientSettingsError(ValueError):

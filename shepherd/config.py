@@ -221,6 +221,12 @@ class Settings:
                                          kind=optional_listen)
     serve_tls_cert: str = setting("", "the callback server's TLS certificate (PEM)")
     serve_tls_key: str = setting("", "its private key (PEM)")
+    serve_operator_tls_cert: str = setting("", "the operators' listener's TLS certificate "
+                                           "(PEM; empty: the agents' listener's)")
+    serve_operator_tls_key: str = setting("", "its private key (PEM)")
+    serve_login_failures: int = setting(10, "refused tokens a client address may send per "
+                                        "minute before the operators' API and login "
+                                        "refuse it for a minute", minimum=1)
     serve_max_body: int = setting(256 * 1024, "bytes of a request body, at most", minimum=1)
     serve_clock_window: float = setting(60.0, "seconds a heartbeat's timestamp may differ from "
                                         "the server's clock")

@@ -3,6 +3,8 @@ the holder of a token, so no operator needs the BMDB's password.
 
 Where the rules are enforced, in the order a request meets them (``Api.answer``):
 
+0. **Throttling**: an address that sent too many refused tokens lately is refused
+   (429, ``shepherd.server.throttle``) before its token is even read.
 1. **Authentication**: the ``Authorization: Bearer`` token is looked up in the BMDB
    on every request (``shepherd.operations.tokens.authenticate``: hashed, compared
    in constant time, a revoked or expired one refused at once): 401 otherwise.
@@ -35,6 +37,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import ceil
 from typing import Any, NoReturn
 
 from starlette.requests import Request
@@ -53,6 +56,7 @@ from shepherd.providers.base import ProviderError
 from shepherd.runtime import Runtime
 from shepherd.server.limits import log_internal_error
 from shepherd.server.pool import Pool
+from shepherd.server.throttle import FailureThrottle
 
 log = logging.getLogger("shepherd.api")
 #: Largest request body read (a POST's parameters are a few short strings).
@@ -106,22 +110,26 @@ class Answer:
     status: int
     body: Any
     exit_status: int | None = None
+    #: Seconds before trying again (a throttled address: ``Retry-After``).
+    retry_after: int | None = None
 
 
 #: The HTTP status of each refusal, as the CLI's exit status would say it.
 STATUS = {"unauthenticated": 401, "forbidden": 403, "bad": 400, "unknown": 404,
-          "failed": 409, "provider": 502, "unavailable": 503}
+          "failed": 409, "throttled": 429, "provider": 502, "unavailable": 503}
 
 
 class Api:
     """The routes of ``/api/v1`` over one runtime; requests run in ``pool``."""
 
     def __init__(self, runtime: Runtime, pool: Pool,
-                 workers: Callable[[Settings], WorkerLayer] = CeleryWorkers) -> None:
+                 workers: Callable[[Settings], WorkerLayer] = CeleryWorkers,
+                 throttle: FailureThrottle | None = None) -> None:
         self.runtime = runtime
         self.pool = pool
         self.workers = workers(runtime.settings)
         self.parser = parser(_ApiParser)
+        self.throttle = throttle or FailureThrottle(runtime.settings.serve_login_failures)
 
     def routes(self) -> list[BaseRoute]:
         found: list[BaseRoute] = [Route(api_routes.PREFIX + "/openapi.json", self.document,
@@ -138,8 +146,10 @@ class Api:
         async def endpoint(request: Request) -> Response:
             values = await _values(route, request)
             token = _bearer(request.headers.get("authorization"))
+            address = request.client.host if request.client else "unknown"
             try:
-                answer = await self.pool.run(lambda: self.answer(route, token, values))
+                answer = await self.pool.run(lambda: self.answer(route, token, values,
+                                                                 address))
             except Exception as error:  # a bug: said in the log, never to the client
                 log_internal_error(log, f"api {route.name}", error)
                 answer = Answer(500, {"error": "internal error (the server's log says why)"})
@@ -147,12 +157,19 @@ class Api:
         return endpoint
 
     def answer(self, route: api_routes.Route, token: str | None,
-               values: dict[str, Any] | str) -> Answer:
+               values: dict[str, Any] | str, address: str) -> Answer:
         """Authenticate, authorize, check, run (module docstring); blocking."""
+        wait = self.throttle.wait(address)
+        if wait:
+            return Answer(STATUS["throttled"], {"error": f"too many refused tokens from "
+                                                f"{address}; try again in {ceil(wait)} s"},
+                          retry_after=ceil(wait))
         try:
             caller = self.runtime.db.read(lambda tx: tokens.authenticate(tx, token))
             caller.require(route.role, f"{route.method} {route.url_path}")
         except tokens.Unauthenticated as refused:
+            if token:
+                self.throttle.failed(address)
             return Answer(STATUS["unauthenticated"], {"error": str(refused)})
         except tokens.Forbidden as refused:
             return Answer(STATUS["forbidden"], {"error": str(refused)})
@@ -220,6 +237,8 @@ def _response(answer: Answer, text: bool) -> Response:
         headers["WWW-Authenticate"] = 'Bearer realm="shepherd"'
     if answer.exit_status is not None:
         headers["Shepherd-Exit"] = str(answer.exit_status)
+    if answer.retry_after is not None:
+        headers["Retry-After"] = str(answer.retry_after)
     if answer.status != 200:
         return JSONResponse(answer.body, answer.status, headers=headers)
     data, render = answer.body
@@ -239,7 +258,8 @@ _ERROR = {"type": "object", "required": ["error"],
           "properties": {"error": {"type": "string"}}}
 _REFUSALS = {"400": "bad arguments", "401": "no live token", "403": "the token's role "
              "may not do this", "404": "no such machine", "409": "not possible now (the "
-             "command's exit status 1)", "502": "the provider failed",
+             "command's exit status 1)", "429": "too many refused tokens from this "
+             "address (Retry-After)", "502": "the provider failed",
              "503": "the BMDB is unavailable"}
 
 

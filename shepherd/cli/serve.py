@@ -14,10 +14,11 @@ from shepherd.cli.api_server import Api
 from shepherd.runtime import Runtime
 from shepherd.server.pool import Pool
 from shepherd.server.serve import main as serve_main
+from shepherd.server.throttle import FailureThrottle
 
 
-def operator_api(runtime: Runtime, pool: Pool) -> list[BaseRoute]:
-    return Api(runtime, pool).routes()
+def operator_api(runtime: Runtime, pool: Pool, throttle: FailureThrottle) -> list[BaseRoute]:
+    return Api(runtime, pool, throttle=throttle).routes()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,10 @@ class ServeOptions:
     #: The operators' own listener (web view, /metrics, /healthz), if any.
     operator_listen: tuple[str, int] | None
     tls: TlsFiles | None
+    #: The operators' listener's certificate (None: ``tls``, the agents' one).
+    operator_tls: TlsFiles | None
+    #: Refused tokens per client address and minute before it is refused outright.
+    login_failures: int
     #: Heartbeat batches written at once (threads, each with a BMDB connection).
     threads: int
     #: Seconds the first heartbeat of a batch waits for others (``group_commit``).
@@ -65,18 +69,24 @@ class ServeOptions:
     @classmethod
     def from_settings(cls, settings: Settings) -> ServeOptions:
         """``ValueError`` naming what is wrong (a listener, half a certificate pair)."""
-        if bool(settings.serve_tls_cert) != bool(settings.serve_tls_key):
-            raise ValueError("TLS needs both a certificate and a key file")
-        tls = (TlsFiles(settings.serve_tls_cert, settings.serve_tls_key)
-               if settings.serve_tls_cert else None)
+        tls = _tls_files(settings.serve_tls_cert, settings.serve_tls_key)
+        operator_tls = _tls_files(settings.serve_operator_tls_cert,
+                                  settings.serve_operator_tls_key, "the operators' listener")
         operator = settings.serve_operator_listen
         return cls(
             listen=parse_listen(settings.serve_listen),
             operator_listen=parse_listen(operator) if operator else None,
-            tls=tls, threads=settings.serve_threads,
+            tls=tls, operator_tls=operator_tls, login_failures=settings.serve_login_failures,
+            threads=settings.serve_threads,
             batch_window=settings.serve_batch_window, max_body=settings.serve_max_body,
             clock_window=settings.serve_clock_window,
             operator_views=settings.serve_operator_views,
             metrics_cache=settings.metrics_cache, limits=ServerLimits.from_settings(settings),
             guard=guard_limits(settings, interactive=True),
             image_dir=settings.image_dir, resumption_gap=settings.heartbeat_timeout / 2)
+
+
+def _tls_files(cert: str, key: str, what: str = "TLS") -> TlsFiles | None:
+    if bool(cert) != bool(key):
+        raise ValueError(f"{what} needs both a certificate and a key file")
+    return TlsFiles(cert, key) if cert else None

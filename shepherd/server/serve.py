@@ -43,6 +43,7 @@ from shepherd.server.images import ImageRoute, bmdb_authorizer
 from shepherd.server.limits import LogThrottle
 from shepherd.server.options import COMPONENT, ServeOptions
 from shepherd.server.pool import Pool
+from shepherd.server.throttle import FailureThrottle
 from shepherd.server.web import WebView
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,9 @@ IMAGE_READ_THREADS = 8
 API_THREADS = 8
 
 #: The operators' API (``shepherd.cli.api_server``), given by whoever composes the
-#: server: routes over the server's runtime, run in the thread pool given.
-OperatorApi = Callable[[Runtime, Pool], list[BaseRoute]]
+#: server: routes over the server's runtime, run in the thread pool given, counting
+#: refused tokens in the throttle the web view's login shares.
+OperatorApi = Callable[[Runtime, Pool, FailureThrottle], list[BaseRoute]]
 
 
 @dataclass
@@ -167,9 +169,16 @@ def _start(runtime: Runtime, options: ServeOptions, closers: list[Callable[[], N
     operator = None
     if options.operator_listen is not None:
         assert operators is not None
+        operator_tls = tls_context(options.operator_tls.cert, options.operator_tls.key) \
+            if options.operator_tls else tls
+        if operator_tls is None and not is_loopback(options.operator_listen[0]):
+            log.warning("the operators' listener %s has no TLS: API tokens and web logins "
+                        "cross the network in clear; give it a certificate "
+                        "(--operator-tls-cert/--operator-tls-key) or keep it on loopback "
+                        "behind an SSH tunnel", options.operator_listen[0])
         operator = Listener("operators", asgi.operators_app(operators),
                             bind(*options.operator_listen, options.limits.backlog),
-                            options.limits, tls)
+                            options.limits, operator_tls)
         closers.append(operator.sock.close)
         listeners.append(operator)
     server = EventLoopServer()
@@ -196,7 +205,9 @@ def _operator_routes(runtime: Runtime, options: ServeOptions, health: asgi.Healt
     if options.operator_views and (options.operator_listen is not None or views_here):
         pages = _pool(VIEW_THREADS, "web", closers)
         views = WebView(runtime, options.guard, pages).app()
-    api = operator_api(runtime, _pool(API_THREADS, "api", closers)) if operator_api else []
+    throttle = FailureThrottle(options.login_failures)
+    api = operator_api(runtime, _pool(API_THREADS, "api", closers), throttle) \
+        if operator_api else []
     return asgi.operator_routes(health, metrics, views, api)
 
 
@@ -246,6 +257,11 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
                         help="PEM certificate file (env SHEPHERD_SERVE_TLS_CERT)")
     parser.add_argument("--tls-key", default=settings.serve_tls_key,
                         help="PEM private key file (env SHEPHERD_SERVE_TLS_KEY)")
+    parser.add_argument("--operator-tls-cert", default=settings.serve_operator_tls_cert,
+                        help="PEM certificate of the operators' listener (default: "
+                             "--tls-cert; env SHEPHERD_SERVE_OPERATOR_TLS_CERT)")
+    parser.add_argument("--operator-tls-key", default=settings.serve_operator_tls_key,
+                        help="its PEM private key (env SHEPHERD_SERVE_OPERATOR_TLS_KEY)")
     parser.add_argument("--bmdb-url", default=settings.bmdb_url,
                         help="BMDB URL (env SHEPHERD_BMDB_URL)")
     parser.add_argument("--max-body", type=int, default=settings.serve_max_body,
@@ -285,6 +301,8 @@ def apply_flags(settings: Settings, args: argparse.Namespace) -> Settings:
         settings,
         serve_listen=args.listen, serve_tls_cert=args.tls_cert or "",
         serve_tls_key=args.tls_key or "", bmdb_url=args.bmdb_url,
+        serve_operator_tls_cert=args.operator_tls_cert or "",
+        serve_operator_tls_key=args.operator_tls_key or "",
         serve_max_body=args.max_body, serve_clock_window=args.clock_window,
         serve_threads=args.threads, serve_operator_listen=args.operator_listen or "",
         serve_operator_views=args.operator_views,

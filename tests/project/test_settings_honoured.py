@@ -164,6 +164,12 @@ HONOURED_BY: dict[str, dict[str, str]] = {
     "serve_tls_cert": {S: "tests/agent/test_agent.py::"
                           "test_heartbeats_over_tls_verify_the_given_ca"},
     "serve_tls_key": {S: "tests/agent/test_agent.py::test_heartbeats_over_tls_verify_the_given_ca"},
+    "serve_operator_tls_cert": {S: "tests/operators/test_api_listener.py::test_the_operators_"
+                                   "listener_serves_the_api_over_tls_with_its_own_certificate"},
+    "serve_operator_tls_key": {S: "tests/operators/test_api_listener.py::test_the_operators_"
+                                  "listener_serves_the_api_over_tls_with_its_own_certificate"},
+    "serve_login_failures": {S: "tests/operators/test_api_listener.py::test_an_address_"
+                                "sending_refused_tokens_is_throttled_and_nothing_changes"},
     "serve_max_body": {S: probe},
     "serve_clock_window": {S: "tests/server/test_callback_server.py::"
                               "test_the_newcomer_is_accepted_within_the_clock_window"},

@@ -28,6 +28,7 @@ from shepherd.roles import Role
 from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, serve
 from shepherd.server.pool import Pool
+from shepherd.server.throttle import FailureThrottle
 from tests.support.operator_fixtures import Fleet, seed_fleet
 
 #: The tokens that are not a live token of a role.
@@ -80,8 +81,9 @@ class ApiPlane:
         return requests.post(self.url + path, json=rest, headers=headers, timeout=60)
 
 
-def api_factory(workers: Workers) -> Callable[[Runtime, Pool], list[BaseRoute]]:
-    return lambda runtime, pool: Api(runtime, pool, workers).routes()
+def api_factory(workers: Workers
+                ) -> Callable[[Runtime, Pool, FailureThrottle], list[BaseRoute]]:
+    return lambda runtime, pool, throttle: Api(runtime, pool, workers, throttle).routes()
 
 
 def make_tokens(db: bmdb.BMDB, session: bmdb.Session) -> dict[str, str | None]:
@@ -102,13 +104,17 @@ def make_tokens(db: bmdb.BMDB, session: bmdb.Session) -> dict[str, str | None]:
 def api_plane(pg_url: str) -> Iterator[ApiPlane]:
     db = bmdb.connect(pg_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
     workers = Workers()
+    # Refused tokens are what the role tests send by the hundred: no throttle here
+    # (tests/operators/test_api_listener.py has its own).
     settings = Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0",
-                        provider_url="http://127.0.0.1:9")
+                        provider_url="http://127.0.0.1:9", serve_login_failures=100_000)
     with db.start_session("test", interval=2) as session:
         fleet = seed_fleet(db, session)
         found = make_tokens(db, session)
         with serve(settings, db=db, operator_api=api_factory(workers)) as server:
-            server.runtime.session.id  # its session now, not at the first action
+            # The server's session now, not at the first action: its new row would be
+            # a change the tests see.
+            assert server.runtime.session.alive
             yield ApiPlane(server, db, server.url, fleet, found, workers)
     db.close()
 
@@ -131,8 +137,9 @@ def digest(db: bmdb.BMDB) -> dict[str, list[str]]:
 
 def valid_values(route: api_routes.Route, machine: uuid.UUID | str) -> dict[str, Any]:
     """Values a role allowed to would be answered for, naming ``machine``."""
-    choices: dict[str, Any] = {"process": "recovery", "state": "on", "action": "forget", "command": "cycle",
-               "name": "viewer", "reason": "api test", "wait": 0.2}
+    choices: dict[str, Any] = {"process": "recovery", "state": "on", "action": "forget",
+                               "command": "cycle", "name": "viewer", "reason": "api test",
+                               "wait": 0.2}
     values: dict[str, Any] = {}
     for p in route.params:
         if p.name == "machine":
