@@ -60,8 +60,11 @@ from shepherd.agent.protocol import (
     HEARTBEAT_PATH,
     signing_payload,
 )
+from shepherd.cli.serve import operator_api
 from shepherd.config import Settings
+from shepherd.operations import tokens
 from shepherd.providers.base import Capacity, ProviderMachine
+from shepherd.roles import Role
 from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, ServeOptions, start_server
 from shepherd.server.options import COMPONENT
@@ -459,6 +462,7 @@ PATHS = [
     Path("metrics", "BMDB metrics scrape (`GET /metrics`)", http=True),
     Path("machines", "`GET /machines` (500 rows)", http=True),
     Path("without", "`GET /machines?without=AgentHeartbeat`", http=True),
+    Path("api", "`GET /api/v1/machines` (500 rows, JSON, a viewer's token)", http=True),
     Path("machine", "machine page with explain", http=True),
     Path("recovery", "Recovery sourcing, minus Celery"),
     Path("updater", "updater, nothing changed"),
@@ -482,6 +486,8 @@ class Bench:
     key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
     nonce: str = field(default_factory=lambda: base64.b64encode(os.urandom(32)).decode())
     http: requests.Session = field(default_factory=requests.Session)
+    #: A viewer's token for the operators' API.
+    token: str = ""
 
     def steps(self) -> dict[str, Step]:
         base = self.server.url
@@ -491,6 +497,8 @@ class Bench:
             "metrics": lambda: self.get(f"{base}/metrics"),
             "machines": lambda: self.get(f"{base}/machines?limit=500"),
             "without": lambda: self.get(f"{base}/machines?without=AgentHeartbeat&limit=500"),
+            "api": lambda: self.get(f"{base}/api/v1/machines?limit=500",
+                                    Authorization=f"Bearer {self.token}"),
             "machine": lambda: self.get(f"{base}/machines/{shown}"),
             "recovery": self.recovery,
             "sweep": self.sweep,
@@ -499,8 +507,8 @@ class Bench:
             "cli": self.cli,
         }
 
-    def get(self, url: str) -> None:
-        response = self.http.get(url, timeout=600)
+    def get(self, url: str, **headers: str) -> None:
+        response = self.http.get(url, timeout=600, headers=headers)
         if response.status_code != 200:
             raise RuntimeError(f"GET {url}: {response.status_code} {response.text[:200]}")
 
@@ -674,9 +682,11 @@ def bench_on(url: str, shape: Shape) -> Iterator[Bench]:
     try:
         settings = Settings(bmdb_url=url, serve_listen=f"127.0.0.1:{port}", metrics_cache=0.0)
         options = dataclasses.replace(ServeOptions.from_settings(settings), guard=limits)
-        with start_server(Runtime(settings, COMPONENT, db=server_db), options) as server, \
+        with start_server(Runtime(settings, COMPONENT, db=server_db), options,
+                          operator_api) as server, \
                 db.start_session("bench") as session:
-            yield Bench(url, db, server, session, limits, shape)
+            token, _ = tokens.create(session, "bench", Role.VIEWER, None, "bench")
+            yield Bench(url, db, server, session, limits, shape, token=token)
     finally:
         db.close()
         server_db.close()

@@ -39,18 +39,21 @@ class ClientSettings:
     url: str | None
     token: str | None
     ca_file: str | None
+    #: The state directory whose file gave the URL (a ``shepherd up``'s), else None.
+    url_from: Path | None = None
 
     @classmethod
     def from_env(cls, state_dir: Path | None = None) -> ClientSettings:
         """From the environment over ``state_dir``'s (else the usual one's) state file."""
-        env = dict(os.environ)
+        own = dict(os.environ)
         if state_dir is not None:
-            env[state_env.STATE_DIR_VARIABLE] = str(state_dir)
+            own[state_env.STATE_DIR_VARIABLE] = str(state_dir)
         try:
-            env = state_env.environment(env)
+            env = state_env.environment(own)
         except state_env.StateFileError as error:
             raise ClientSettingsError(str(error)) from None
-        return cls(env.get(URL) or None, _token(env), env.get(CA_FILE) or None)
+        url_from = None if own.get(URL) else state_env.state_dir(own)
+        return cls(env.get(URL) or None, _token(env), env.get(CA_FILE) or None, url_from)
 
 
 def _token(env: dict[str, str]) -> str | None:

@@ -4,7 +4,9 @@ answers is printed as direct mode would print it.
 When (``wanted``): ``--api URL``, or ``SHEPHERD_API_URL`` (``shepherd.client_settings``)
 and no ``--bmdb-url``; a command the API does not serve (``migrate``, ``token
 create``, ``up``...) runs in direct mode as before, since it needs the BMDB itself.
-No BMDB URL is needed or read for the others.
+No BMDB URL is needed or read for the others. A ``shepherd up`` writes its API's URL
+and an admin token's file to its state file; once that ``up`` stopped, its API is
+gone and its BMDB is not, so its state file's URL no longer means API mode.
 
 The server runs the very command (``api_server``): its JSON is the command's
 ``--json`` and its ``text/plain`` the command's table, so both modes print the same
@@ -19,19 +21,26 @@ that must start fast.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import ssl
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from urllib.parse import urlencode
 
+from shepherd import state_env
 from shepherd.cli import api_routes
 from shepherd.client_settings import ClientSettings, ClientSettingsError
 
 EXIT_FAILED, EXIT_BAD_ARGUMENT = 1, 2
 #: How long a command may take on the server (a power cycle waits for its rungs).
 TIMEOUT = 900.0
+#: How long reaching the API may take (its TCP and TLS handshakes). ``TIMEOUT`` is for
+#: the answer: alone, it left an API whose host drops packets holding the command for
+#: the kernel's SYN retries, over two minutes, before "cannot reach".
+CONNECT_TIMEOUT = 10.0
 
 
 def wanted(args: argparse.Namespace) -> ClientSettings | None:
@@ -47,8 +56,11 @@ def wanted(args: argparse.Namespace) -> ClientSettings | None:
     if getattr(args, "bmdb_url", None):
         return None
     settings = ClientSettings.from_env(getattr(args, "state_dir", None))
-    url = getattr(args, "api", None) or settings.url
-    return ClientSettings(url, settings.token, settings.ca_file) if url else None
+    if getattr(args, "api", None):
+        return ClientSettings(args.api, settings.token, settings.ca_file)
+    if settings.url_from is not None and state_env.running_up(settings.url_from) is None:
+        return None  # a stopped `shepherd up`'s API: its BMDB is still there to read
+    return settings if settings.url else None
 
 
 def run(args: argparse.Namespace, settings: ClientSettings) -> int:
@@ -59,6 +71,8 @@ def run(args: argparse.Namespace, settings: ClientSettings) -> int:
         return _fail(args, "API mode needs a token: set SHEPHERD_API_TOKEN or "
                            "SHEPHERD_API_TOKEN_FILE (shepherd token create)", EXIT_FAILED)
     path, query, body = api_routes.request_of(route, args)
+    # A flag in the query is "true", as the server reads it (``api_routes._typed``).
+    query = {k: "true" if v is True else v for k, v in query.items()}
     url = settings.url.rstrip("/") + path + ("?" + urlencode(query, doseq=True)
                                             if query else "")
     request = urllib.request.Request(
@@ -67,8 +81,9 @@ def run(args: argparse.Namespace, settings: ClientSettings) -> int:
                             "Accept": "application/json" if getattr(args, "json", False)
                             else "text/plain", "Content-Type": "application/json"})
     tls = ssl.create_default_context(cafile=settings.ca_file) if settings.ca_file else None
+    opener = urllib.request.build_opener(_HttpHandler(), _HttpsHandler(tls))
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT, context=tls) as answer:
+        with opener.open(request, timeout=TIMEOUT) as answer:
             print(answer.read().decode().removesuffix("\n"))
             return int(answer.headers.get("Shepherd-Exit") or 0)
     except urllib.error.HTTPError as refused:
@@ -78,6 +93,42 @@ def run(args: argparse.Namespace, settings: ClientSettings) -> int:
         reason = getattr(error, "reason", error)
         return _fail(args, f"cannot reach the operators' API at {settings.url}: {reason}",
                      EXIT_FAILED)
+
+
+class _Http(http.client.HTTPConnection):
+    def connect(self) -> None:
+        _connect_soon(self, super().connect)
+
+
+class _Https(http.client.HTTPSConnection):
+    def connect(self) -> None:
+        _connect_soon(self, super().connect)
+
+
+def _connect_soon(connection: http.client.HTTPConnection, connect: Callable[[], None]
+                  ) -> None:
+    """``connect`` within ``CONNECT_TIMEOUT``, then the connection's own timeout."""
+    answer_within = connection.timeout
+    connection.timeout = CONNECT_TIMEOUT
+    try:
+        connect()
+    finally:
+        connection.timeout = answer_within
+    connection.sock.settimeout(answer_within)
+
+
+class _HttpHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_Http, req)
+
+
+class _HttpsHandler(urllib.request.HTTPSHandler):
+    def __init__(self, tls: ssl.SSLContext | None) -> None:
+        super().__init__(context=tls)
+        self.tls = tls
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_Https, req, context=self.tls)
 
 
 def _error(refused: urllib.error.HTTPError) -> str:

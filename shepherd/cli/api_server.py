@@ -147,18 +147,21 @@ class Api:
             values = await _values(route, request)
             token = _bearer(request.headers.get("authorization"))
             address = request.client.host if request.client else "unknown"
+            text = _wants_text(request)
             try:
                 answer = await self.pool.run(lambda: self.answer(route, token, values,
-                                                                 address))
+                                                                 address, text))
             except Exception as error:  # a bug: said in the log, never to the client
                 log_internal_error(log, f"api {route.name}", error)
                 answer = Answer(500, {"error": "internal error (the server's log says why)"})
-            return _response(answer, _wants_text(request))
+            return _response(answer, text)
         return endpoint
 
     def answer(self, route: api_routes.Route, token: str | None,
-               values: dict[str, Any] | str, address: str) -> Answer:
-        """Authenticate, authorize, check, run (module docstring); blocking."""
+               values: dict[str, Any] | str, address: str, text: bool = False) -> Answer:
+        """Authenticate, authorize, check, run (module docstring); blocking. ``text``:
+        the table is wanted, not the JSON (the command then reads what only its table
+        shows, as with and without ``--json``)."""
         wait = self.throttle.wait(address)
         if wait:
             return Answer(STATUS["throttled"], {"error": f"too many refused tokens from "
@@ -181,7 +184,7 @@ class Api:
             args = self.parser.parse_args(route.argv(route.check(values)))
         except (ValueError, UsageError) as error:
             return Answer(STATUS["bad"], {"error": _line(error)})
-        args.by, args.json = caller.name, False
+        args.by, args.json = caller.name, not text
         return self._run(args)
 
     def _run(self, args: argparse.Namespace) -> Answer:

@@ -110,9 +110,15 @@ class Context:
         except ValueError:
             return self.db.read(lambda tx: operations.resolve_machine(tx, name))
 
+    @property
+    def json(self) -> bool:
+        """Whether the command answers JSON (``--json``): then what only its table
+        shows need not be read."""
+        return bool(getattr(self.args, "json", False))
+
     def emit(self, data: Any, text: Callable[[], str]) -> None:
         """``data`` as one JSON document with ``--json``, else ``text()`` for people."""
-        if getattr(self.args, "json", False):
+        if self.json:
             print(json.dumps(operations.jsonable(data), default=str))
         else:
             print(text())

@@ -29,6 +29,8 @@ def machines(ctx: Context) -> int:
         backoff=args.backoff, limit=args.limit, after=args.after)
     def read(tx: bmdb.Tx) -> tuple[operations.MachineList, dict[Any, bmdb.Glance], Any]:
         listed = operations.list_machines(tx, f)
+        if ctx.json:  # the glances are the table's (heartbeat age, power): not in JSON
+            return listed, {}, tx.now
         return listed, operations.glances(tx, [m.id for m in listed.machines]), tx.now
 
     found, looks, now = ctx.db.read(read)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -31,20 +32,31 @@ LIFT_COMMAND = {"maintenance": "shepherd maintenance off MACHINE",
 
 def jsonable(value: Any) -> Any:
     """Plain JSON types from what the operator functions return (ids and times as
-    strings)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
+    strings). The common leaves are tried first: a page of 500 machines is some 60,000
+    values, and ``dataclasses.is_dataclass`` on each was a third of an API answer."""
+    if isinstance(value, _PLAIN):
+        return value
     if isinstance(value, dt.datetime):
         return value.isoformat()
     if isinstance(value, uuid.UUID):
         return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
     if isinstance(value, bytes):
         return value.hex()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: jsonable(getattr(value, name)) for name in _field_names(type(value))}
     return value
+
+
+_PLAIN = (str, int, float, type(None))
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 def iso(value: dt.datetime) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shepherd import state_env
 from shepherd.redaction import redact_url
-from shepherd.up import racks
+from shepherd.up import operator_token, racks
 from shepherd.up.environment import Plan, UpOptions
 
 
@@ -42,6 +42,10 @@ def second_terminal(plan: Plan, out: Callable[[str], None]) -> None:
     state = plan.workdir
     default = (here / state_env.DEFAULT_STATE_DIR).resolve() == state
     out(f"settings:  {state / state_env.FILE_NAME} (for a second terminal)")
+    token = state / operator_token.FILE_NAME
+    if token.exists():
+        out(f"API:       {plan.urls['web']}/api/v1 with the admin token in {token} "
+            f"(the second terminal's CLI uses both; the web view's login takes it too)")
     if default:
         out(f"CLI:       in {here}: shepherd fleet | shepherd start agent-start MACHINE | "
             f"celery -A tasks inspect active")

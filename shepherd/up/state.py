@@ -26,7 +26,7 @@ from pathlib import Path
 
 import bmdb
 from shepherd.redaction import redact_url
-from shepherd.up import racks
+from shepherd.up import operator_token, racks
 from shepherd.up.environment import Plan, UpError
 
 IDENTITY = "identity.json"
@@ -61,6 +61,7 @@ def prepare(plan: Plan, fresh: bool, out: Callable[[str], None]) -> None:
             f"{redact_url(plan.env['SHEPHERD_BMDB_URL'])}")
         if resumed and (plan.simulated or plan.racks is not None):
             forget_simulated_agents(db, out)
+        operator_token.issue(db, workdir)
     finally:
         db.close()
     prepare_broker(plan.env)

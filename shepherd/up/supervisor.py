@@ -29,7 +29,7 @@ from shepherd.files import write_private
 from shepherd.os_processes import kill_marked
 from shepherd.runtime import Runtime
 from shepherd.simulator.ssh import SANDBOX_MARKER as SIM_SANDBOX
-from shepherd.up import announce, environment, ports, progress, racks, state
+from shepherd.up import announce, environment, operator_token, ports, progress, racks, state
 from shepherd.up.children import CRASH_LIMIT, CRASH_WINDOW, Child, ChildFailed
 from shepherd.up.environment import (
     RUN_MARKER,
@@ -309,7 +309,8 @@ def refuse_a_second_run(workdir: Path) -> None:
 
 def hand_over(plan: Plan) -> None:
     """What a second terminal needs: this run's settings and this process's pid."""
-    state_env.write(plan.workdir, plan.env,
+    api = operator_token.state_settings(plan.workdir, plan.urls["web"])
+    state_env.write(plan.workdir, {**plan.env, **api},
                     f"Written by shepherd up (pid {os.getpid()}) at {time.ctime()}.\n"
                     f"shepherd and celery -A tasks read it when run in "
                     f"{plan.workdir.parent} (or with SHEPHERD_STATE_DIR={plan.workdir});"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from shepherd import state_env
 from shepherd.up import state
 from tests.support.up_fixtures import (
     FREE_PORTS,
@@ -85,6 +86,16 @@ def test_a_run_survives_a_killed_worker_serves_a_second_terminal_and_resumes(
     result = shepherd(*state_args, "--json", "fleet", cwd=cwd, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["heartbeating"] == MACHINES
+    # The second terminal goes through the operators' API, with the run's admin token.
+    written = state_env.read(first.workdir / state_env.FILE_NAME)
+    token_file = Path(written["SHEPHERD_API_TOKEN_FILE"])
+    assert written["SHEPHERD_API_URL"].startswith("http://127.0.0.1:")
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    listed = shepherd(*state_args, "--json", "token", "list", cwd=cwd, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [(t["name"], t["role"], t["revoked_at"]) for t in json.loads(listed.stdout)[
+        "tokens"]] == [("up-admin", "admin", None)]
+    assert token_file.read_text().strip() not in listed.stdout
     result = shepherd(*state_args, "reconcile", cwd=cwd, env=env)
     assert result.returncode == 0 and "'machines_after': 3" in result.stdout, result
     called = celery("call", "shepherd.reconcile", cwd=cwd, env=env)
