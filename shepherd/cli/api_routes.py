@@ -92,6 +92,9 @@ class Route:
     summary: str = ""
     #: The JSON Schema of the 200 answer's JSON.
     answer: Mapping[str, Any] = field(default_factory=dict)
+    #: Its command mostly waits (on a BMC, a worker, the provider): run in the API's
+    #: waiting threads, not its few reading ones (``shepherd.server.pool.ApiPools``).
+    waits: bool = False
 
     @property
     def url_path(self) -> str:
@@ -244,9 +247,9 @@ ROUTES: tuple[Route, ...] = (
            Param("wait", "number", "body", help="seconds a worker may take to adopt it",
                  maximum=WAIT_MOST)),
           summary="start AgentStart or Recovery on a machine now, in a worker",
-          answer=_obj("machine", "process", "work", "task", task=_STR)),
+          answer=_obj("machine", "process", "work", "task", task=_STR), waits=True),
     Route("reconcile", "POST", "/reconcile", Role.OPERATOR, ("reconcile",),
-          summary="run a reconcile now in a worker", answer=_obj("result")),
+          summary="run a reconcile now in a worker", answer=_obj("result"), waits=True),
     Route("sweep", "POST", "/sweep", Role.OPERATOR, ("sweep",),
           summary="release the work of dead sessions now", answer=_obj()),
     Route("maintenance", "POST", "/machines/{machine}/maintenance", Role.OPERATOR,
@@ -272,7 +275,7 @@ ROUTES: tuple[Route, ...] = (
           answer=_obj("machine", machine=_STR)),
     Route("power_status", "GET", "/machines/{machine}/power", Role.OPERATOR, ("power",),
           ("{command}", "{machine}"), (_machine,), {"command": "status"},
-          "read a machine's power state from its BMC", _obj()),
+          "read a machine's power state from its BMC", _obj(), waits=True),
     Route("power", "POST", "/machines/{machine}/power", Role.OPERATOR, ("power",),
           ("{command}", "{machine}", "{device}"),
           (_machine, Param("command", where="body", required=True, positional=True,
@@ -285,7 +288,7 @@ ROUTES: tuple[Route, ...] = (
            Param("wait", "number", "body", help="seconds each change may take to be seen",
                  maximum=WAIT_MOST)),
           summary="change a machine's power or next boot device through its BMC",
-          answer=_obj()),
+          answer=_obj(), waits=True),
     Route("install", "POST", "/machines/{machine}/install", Role.OPERATOR, ("install",),
           ("{machine}", "{image}"),
           (_machine, Param("image", where="body", positional=True,
@@ -295,7 +298,7 @@ ROUTES: tuple[Route, ...] = (
            Param("cancel", "boolean", "body", help="withdraw the pending installation"),
            Param("reason", where="body", help="why (required to install)")),
           summary="install an image from the catalog on a machine, or withdraw that",
-          answer=_obj()),
+          answer=_obj(), waits=True),
     Route("tokens", "GET", "/tokens", Role.ADMIN, ("token", "list"),
           summary="every token, live, revoked or expired (never the token itself)",
           answer=_obj("tokens", tokens=_ARRAY)),

@@ -15,9 +15,11 @@ Where the rules are enforced, in the order a request meets them (``Api.answer``)
 
 Nothing of the command runs before all three passed, so a refused request changes
 nothing. Then the command runs exactly as in direct mode (``ApiContext`` is the CLI's
-``Context`` with the server's runtime), in the API's own thread pool, never on the
-event loop or in the heartbeats' pool. **Who did it** is the token's name: the
-server sets the command's ``--by``, which no route takes from the client.
+``Context`` with the server's runtime), in the API's own threads (``ApiPools``: few
+for what costs CPU, so operators cannot starve the heartbeats' event loop of the GIL,
+more for what waits), never on the event loop or in the heartbeats' pool. **Who did
+it** is the token's name: the server sets the command's ``--by``, which no route
+takes from the client.
 
 The answer is the command's ``--json`` document (or, for ``Accept: text/plain``,
 the table the CLI prints), with ``Shepherd-Exit`` the exit status the command
@@ -55,7 +57,7 @@ from shepherd.operations import tokens
 from shepherd.providers.base import ProviderError
 from shepherd.runtime import Runtime
 from shepherd.server.limits import log_internal_error
-from shepherd.server.pool import Pool
+from shepherd.server.pool import ApiPools
 from shepherd.server.throttle import FailureThrottle
 
 log = logging.getLogger("shepherd.api")
@@ -120,13 +122,14 @@ STATUS = {"unauthenticated": 401, "forbidden": 403, "bad": 400, "unknown": 404,
 
 
 class Api:
-    """The routes of ``/api/v1`` over one runtime; requests run in ``pool``."""
+    """The routes of ``/api/v1`` over one runtime; requests run in ``pools`` (a route
+    that waits on the world in ``waits``, the others in ``reads``)."""
 
-    def __init__(self, runtime: Runtime, pool: Pool,
+    def __init__(self, runtime: Runtime, pools: ApiPools,
                  workers: Callable[[Settings], WorkerLayer] = CeleryWorkers,
                  throttle: FailureThrottle | None = None) -> None:
         self.runtime = runtime
-        self.pool = pool
+        self.pools = pools
         self.workers = workers(runtime.settings)
         self.parser = parser(_ApiParser)
         self.throttle = throttle or FailureThrottle(runtime.settings.serve_login_failures)
@@ -149,8 +152,9 @@ class Api:
             address = request.client.host if request.client else "unknown"
             text = _wants_text(request)
             try:
-                answer = await self.pool.run(lambda: self.answer(route, token, values,
-                                                                 address, text))
+                pool = self.pools.waits if route.waits else self.pools.reads
+                answer = await pool.run(lambda: self.answer(route, token, values, address,
+                                                            text))
             except Exception as error:  # a bug: said in the log, never to the client
                 log_internal_error(log, f"api {route.name}", error)
                 answer = Answer(500, {"error": "internal error (the server's log says why)"})

@@ -12,13 +12,14 @@ from starlette.routing import BaseRoute
 
 from shepherd.cli.api_server import Api
 from shepherd.runtime import Runtime
-from shepherd.server.pool import Pool
+from shepherd.server.pool import ApiPools
 from shepherd.server.serve import main as serve_main
 from shepherd.server.throttle import FailureThrottle
 
 
-def operator_api(runtime: Runtime, pool: Pool, throttle: FailureThrottle) -> list[BaseRoute]:
-    return Api(runtime, pool, throttle=throttle).routes()
+def operator_api(runtime: Runtime, pools: ApiPools, throttle: FailureThrottle
+                 ) -> list[BaseRoute]:
+    return Api(runtime, pools, throttle=throttle).routes()
 
 
 def main(argv: list[str] | None = None) -> int:

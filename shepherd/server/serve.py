@@ -42,7 +42,7 @@ from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_con
 from shepherd.server.images import ImageRoute, bmdb_authorizer
 from shepherd.server.limits import LogThrottle
 from shepherd.server.options import COMPONENT, ServeOptions
-from shepherd.server.pool import Pool
+from shepherd.server.pool import ApiPools, Pool
 from shepherd.server.throttle import FailureThrottle
 from shepherd.server.web import WebView
 
@@ -54,13 +54,15 @@ HEALTH_THREADS = 2
 #: chunk at a time, never for a whole download: see ``images``).
 IMAGE_CHECK_THREADS = 2
 IMAGE_READ_THREADS = 8
-#: Threads running the operators' API's commands (a power cycle may take minutes).
-API_THREADS = 8
+#: Threads running the operators' API's commands (``pool.ApiPools``): the ones that
+#: cost CPU, and the ones that wait (a power cycle may take minutes).
+API_THREADS = 2
+API_WAIT_THREADS = 4
 
 #: The operators' API (``shepherd.cli.api_server``), given by whoever composes the
 #: server: routes over the server's runtime, run in the thread pool given, counting
 #: refused tokens in the throttle the web view's login shares.
-OperatorApi = Callable[[Runtime, Pool, FailureThrottle], list[BaseRoute]]
+OperatorApi = Callable[[Runtime, ApiPools, FailureThrottle], list[BaseRoute]]
 
 
 @dataclass
@@ -206,8 +208,9 @@ def _operator_routes(runtime: Runtime, options: ServeOptions, health: asgi.Healt
         pages = _pool(VIEW_THREADS, "web", closers)
         views = WebView(runtime, options.guard, pages).app()
     throttle = FailureThrottle(options.login_failures)
-    api = operator_api(runtime, _pool(API_THREADS, "api", closers), throttle) \
-        if operator_api else []
+    pools = ApiPools(_pool(API_THREADS, "api", closers),
+                     _pool(API_WAIT_THREADS, "api-waits", closers))
+    api = operator_api(runtime, pools, throttle) if operator_api else []
     return asgi.operator_routes(health, metrics, views, api)
 
 
@@ -308,7 +311,7 @@ def apply_flags(settings: Settings, args: argparse.Namespace) -> Settings:
         serve_operator_views=args.operator_views,
         bmdb_pool_size=max(settings.bmdb_pool_size,
                            args.threads + HEALTH_THREADS + IMAGE_CHECK_THREADS
-                           + API_THREADS))
+                           + API_THREADS + API_WAIT_THREADS))
 
 
 def serve(settings: Settings, *, db: bmdb.BMDB | None = None,

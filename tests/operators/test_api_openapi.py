@@ -15,7 +15,7 @@ from shepherd.cli import api_routes
 from shepherd.cli.api_server import Api, openapi
 from shepherd.config import Settings
 from shepherd.runtime import Runtime
-from shepherd.server.pool import Pool
+from shepherd.server.pool import ApiPools, Pool
 from tests.support.api_fixtures import ApiPlane, Workers, valid_values
 
 #: Routes whose command reaches outside the BMDB: asked for a machine that is not
@@ -25,7 +25,8 @@ OUTSIDE = {"power_status", "power", "install", "host_key"}
 
 def served_operations() -> set[tuple[str, str]]:
     """(method, path) of every route the API's app serves, the document's own included."""
-    api = Api(Runtime(Settings(), "test"), Pool(1, "test"), Workers())  # nothing opened
+    pool = Pool(1, "test")
+    api = Api(Runtime(Settings(), "test"), ApiPools(pool, pool), Workers())  # none opened
     found = set()
     for route in api.routes():
         assert isinstance(route, Route)

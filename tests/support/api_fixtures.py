@@ -27,7 +27,7 @@ from shepherd.operations import tokens
 from shepherd.roles import Role
 from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, serve
-from shepherd.server.pool import Pool
+from shepherd.server.pool import ApiPools
 from shepherd.server.throttle import FailureThrottle
 from tests.support.operator_fixtures import Fleet, seed_fleet
 
@@ -82,8 +82,8 @@ class ApiPlane:
 
 
 def api_factory(workers: Workers
-                ) -> Callable[[Runtime, Pool, FailureThrottle], list[BaseRoute]]:
-    return lambda runtime, pool, throttle: Api(runtime, pool, workers, throttle).routes()
+                ) -> Callable[[Runtime, ApiPools, FailureThrottle], list[BaseRoute]]:
+    return lambda runtime, pools, throttle: Api(runtime, pools, workers, throttle).routes()
 
 
 def make_tokens(db: bmdb.BMDB, session: bmdb.Session) -> dict[str, str | None]:
