@@ -1,4 +1,4 @@
-"""The operators' roles: what an API token may do (``shepherd.cli.api_routes`` says
+"""The operators' roles: what an API token may do (``shepherd.api_routes`` says
 which role each route needs; ``shepherd.operations.tokens`` keeps the tokens).
 
 A word of its own, below everything, because both the CLI in API mode (which must

@@ -30,8 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from urllib.parse import urlencode
 
-from shepherd import state_env
-from shepherd.cli import api_routes
+from shepherd import api_routes, state_env
 from shepherd.client_settings import ClientSettings, ClientSettingsError
 
 EXIT_FAILED, EXIT_BAD_ARGUMENT = 1, 2

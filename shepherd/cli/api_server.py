@@ -47,8 +47,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 import bmdb
-from shepherd import operations
-from shepherd.cli import api_routes
+from shepherd import api_routes, operations
 from shepherd.cli.arguments import Parser, parser
 from shepherd.cli.context import Context, Failed
 from shepherd.cli.workers import CeleryWorkers, WorkerLayer

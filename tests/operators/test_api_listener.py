@@ -10,8 +10,7 @@ import pytest
 import requests
 
 import bmdb
-from shepherd import cli
-from shepherd.cli import api_routes
+from shepherd import api_routes, cli
 from shepherd.config import Settings
 from shepherd.server import serve
 from tests.support.api_fixtures import Workers, api_factory, digest, make_tokens

@@ -11,7 +11,7 @@ import pytest
 import requests
 from starlette.routing import Route
 
-from shepherd.cli import api_routes
+from shepherd import api_routes
 from shepherd.cli.api_server import Api, openapi
 from shepherd.config import Settings
 from shepherd.runtime import Runtime

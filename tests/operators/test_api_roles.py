@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shepherd.cli import api_routes
+from shepherd import api_routes
 from shepherd.roles import Role
 from tests.support.api_fixtures import NOT_LIVE, ApiPlane, digest, valid_values
 

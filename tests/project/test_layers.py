@@ -47,8 +47,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "shepherd.task_api", "shepherd.images", "shepherd.roles"),
     # Settings: the state directory's file beneath the environment and the kinds of
     # values settings take, then ``Settings``.
-    # The CLI's API mode's settings, read beside ``Settings`` without the BMDB.
-    ("shepherd.state_env", "shepherd.config_kinds", "shepherd.client_settings"),
+    # The CLI's API mode's settings, read beside ``Settings`` without the BMDB; the
+    # operators' API's routes and roles (the server, the web view and the CLI read them).
+    ("shepherd.state_env", "shepherd.config_kinds", "shepherd.client_settings",
+     "shepherd.api_routes"),
     ("shepherd.config",),
     # Programs of their own, run elsewhere: the agent (with its wire format) and the
     # simulator; Celery's configuration, derived from the settings.

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from starlette.routing import BaseRoute
 
 import bmdb
-from shepherd.cli import api_routes
+from shepherd import api_routes
 from shepherd.cli.api_server import Api
 from shepherd.config import Settings
 from shepherd.operations import tokens
