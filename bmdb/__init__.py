@@ -209,6 +209,7 @@ from bmdb.tokens import Token, TokenExists
 from bmdb.tokens import by_hash as token_by_hash
 from bmdb.tokens import create as create_token
 from bmdb.tokens import listed as list_tokens
+from bmdb.tokens import named as token_named
 from bmdb.tokens import revoke as revoke_token
 from bmdb.urls import DatabaseURL, engine_url, load_driver, parse_url
 from bmdb.vocabulary import (
@@ -434,6 +435,7 @@ __all__ = [
     "takeover_view",
     "task_outcomes",
     "token_by_hash",
+    "token_named",
     "try_acquire_singleton",
     "upsert_provided",
     "want_installation",

@@ -92,3 +92,11 @@ def by_hash(tx: Tx, token_hash: str) -> tuple[Token, str] | None:
     row = tx.execute(sa.select(*_COLUMNS, _t.c.token_hash)
                      .where(_t.c.token_hash == token_hash, _live(tx.now))).first()
     return None if row is None else (Token(*row[:-1]), str(row[-1]))
+
+
+def named(tx: Tx, name: str) -> tuple[Token, str] | None:
+    """The live token ``name`` and its hash as stored (a web session names its token:
+    ``shepherd.server.web_session``), or None."""
+    row = tx.execute(sa.select(*_COLUMNS, _t.c.token_hash)
+                     .where(_t.c.name == name, _live(tx.now))).first()
+    return None if row is None else (Token(*row[:-1]), str(row[-1]))
