@@ -219,7 +219,7 @@ ROUTES: tuple[Route, ...] = (
         Param("work", help="only machines held by work of this process (or any)"),
         Param("backoff", help="only machines in a backoff of this process (or any)"),
         Param("limit", "integer", help="machines per page (default 500)", maximum=1000),
-        Param("after", help="the page after this cursor (next_after of a page)")),
+        Param("after", help="the page after this cursor (next_cursor of a page)")),
         summary="machines, filtered, a page at a time",
         answer=_obj("machines", machines=_ARRAY)),
     Route("show", "GET", "/machines/{machine}", Role.VIEWER, ("show",), ("{machine}",),
@@ -335,8 +335,8 @@ def request_of(route: Route, args: argparse.Namespace) -> tuple[str, dict[str, A
             continue
         if p.where == "path":
             path = path.replace("{" + p.name + "}", quote(str(value), safe=""))
-        elif p.where == "query":
-            query[p.name] = value
+        elif p.where == "query":  # a flag as ``_typed`` reads it
+            query[p.name] = "true" if value is True else value
         else:
             body[p.name] = value
     return path, query, body

@@ -70,8 +70,6 @@ def run(args: argparse.Namespace, settings: ClientSettings) -> int:
         return _fail(args, "API mode needs a token: set SHEPHERD_API_TOKEN or "
                            "SHEPHERD_API_TOKEN_FILE (shepherd token create)", EXIT_FAILED)
     path, query, body = api_routes.request_of(route, args)
-    # A flag in the query is "true", as the server reads it (``api_routes._typed``).
-    query = {k: "true" if v is True else v for k, v in query.items()}
     url = settings.url.rstrip("/") + path + ("?" + urlencode(query, doseq=True)
                                             if query else "")
     request = urllib.request.Request(

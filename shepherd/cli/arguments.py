@@ -21,7 +21,8 @@ API_HELP = ("the operators' API (https://host:port) to send the command to, with
             "$SHEPHERD_API_URL; none: the BMDB directly)")
 STATE_HELP = ("the state directory of a `shepherd up` (default: $SHEPHERD_STATE_DIR or "
               "./var): its shepherd.env names the BMDB, broker and the rest it chose")
-BY_HELP = "who does this, for history (default: your login name)"
+BY_HELP = ("who does this, for history (default: your login name; in API mode history "
+           "names the token, whatever this says)")
 MACHINE_HELP = "a BMDB machine id (a UUID: `shepherd machines` lists them)"
 
 USAGE_HEAD = "Operator commands (tables for people, --json for scripts):"
