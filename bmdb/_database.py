@@ -23,7 +23,7 @@ import tenacity
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from bmdb._types import AnyResult, db_now, sqlite_utcnow
+from bmdb._types import AnyResult, db_now, natural_key_text, sqlite_utcnow
 from bmdb.errors import BMDBError, CommitOutcomeUnknown, Unavailable
 from bmdb.urls import engine_url
 
@@ -149,6 +149,8 @@ def _sqlite_engine(url: str) -> Engine:
         dbapi_connection.execute("PRAGMA foreign_keys=ON")
         dbapi_connection.execute("PRAGMA busy_timeout=30000")
         dbapi_connection.create_function("shepherd_utcnow", 0, sqlite_utcnow)
+        dbapi_connection.create_function("shepherd_natural_key", 1, natural_key_text,
+                                         deterministic=True)
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:

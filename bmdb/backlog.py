@@ -104,6 +104,27 @@ def not_installing(machine_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     return ~sa.exists().where(w.c.machine_id == machine_id, w.c.step.is_not(None))
 
 
+def _installing_statement() -> AnyCompound:
+    """The machines installing: an installation between its steps (``os_wanted.step``
+    set), the machines ``not_installing`` keeps out of Recovery.
+
+    Found through what is few, not by reading every wish (a fleet whose inventory names
+    an image for each machine has a wish per machine): a step is set by the
+    ``ShepherdOSInstall`` work holding the machine and cleared in the transaction that
+    releases it, on a wish that is pending (the partial index ``ix_os_wanted_pending``)
+    unless an operator withdrew it meanwhile (then the work still holds the machine:
+    the work table, a few rows). One step a dead worker left on a withdrawn wish is in
+    neither; ``shepherd show`` still shows it."""
+    w, k = schema.os_wanted, schema.work
+    pending = sa.select(w.c.machine_id).where(w.c.settled_at.is_(None), w.c.step.is_not(None))
+    withdrawn = (sa.select(w.c.machine_id).join(k, k.c.machine_id == w.c.machine_id)
+                 .where(k.c.process == Process.OS_INSTALL.value, w.c.step.is_not(None)))
+    return sa.union(pending, withdrawn)
+
+
+INSTALLING = _installing_statement()
+
+
 #: Running at the provider, no agent started yet, and not held.
 agent_start = Backlog(
     sa.select(schema.provided.c.machine_id).where(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -71,7 +71,7 @@ def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
         machines=sum(states.values()),
         provided=counters.machines_with(states, counters.TAG_BITS["provided"]),
         agent_started=counters.machines_with(states, counters.TAG_BITS["agent_started"]),
-        heartbeating=_heartbeating(tx, states, thresholds),
+        heartbeating=heartbeating(tx, states, thresholds),
         backlog={
             process.value: count(eligible(tx, process, backlog.retriever(process, thresholds)))
             for process in (Process.AGENT_START, Process.RECOVERY)
@@ -84,15 +84,33 @@ def fleet_counts(tx: Tx, thresholds: backlog.Thresholds) -> FleetCounts:
 
 _STALE = sa.select(sa.func.count()).where(
     schema.agent_heartbeat.c.last_heartbeat_at < sa.bindparam("cutoff"))
+_STALE_AMONG = (sa.select(sa.func.count())
+                .select_from(schema.agent_heartbeat.join(
+                    schema.machines, schema.machines.c.id == schema.agent_heartbeat.c.machine_id))
+                .where(schema.agent_heartbeat.c.last_heartbeat_at < sa.bindparam("cutoff"),
+                       schema.machines.c.tag_bits.in_(sa.bindparam("among", expanding=True))))
 
 
-def _heartbeating(tx: Tx, states: dict[int, int], thresholds: backlog.Thresholds) -> int:
-    """Machines whose last heartbeat is within ``thresholds.heartbeat``: all heartbeat
-    tags minus the stale ones, which the index on ``last_heartbeat_at`` finds without
-    reading the (many) fresh ones."""
-    cutoff = tx.now - dt.timedelta(seconds=thresholds.heartbeat)
-    stale = tx.execute(_STALE, {"cutoff": cutoff}).scalar_one()
-    return counters.machines_with(states, counters.TAG_BITS["agent_heartbeat"]) - int(stale)
+def heartbeat_cutoff(tx: Tx, thresholds: backlog.Thresholds) -> dt.datetime:
+    """A heartbeat at or after this is fresh; before it, stale (the agent went quiet)."""
+    return tx.now - dt.timedelta(seconds=thresholds.heartbeat)
+
+
+def heartbeating(tx: Tx, states: Mapping[int, int], thresholds: backlog.Thresholds,
+                 among: Collection[int] | None = None) -> int:
+    """Machines whose last heartbeat is within ``thresholds.heartbeat`` (of those whose
+    ``tag_bits`` is one of ``among``, when given): their heartbeat tags, from the
+    counters, minus the stale ones, which the index on ``last_heartbeat_at`` finds
+    without reading the (many) fresh ones (with ``among``, a primary-key probe each)."""
+    bit = counters.TAG_BITS["agent_heartbeat"]
+    cutoff = heartbeat_cutoff(tx, thresholds)
+    if among is None:
+        tagged = counters.machines_with(states, bit)
+        stale = tx.execute(_STALE, {"cutoff": cutoff}).scalar_one()
+    else:
+        tagged = sum(states.get(s, 0) for s in among if s & bit)
+        stale = tx.execute(_STALE_AMONG, {"cutoff": cutoff, "among": list(among)}).scalar_one()
+    return tagged - int(stale)
 
 
 def held_counts(tx: Tx) -> dict[str, int]:
@@ -175,6 +193,74 @@ def recovery_starts_last_hour(tx: Tx) -> int:
     Recovery starts, whatever the history's size.
     """
     return int(tx.execute(_RECOVERY_STARTS, {"since": tx.now - HOUR}).scalar_one())
+
+
+# -- the fleet's health, as the machine list leads with it --------------------------
+
+#: ``MachineFilter.health``'s values: the health figures no other filter of the list
+#: gives (in Recovery is ``work=ShepherdRecovery``, held ``held=any``, backing off
+#: ``backoff=any``).
+HEARTBEATING, SILENT, INSTALLING = "heartbeating", "silent", "installing"
+HEALTH = (HEARTBEATING, SILENT, INSTALLING)
+
+
+@dataclass(frozen=True)
+class HealthCounts:
+    """Machines in each state an operator reads "is my fleet healthy?" from, in the
+    words the rest of Shepherd uses. They overlap (a silent machine may be held by
+    Recovery work, or back off), and each is what the list's filter for it lists:
+
+    * heartbeating: a heartbeat within ``heartbeat_timeout`` (``health=heartbeating``);
+    * silent: in the Recovery backlog query, claimed, backing off or not: the guard's
+      silent machines (``health=silent``);
+    * in Recovery: held by Recovery work (``work=ShepherdRecovery``);
+    * installing: an installation between its steps (``health=installing``,
+      ``backlog.INSTALLING``);
+    * held: any hold, so in no backlog (``held=any``);
+    * backing off: an active backoff of any process (``backoff=any``).
+    """
+
+    heartbeating: int
+    silent: int
+    in_recovery: int
+    installing: int
+    held: int
+    backing_off: int
+
+
+_IN_RECOVERY = sa.select(sa.func.count()).where(
+    schema.work.c.process == Process.RECOVERY.value)
+_INSTALLING = sa.select(sa.func.count()).select_from(backlog.INSTALLING.subquery())
+# Every process named: the index on (process, until) then reads only active backoffs.
+_BACKING_OFF = sa.select(sa.func.count(sa.distinct(schema.backoff.c.machine_id))).where(
+    schema.backoff.c.process.in_([p.value for p in Process]),
+    schema.backoff.c.until > sa.bindparam("now"))
+# One statement, one round trip: a page shows the figures on every view.
+_HEALTH = sa.select(*(statement.scalar_subquery().label(name) for name, statement in (
+    ("stale", _STALE), ("silent", _SILENT), ("in_recovery", _IN_RECOVERY),
+    ("installing", _INSTALLING), ("backing_off", _BACKING_OFF))))
+
+
+def health_counts(tx: Tx, thresholds: backlog.Thresholds,
+                  states: Mapping[int, int] | None = None) -> HealthCounts:
+    """The six figures, none counting the fleet (a page shows them on every view):
+    heartbeating and held from the counters (``states``, read here when not given),
+    minus the stale heartbeats through their index; silent through the Recovery
+    backlog's indexes (a row per silent candidate: ``silent_machines``' statement); in
+    Recovery over the work table (a row per work item in flight); installing through
+    the pending wishes' partial index and the work; backing off through the backoffs'
+    index (a row per active one). The five that are not counters are one statement."""
+    states = counters.states(tx) if states is None else states
+    cutoffs = backlog.recovery_cutoffs(tx, thresholds)
+    row = tx.execute(_HEALTH, {**cutoffs, "cutoff": heartbeat_cutoff(tx, thresholds),
+                               "now": tx.now}).one()
+    return HealthCounts(
+        heartbeating=counters.machines_with(states, counters.TAG_BITS["agent_heartbeat"])
+        - int(row.stale),
+        silent=int(row.silent), in_recovery=int(row.in_recovery),
+        installing=int(row.installing),
+        held=sum(n for state, n in states.items() if state & counters.HELD),
+        backing_off=int(row.backing_off))
 
 
 # -- what went wrong lately -------------------------------------------------------

@@ -129,20 +129,29 @@ def parse_tag(text: str) -> str:
 def machine_filter(*, tags: Iterable[str] = (), without: Iterable[str] = (),
                    provider: str | None = None, work: str | None = None,
                    backoff: str | None = None, limit: int = 500,
-                   after: str | None = None) -> MachineFilter:
+                   after: str | None = None, health: str | None = None,
+                   held: str | None = None, sort: str | None = None) -> MachineFilter:
     """A page filter from what an operator typed; ``BadArgument`` names the first
-    thing wrong (an unknown tag or process, a page over ``MAX_PAGE``, a cursor that
-    no page gave out)."""
+    thing wrong (an unknown tag, process, health, hold kind or order, a page over
+    ``MAX_PAGE``, a cursor that no page of that order gave out). Health, hold kinds and
+    orders are matched without regard to case or surrounding blanks, like tags."""
     try:
         return MachineFilter(
             tags=tuple(parse_tag(t) for t in tags if t),
             without=tuple(parse_tag(t) for t in without if t),
             provider=provider or None, work=parse_process_filter(work),
-            backoff=parse_process_filter(backoff), limit=limit, after=after or None)
+            backoff=parse_process_filter(backoff), limit=limit, after=after or None,
+            health=_word(health), held=_word(held),
+            sort=_word(sort) or MachineFilter.SORTS[0])
     except BadArgument:
         raise
     except ValueError as error:
         raise BadArgument(str(error)) from None
+
+
+def _word(text: str | None) -> str | None:
+    """A keyword as the filter spells it (lower case, trimmed); None for none given."""
+    return (text.strip().lower() or None) if text else None
 
 
 def parse_limit(text: str | None, default: int = 500) -> int:

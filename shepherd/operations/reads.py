@@ -86,11 +86,13 @@ def show_machine(tx: bmdb.Tx, machine_id: uuid.UUID, history_limit: int = 100
     )
 
 
-def list_machines_at_a_glance(tx: bmdb.Tx, f: MachineFilter
+def list_machines_at_a_glance(tx: bmdb.Tx, f: MachineFilter,
+                              thresholds: bmdb.Thresholds | None = None
                               ) -> tuple[MachineList, dict[uuid.UUID, Glance]]:
     """``list_machines`` and each listed machine's glance (as ``glances`` gives them),
-    from the same statement."""
-    found, looks = bmdb.list_machines_at_a_glance(tx, f)
+    from the same statement; with ``thresholds`` (the BMDB's), the fleet's health too,
+    and the heartbeating and silent filters allowed."""
+    found, looks = bmdb.list_machines_at_a_glance(tx, f, thresholds)
     return found, _printable(looks)
 
 

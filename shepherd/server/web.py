@@ -5,10 +5,17 @@ Server-rendered HTML (Starlette routes, Jinja templates, no JavaScript), from th
 disagree:
 
   GET /                      redirect to /machines
-  GET /machines              machines with tag columns, holds and gone ones marked,
-                             per-tag and per-hold counts, any reconcile refusal, filters
-                             by query string: tag=T (has, repeatable), without=T,
-                             provider=P, work=PROCESS|any, backoff=PROCESS|any, limit=N
+  GET /machines              the fleet's health first (``HEALTH``: heartbeating, silent,
+                             in Recovery, installing, held, backing off, each a link to
+                             the list of exactly the machines it counts), then machines
+                             with tag columns, holds and gone ones marked, per-tag and
+                             per-hold counts, any reconcile refusal, filters by query
+                             string: tag=T (has, repeatable), without=T, provider=P,
+                             work=PROCESS|any, backoff=PROCESS|any,
+                             health=heartbeating|silent|installing, held=KIND|any,
+                             limit=N; sort=name orders by provider id, numbers by value
+                             (rack1-u2 before rack1-u10; default: oldest first), kept by
+                             the paging, the health links and the filter form
   GET /machines/{id}         holds, tags, host key, work and its session, backoffs
                              (expired ones marked), why it is or is not in each backlog,
                              history newest first
@@ -29,7 +36,11 @@ heartbeats share, and never in the heartbeats' pool.
 The list shows, per machine, its hostname (from the stored hardware report), its
 agent's heartbeat age (late past the BMDB's thresholds) and its power as last
 observed by Recovery or ``shepherd power`` (``bmdb.power_of``): nothing on a
-page calls a BMC or the provider, so a page costs the same at any fleet size.
+page calls a BMC or the provider, so a page costs the same at any fleet size. So do
+the health figures (the BMDB's counters, and indexes over the few machines each of the
+others counts: ``bmdb.MachineList.health``). The one exception is sort=name over many
+machines: the BMDB computes each one's key to order them (no index holds that order),
+a pass over what the filters let through (``bmdb.MachineFilter``'s name order).
 
 Read-only: nothing here changes the BMDB (the CLI does that), so the pages need no
 CSRF protection. They do show the fleet's inventory: put ``shepherd serve`` behind
@@ -215,6 +226,80 @@ class Banner:
 
 
 @dataclass(frozen=True)
+class HealthLink:
+    """One figure of the list's health strip: its words, how many machines, and the
+    list of exactly those machines (the count is that list's ``matched``)."""
+
+    key: str
+    label: str
+    count: int
+    href: str
+    title: str
+    #: This page lists exactly these machines.
+    current: bool
+    #: Worth a look when not zero (silent, backing off).
+    attention: bool
+
+
+#: The health strip, in its order: (key, words, the list's query for exactly those
+#: machines, what they are). Each key names a figure of ``MachineList.health`` ("-" for
+#: "_"); the filters are the list's own, so the words mean what they mean elsewhere.
+HEALTH: tuple[tuple[str, str, dict[str, str], str], ...] = (
+    ("heartbeating", "heartbeating", {"health": "heartbeating"},
+     "its agent heartbeated within the heartbeat timeout"),
+    ("silent", "silent", {"health": "silent"},
+     "in the Recovery backlog: no heartbeat in time (claimed, backing off or not)"),
+    ("in-recovery", "in Recovery", {"work": bmdb.Process.RECOVERY.value},
+     "held by Recovery work now"),
+    ("installing", "installing", {"health": "installing"},
+     "an operating system installation between its steps"),
+    ("held", "held", {"held": bmdb.ANY},
+     "maintenance, quarantine, a host-key or BMC mismatch: in no backlog"),
+    ("backing-off", "backing off", {"backoff": bmdb.ANY},
+     "an active backoff of any process: left alone until it ends"),
+)
+_ATTENTION = frozenset({"silent", "backing-off"})
+#: The list's orders (``bmdb.MachineFilter.SORTS``): the default one, and by name.
+CREATED, BY_NAME = bmdb.MachineFilter.SORTS
+
+
+def page_filter(query: PageQuery) -> bmdb.MachineFilter:
+    """The list's filter and order from its query string (``Refused`` 400 for a bad one)."""
+    try:
+        return operations.machine_filter(
+            tags=query.getlist("tag"), without=query.getlist("without"),
+            provider=query.get("provider"), work=query.get("work"),
+            backoff=query.get("backoff"), health=query.get("health"),
+            held=query.get("held"), sort=query.get("sort"),
+            limit=operations.parse_limit(query.get("limit")), after=query.get("after"))
+    except operations.BadArgument as error:
+        raise Refused(400, str(error)) from None
+
+
+def health_links(found: bmdb.MachineList, f: bmdb.MachineFilter, query: PageQuery
+                 ) -> list[HealthLink]:
+    """The strip's links for ``found.health``, each keeping the page's order, page size
+    and auto-refresh (and nothing else: it lists exactly its machines)."""
+    assert found.health is not None, "list the machines with the BMDB's thresholds"
+    kept = {"sort": query.get("sort"), "limit": query.get("limit")}
+    links = []
+    for key, label, filters, title in HEALTH:
+        count = getattr(found.health, key.replace("-", "_"))
+        listed = operations.machine_filter(**filters, sort=f.sort, limit=f.limit)
+        links.append(HealthLink(
+            key, label, count, query.keep_refresh(url_for("machines", **filters, **kept)),
+            title, current=replace(f, after=None) == listed,
+            attention=key in _ATTENTION and count > 0))
+    return links
+
+
+def order_url(query: PageQuery, sort: str) -> str:
+    """This list in order ``sort``: every filter kept, from its first page."""
+    grouped = {k: v for k, v in query.grouped().items() if k not in ("sort", "after")}
+    return query.url(grouped | ({} if sort == CREATED else {"sort": [sort]}))
+
+
+@dataclass(frozen=True)
 class AtAGlance:
     """What the list's row and the machine page show beside the BMDB's own record:
     hostname, heartbeat age, power and provider, from one ``bmdb.Glance``."""
@@ -252,6 +337,9 @@ class MachineRow:
     """
 
     id: str
+    #: The id's first two groups (48 bits: unique in any fleet, and a name
+    #: ``resolve_machine`` takes), so the table fits a 1400-pixel screen.
+    short_id: str
     href: str
     #: Hold kinds, space separated ("" when not held).
     held: str
@@ -289,7 +377,8 @@ class MachineRow:
         machine = str(m.id)
         e = html.escape
         return cls(
-            id=e(machine), href=e(link(f"{PATHS['machines']}/{machine}")),
+            id=e(machine), short_id=e(machine[:13]),
+            href=e(link(f"{PATHS['machines']}/{machine}")),
             held=e(" ".join(m.holds)),
             provider_class=e(f"provider {provider.source}"),
             provider_title=e(provider.title), provider=e(provider.text),
@@ -470,33 +559,32 @@ class WebView:
         return Banner(operations.problems(tx), paused, callback)
 
     def machines_page(self, query: PageQuery) -> str:
-        try:
-            f = operations.machine_filter(
-                tags=query.getlist("tag"), without=query.getlist("without"),
-                provider=query.get("provider"), work=query.get("work"),
-                backoff=query.get("backoff"),
-                limit=operations.parse_limit(query.get("limit")), after=query.get("after"))
-        except operations.BadArgument as error:
-            raise Refused(400, str(error)) from None
-
+        """The list: the fleet's health first (``health_links``), then the page of
+        ``page_filter(query)`` in its order, with its paging and order links."""
+        f = page_filter(query)
         callback = self.checked_callback()
+        thresholds = self.db.thresholds
 
         def read(tx: bmdb.Tx) -> tuple[operations.MachineList,
                                        dict[uuid.UUID, bmdb.Glance], Banner]:
-            found, looks = operations.list_machines_at_a_glance(tx, f)
+            found, looks = operations.list_machines_at_a_glance(tx, f, thresholds)
             return found, looks, self.banner(tx, callback)
 
         found, looks, banner = self.db.read(read)
+        paging = {k: v for k, v in query.grouped().items() if k != "after"}
         next_page = None
         if found.next_cursor:
-            next_page = query.url({**query.grouped(), "after": [found.next_cursor]})
-        thresholds = self.db.thresholds
+            next_page = query.url({**paging, "after": [found.next_cursor]})
         rows = [MachineRow.of(m, looks.get(m.id), found.now, thresholds, query.keep_refresh)
                 for m in found.machines]
         return self.render(query, "machines.html", banner, found=found, f=f,
-                           tags=operations.TAGS,
-                           next_page=next_page, rows=rows, short_tags=operations.SHORT_TAGS,
-                           held=found.held_counts,
+                           tags=operations.TAGS, rows=rows, short_tags=operations.SHORT_TAGS,
+                           next_page=next_page, first_page=query.url(paging),
+                           health=health_links(found, f, query),
+                           by_name=f.sort == BY_NAME,
+                           order_urls={s: order_url(query, s) for s in (CREATED, BY_NAME)},
+                           held=found.held_counts, hold_kinds=bmdb.HOLD_KINDS,
+                           health_filters=bmdb.MachineFilter.HEALTH,
                            processes=[p.value for p in bmdb.Process])
 
     def machine_page(self, query: PageQuery, machine: str) -> str:

@@ -8,11 +8,13 @@ import functools
 import uuid
 
 import pytest
+import sqlalchemy as sa
 
 import bmdb
 from bmdb import MachineFilter, inspection
+from bmdb._types import natural_key, natural_key_text
 from shepherd import operations
-from tests.support.bmdb_helpers import seed_provided, start_agent
+from tests.support.bmdb_helpers import seed_health_fleet, seed_provided, start_agent
 
 
 def all_pages(db: bmdb.BMDB, **filters) -> tuple[list[uuid.UUID], int]:
@@ -21,7 +23,8 @@ def all_pages(db: bmdb.BMDB, **filters) -> tuple[list[uuid.UUID], int]:
     after, pages = None, 0
     while True:
         found = db.read(functools.partial(inspection.list_machines,
-                                          f=MachineFilter(after=after, **filters)))
+                                          f=MachineFilter(after=after, **filters),
+                                          thresholds=db.thresholds))
         pages += 1
         seen += [m.id for m in found.machines]
         if found.next_cursor is None:
@@ -156,3 +159,135 @@ def test_a_page_at_a_glance_reads_what_glances_reads(db, session) -> None:
     assert looks[bare] == bmdb.Glance() and looks[started].agent_started_at is not None
     assert looks[full].hostname == "rack1-u07" and looks[full].power.state == "On"
     assert looks[full].last_heartbeat_at is not None
+
+
+#: Each health figure (``bmdb.HealthCounts``' field) and the filter that lists its machines.
+HEALTH_FILTERS = {
+    "heartbeating": ("heartbeating", {"health": "heartbeating"}),
+    "silent": ("silent", {"health": "silent"}),
+    "in-recovery": ("in_recovery", {"work": bmdb.Process.RECOVERY.value}),
+    "installing": ("installing", {"health": "installing"}),
+    "held": ("held", {"held": inspection.ANY}),
+    "backing-off": ("backing_off", {"backoff": inspection.ANY}),
+}
+
+
+def test_each_health_figure_is_what_its_filter_lists(db, session) -> None:
+    """For a fleet with one machine of each health: every figure equals its filter's
+    ``matched`` and the machines its pages list, which are the expected ones; the
+    silent figure is the guard's."""
+    fleet = seed_health_fleet(session)
+    found = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(), db.thresholds))
+    assert found.health is not None
+    for key, (field, filters) in HEALTH_FILTERS.items():
+        seen, pages = all_pages(db, limit=1, **filters)
+        counted = db.read(lambda tx, f=filters: inspection.list_machines(
+            tx, MachineFilter(**f), db.thresholds))
+        assert set(seen) == fleet.expected[key] and len(seen) == len(set(seen)), key
+        assert getattr(found.health, field) == counted.matched == len(seen), key
+        assert not counted.matched_estimated and pages == len(seen), key
+    assert found.health.silent == db.read(lambda tx: bmdb.silent_machines(tx, db.thresholds))
+    by_name, _ = all_pages(db, limit=1, health="silent", sort="name")
+    assert set(by_name) == fleet.expected["silent"]
+    maintenance, _ = all_pages(db, held="maintenance")
+    assert maintenance == [fleet.machines["held"]]
+    assert all_pages(db, held="quarantine") == ([], 1)
+
+
+def test_heartbeating_and_silent_need_the_thresholds(db, session) -> None:
+    seed_provided(session, 1)
+    for health in ("heartbeating", "silent"):
+        with pytest.raises(ValueError, match="needs the BMDB's thresholds"):
+            db.read(lambda tx, h=health: inspection.list_machines(tx, MachineFilter(health=h)))
+    found = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(health="installing")))
+    assert (found.matched, found.health) == (0, None)
+
+
+@pytest.mark.parametrize("text", [
+    "rack1-u2", "rack10-u1", "a#5", "u007", "7", "", "0" * 25, "1" * 25,
+    "00" + "1" * 19, "x" + "1" * 45 + "y0", "ünï9cøde10", "12345678901234567890123",
+    "a\nb2", "%s%(x)s\\1", None])
+def test_the_database_computes_the_natural_key_as_python_does(db, text: str | None) -> None:
+    """What SQL computes (PostgreSQL's regular expressions, SQLite's registered
+    function) is what ``natural_key_text`` computes, for the awkward cases too."""
+    computed = db.read(lambda tx: tx.execute(
+        sa.select(natural_key(sa.literal(text, sa.String)))).scalar_one())
+    assert computed == natural_key_text(text)
+
+
+def test_natural_keys_put_racks_in_rack_order() -> None:
+    names = ["rack10-u1", "rack2-u1", "rack1-u10", "rack1-u2", "rack1-u02", "rack", "rack-"]
+    assert sorted(names, key=lambda n: (natural_key_text(n), n)) == [
+        "rack", "rack-", "rack1-u02", "rack1-u2", "rack1-u10", "rack2-u1", "rack10-u1"]
+    assert natural_key_text("u007") == natural_key_text("u7")
+    assert natural_key_text("9" * 21) == natural_key_text("9" * 20)  # past 20 digits: the last 20
+
+
+def test_by_name_pages_cover_every_machine_once_ties_and_unnamed_included(db, session):
+    """Provider ids out of order, a tie by value (``u02``, ``u2``), a tie between two
+    providers, machines without a provider id, the tag filter: every page size pages
+    through the same order, each machine once; a cursor of one order is refused by the
+    other."""
+    def body(tx: bmdb.Tx) -> dict[uuid.UUID, str | None]:
+        named: dict[uuid.UUID, str | None] = {}
+        for provider, provider_id in (("inv", "rack10-u1"), ("inv", "rack2-u1"),
+                                      ("inv", "rack1-u10"), ("inv", "rack1-u2"),
+                                      ("inv", "rack1-u02"), ("other", "rack1-u10")):
+            machine = bmdb.create_machine(tx)
+            bmdb.upsert_provided(tx, machine, provider=provider, provider_id=provider_id,
+                                 provider_status="Running", address="127.0.0.1")
+            named[machine] = provider_id
+        for _ in range(3):
+            named[bmdb.create_machine(tx)] = None
+        return named
+
+    named = session.transact(body)
+    rank = ["rack1-u2", "rack1-u10", "rack2-u1", "rack10-u1"]
+
+    def place(machine: uuid.UUID) -> tuple[int, int, uuid.UUID]:
+        provider_id = named[machine]
+        if provider_id is None:
+            return 1, 0, machine
+        return 0, rank.index(provider_id.replace("u02", "u2")), machine
+
+    expected = sorted(named, key=place)
+    for limit in (1, 2, 4, 9, 10):
+        seen, pages = all_pages(db, limit=limit, sort="name")
+        assert seen == expected and pages == -(-len(expected) // limit), limit
+    provided, _ = all_pages(db, limit=2, sort="name", tags=("Provided",))
+    assert provided == [m for m in expected if named[m] is not None]
+    first = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(limit=2, sort="name")))
+    assert first.next_cursor is not None
+    with pytest.raises(operations.BadArgument, match="not a page cursor"):
+        operations.machine_filter(after=first.next_cursor)
+    created = db.read(lambda tx: inspection.list_machines(tx, MachineFilter(limit=2)))
+    assert created.next_cursor is not None
+    with pytest.raises(operations.BadArgument, match="not a page cursor"):
+        operations.machine_filter(after=created.next_cursor, sort="name")
+
+
+@pytest.mark.parametrize(("arguments", "error"), [
+    ({"health": "happy"}, "unknown health 'happy'"), ({"held": "jail"}, "unknown hold 'jail'"),
+    ({"sort": "size"}, "unknown order 'size'")])
+def test_unknown_health_holds_and_orders_are_refused(arguments, error: str) -> None:
+    with pytest.raises(operations.BadArgument, match=error):
+        operations.machine_filter(**arguments)
+    assert operations.machine_filter(health=" Silent ", held="ANY", sort="Name") == MachineFilter(
+        health="silent", held="any", sort="name")
+
+
+def test_heartbeating_with_a_provider_is_counted_up_to_the_bound(db, session, monkeypatch):
+    """Heartbeating alone is counted by the counters; with a provider filter, a walk up
+    to ``EXACT_UP_TO`` (then, on PostgreSQL, the planner's estimate), as a provider
+    filter alone is."""
+    fleet = seed_health_fleet(session)
+    heartbeating = MachineFilter(health="heartbeating", provider="test")
+    found = db.read(lambda tx: inspection.list_machines(tx, heartbeating, db.thresholds))
+    assert (found.matched, found.matched_estimated) == (2, False)
+    assert {m.id for m in found.machines} == fleet.expected["heartbeating"]
+    monkeypatch.setattr(inspection, "EXACT_UP_TO", 1)
+    found = db.read(lambda tx: inspection.list_machines(tx, heartbeating, db.thresholds))
+    if db.engine.dialect.name == "postgresql":
+        assert found.matched_estimated and found.matched >= 2
+    else:  # SQLite fleets are one host's: always counted
+        assert (found.matched, found.matched_estimated) == (2, False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import fcntl
 import json
 import os
@@ -16,6 +17,7 @@ import select
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
@@ -32,6 +34,7 @@ from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, ServeOptions, serve, start_server
 from shepherd.server.options import COMPONENT
 from shepherd.workflows.guard import GuardLimits
+from tests.support.bmdb_helpers import claim_for, seed_health_fleet
 from tests.support.operator_fixtures import Fleet, seed_fleet
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
@@ -943,3 +946,203 @@ def test_the_stylesheet_ships_in_the_wheel() -> None:
     missing = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
     assert missing == [], ("add `shepherd.server.static = *.css` to setup.cfg's "
                            "[options.package_data]")
+
+
+# -- the list leads with the fleet's health; sorted by name; fits 1400 pixels -------------
+
+#: The health strip's links, in order (``web.HEALTH``).
+HEALTH_KEYS = ["heartbeating", "silent", "in-recovery", "installing", "held", "backing-off"]
+
+
+def fetch(url: str) -> Page:
+    """A page as the server sends it (links and counts need no browser)."""
+    answer = requests.get(url, timeout=30)
+    assert answer.status_code == 200, answer.text[:500]
+    return Page.parse(answer.text)
+
+
+def listed(server: RunningServer, href: str) -> tuple[list[str], Page]:
+    """The machines a list link shows, every page followed; and its first page."""
+    first = page = fetch(server.url + href)
+    seen = [a["data-machine"] for a, _ in page.rows_with("data-machine")]
+    while "next-page" in page.attributes_by_id:
+        page = fetch(server.url + page.attributes_by_id["next-page"]["href"])
+        seen += [a["data-machine"] for a, _ in page.rows_with("data-machine")]
+        assert len(seen) < 100
+    return seen, first
+
+
+def shown_count(page: Page, key: str) -> int:
+    """The number a health figure shows ("silent 2" -> 2)."""
+    return int(page.by_id[f"health-{key}"].split()[-1])
+
+
+def test_the_list_leads_with_health_and_each_link_lists_what_it_counts(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    """One machine of each health (and one of none): each figure's link lists exactly
+    the machines it counts, across pages (limit=1, kept by the links), and the page it
+    leads to says so (its count, its link marked current)."""
+    fleet = seed_health_fleet(session)
+    with serve(loopback(db_url), db=db) as server:
+        html = requests.get(f"{server.url}/machines?limit=1", timeout=30).text
+        assert html.index('id="health"') < html.index('id="tag-counts"') < html.index(
+            'id="machines"')
+        page = Page.parse(html)
+        links = {a["data-health"]: a["href"] for a in page.anchors if "data-health" in a}
+        assert list(links) == HEALTH_KEYS
+        for key, href in links.items():
+            assert "limit=1" in href, href
+            seen, landing = listed(server, href)
+            expected = {str(m) for m in fleet.expected[key]}
+            assert (shown_count(page, key), len(seen), set(seen)) == (
+                len(expected), len(expected), expected), key
+            assert landing.by_id["matched"].startswith(f"{len(expected)} matching"), key
+            assert "current" in landing.attributes_by_id[f"health-{key}"]["class"], key
+            assert shown_count(landing, key) == len(expected), key
+        assert "current" not in page.attributes_by_id["health-silent"]["class"]
+
+
+def test_the_health_counts_stay_true_as_the_fleet_changes(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    """A heartbeating machine gone quiet becomes silent, a silent one put in quarantine
+    becomes held (and no longer silent): the figures and their links move together."""
+    fleet = seed_health_fleet(session)
+    heartbeating = fleet.machines["heartbeating"]
+    h = bmdb._schema.agent_heartbeat
+    session.transact(lambda tx: tx.execute(
+        sa.update(h).where(h.c.machine_id == heartbeating)
+        .values(last_heartbeat_at=tx.now - dt.timedelta(minutes=5))))
+    session.transact(lambda tx: bmdb.put_hold(tx, fleet.machines["silent"], bmdb.QUARANTINE,
+                                              "ladder exhausted", "test"))
+    with serve(loopback(db_url), db=db) as server:
+        page = fetch(f"{server.url}/machines")
+        silent, _ = listed(server, page.attributes_by_id["health-silent"]["href"])
+        held, _ = listed(server, page.attributes_by_id["health-held"]["href"])
+        fresh, _ = listed(server, page.attributes_by_id["health-heartbeating"]["href"])
+    assert set(silent) == {str(heartbeating), str(fleet.machines["recovering"])}
+    assert set(held) == {str(fleet.machines["held"]), str(fleet.machines["silent"])}
+    assert set(fresh) == {str(fleet.machines["withdrawn"])}
+    assert [shown_count(page, k) for k in HEALTH_KEYS] == [1, 2, 1, 2, 2, 1]
+
+
+#: Provider ids in rack order, as the list must show them (ties by machine id).
+RACK_ORDER = ["rack1-u2", "rack1-u10", "rack2-u1", "rack10-u1"]
+
+
+def seed_racks(session: bmdb.Session) -> list[str]:
+    """Machines named out of order, with ties (``rack1-u02`` is ``rack1-u2``'s number;
+    a second provider's ``rack1-u10``) and two machines without a provider id; their
+    ids in the order the list must show them."""
+    def body(tx: bmdb.Tx) -> dict[uuid.UUID, tuple[str, str]]:
+        named = {}
+        for provider, provider_id in (("inv", "rack10-u1"), ("inv", "rack2-u1"),
+                                      ("inv", "rack1-u10"), ("inv", "rack1-u2"),
+                                      ("inv", "rack1-u02"), ("other", "rack1-u10")):
+            machine = bmdb.create_machine(tx)
+            bmdb.upsert_provided(tx, machine, provider=provider, provider_id=provider_id,
+                                 provider_status="Running", address="127.0.0.1")
+            named[machine] = (provider, provider_id)
+        for _ in range(2):
+            named[bmdb.create_machine(tx)] = ("", "")
+        return named
+
+    named = session.transact(body)
+
+    def place(machine: uuid.UUID) -> tuple[int, int, uuid.UUID]:
+        provider_id = named[machine][1].replace("u02", "u2")
+        rank = RACK_ORDER.index(provider_id) if provider_id else len(RACK_ORDER)
+        return (0 if provider_id else 1), rank, machine
+
+    return [str(m) for m in sorted(named, key=place)]
+
+
+def test_the_list_sorts_by_provider_id_in_rack_order_across_pages_and_filters(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    """The header's link orders the list by provider id, racks in rack order, ties by
+    machine id and machines without a provider id last; every page size pages through
+    it once; the order is kept by the next page, the health links and the filter form,
+    and the other header's link goes back to creation order."""
+    expected = seed_racks(session)
+    with serve(loopback(db_url), db=db) as server:
+        page = fetch(f"{server.url}/machines?limit=3")
+        by_name = page.attributes_by_id["order-name"]["href"]
+        assert by_name == "/machines?limit=3&sort=name"
+        for limit in (1, 2, 3, 8):
+            seen, _ = listed(server, by_name.replace("limit=3", f"limit={limit}"))
+            assert seen == expected, limit
+        first = fetch(server.url + by_name)
+        assert first.hidden_inputs == {"sort": "name"}
+        assert "class" in first.attributes_by_id["order-name"]  # marked as the order
+        assert "class" not in first.attributes_by_id["order-created"]
+        assert "sort=name" in first.attributes_by_id["health-silent"]["href"]
+        following = first.attributes_by_id["next-page"]["href"]
+        assert "sort=name" in following
+        assert first.attributes_by_id["order-created"]["href"] == "/machines?limit=3"
+        seen, _ = listed(server, "/machines?limit=3")
+        assert seen != expected and sorted(seen) == sorted(expected)
+        # A cursor names a position in its own order: the other refuses it.
+        cursor = following.split("after=")[1]
+        refused = requests.get(f"{server.url}/machines?after={cursor}", timeout=10)
+        assert refused.status_code == 400 and "not a page cursor" in refused.text
+        assert requests.get(f"{server.url}/machines?sort=size", timeout=10).status_code == 400
+        refreshing = fetch(f"{server.url}/machines?limit=3&refresh=30")
+        assert refreshing.attributes_by_id["order-name"]["href"] == (
+            "/machines?limit=3&refresh=30&sort=name")
+        assert refreshing.attributes_by_id["health-held"]["href"] == (
+            "/machines?held=any&limit=3&refresh=30")
+
+
+def test_the_list_fits_a_1400_pixel_screen_with_every_column(web, devtools: Devtools
+                                                              ) -> None:
+    """At 1400 pixels, a machine with the longest words a row can hold (host name,
+    provider, provider id, an IPv6 address, every hold, work, a backoff, a BMC that
+    does not answer) leaves the table's last column inside the window, and the page
+    has nothing to scroll sideways. At 900 pixels the same check fails: it measures."""
+    server, db, fleet = web
+    wide = seed_widest_row(db, fleet)
+    worker = db.start_session("wide", interval=10)
+    claim_for(worker, bmdb.Process.POWER, wide)
+    measure = ("(() => { const t = document.querySelector('#machines');"
+               " const th = [...t.querySelectorAll('thead th')];"
+               " return {right: t.getBoundingClientRect().right,"
+               " last: th[th.length - 1].getBoundingClientRect().right,"
+               " columns: th.length, window: innerWidth,"
+               " scroll: document.documentElement.scrollWidth}; })()")
+
+    def at(width: int) -> dict[str, int]:
+        devtools.call("Emulation.setDeviceMetricsOverride", session=devtools.session,
+                      width=width, height=900, deviceScaleFactor=1, mobile=False)
+        devtools.load(f"{server.url}/machines")
+        assert devtools.evaluate(f"!!document.querySelector(\"tr[data-machine='{wide}']\")")
+        return devtools.evaluate(measure)
+
+    fits = at(1400)
+    assert fits["window"] == 1400 and fits["columns"] == 11 + len(bmdb.TAG_NAMES)
+    assert fits["last"] <= 1400 and fits["right"] <= 1400, fits
+    assert fits["scroll"] <= 1400, fits
+    narrow = at(900)
+    assert narrow["window"] == 900 and (narrow["scroll"] > 900 or narrow["last"] > 900), narrow
+    worker.close()
+
+
+def seed_widest_row(db: bmdb.BMDB, fleet: Fleet) -> uuid.UUID:
+    """The healthy machine given the longest words each cell can hold; its id."""
+    machine = fleet.healthy
+
+    def seed(tx: bmdb.Tx) -> None:
+        bmdb.upsert_provided(tx, machine, provider="p" * 64, provider_id="rack" + "9" * 124,
+                             provider_status="Running",
+                             address="2001:0db8:85a3:0000:0000:8a2e:0370:7334")
+        bmdb.set_hardware_report(tx, machine, {"hostname": "host-" + "x" * 250})
+        bmdb.enroll_bmcs(tx, {machine: 0})
+        bmdb.record_power_observed(tx, machine, "On", "redfish http://bmc")
+        bmdb.record_bmc_reading(tx, machine, bmdb.BmcReading(
+            "unreachable", 0.0, "redfish http://bmc", problem="BmcUnreachable: no answer"))
+        for kind in bmdb.HOLD_KINDS:
+            bmdb.put_hold(tx, machine, kind, "test", "test")
+        b = bmdb._schema.backoff  # its expired Recovery backoff, active again
+        tx.execute(sa.update(b).where(b.c.machine_id == machine)
+                   .values(until=tx.now + dt.timedelta(hours=1)))
+
+    db.read(seed)
+    return machine

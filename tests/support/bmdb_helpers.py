@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 
@@ -50,3 +52,57 @@ def stored_interval(db: bmdb.BMDB, machine_id: uuid.UUID, process: bmdb.Process)
     b = bmdb._schema.backoff
     query = sa.select(b.c.interval_s).where(b.c.machine_id == machine_id, b.c.process == process)
     return db.read(lambda tx: tx.execute(query).scalar_one_or_none())
+
+
+def claim_for(session: bmdb.Session, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb.Work:
+    """A claim of ``machine_id`` for ``process``, whatever its backlog says."""
+    return session.claim(process, lambda tx: sa.select(sa.literal(machine_id, sa.Uuid)))[0]
+
+
+@dataclass(frozen=True)
+class HealthFleet:
+    """One machine of each health (``bmdb.HealthCounts``), and what each health link
+    must list, by the web view's link keys. Thresholds: first heartbeat 60 s,
+    heartbeat 30 s (the ``db`` fixture's)."""
+
+    machines: dict[str, uuid.UUID]
+    expected: dict[str, set[uuid.UUID]]
+
+
+def seed_health_fleet(session: bmdb.Session) -> HealthFleet:
+    """Eight machines: ``plain`` (Provided only: in no health), ``heartbeating``,
+    ``silent`` (agent started 2 h ago, never heard), ``recovering`` (heard 10 min ago,
+    held by Recovery work: silent too), ``installing`` (at a step, heard 10 min ago:
+    not silent), ``withdrawn`` (heartbeating, its installation withdrawn while its
+    OSInstall work still holds it), ``held`` (silent but in maintenance: neither),
+    ``backing_off`` (its AgentStart failed)."""
+    names = ("plain", "heartbeating", "silent", "recovering", "installing", "withdrawn",
+             "held", "backing_off")
+    m = dict(zip(names, seed_provided(session, len(names)), strict=True))
+    session.claim_machine(bmdb.Process.AGENT_START, m["backing_off"]).fail("ssh: refused")
+    installs = claim_for(session, bmdb.Process.OS_INSTALL, m["withdrawn"])
+    session.transact(lambda tx: _health_rows(tx, m))
+    claim_for(session, bmdb.Process.RECOVERY, m["recovering"])
+    assert installs.machine_id == m["withdrawn"]
+    expected = {"heartbeating": {m["heartbeating"], m["withdrawn"]},
+                "silent": {m["silent"], m["recovering"]}, "in-recovery": {m["recovering"]},
+                "installing": {m["installing"], m["withdrawn"]}, "held": {m["held"]},
+                "backing-off": {m["backing_off"]}}
+    return HealthFleet(m, expected)
+
+
+def _health_rows(tx: bmdb.Tx, m: dict[str, uuid.UUID]) -> None:
+    long_ago, lately = tx.now - dt.timedelta(hours=2), tx.now - dt.timedelta(minutes=10)
+    for name in ("heartbeating", "silent", "recovering", "installing", "withdrawn", "held"):
+        bmdb.set_agent_started(tx, m[name], b"\x01" * 32, started_at=long_ago)
+    for name in ("heartbeating", "recovering", "installing", "withdrawn"):
+        bmdb.record_heartbeat(tx, m[name], tx.now)
+    h = bmdb._schema.agent_heartbeat
+    tx.execute(sa.update(h).where(h.c.machine_id.in_([m["recovering"], m["installing"]]))
+               .values(last_heartbeat_at=lately))
+    for name in ("installing", "withdrawn"):
+        bmdb.want_installation(tx, m[name], image="debian-12", disk="serial=X", origin="operator",
+                               by="test", reason="test")
+        bmdb.dispatch_installation(tx, m[name], {"image": {"name": "debian-12"}, "disk": "x"})
+    bmdb.withdraw_installation(tx, m["withdrawn"], by="test", reason="changed my mind")
+    bmdb.put_hold(tx, m["held"], bmdb.MAINTENANCE, "rack work", "test")
