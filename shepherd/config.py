@@ -224,6 +224,9 @@ class Settings:
     serve_operator_tls_cert: str = setting("", "the operators' listener's TLS certificate "
                                            "(PEM; empty: the agents' listener's)")
     serve_operator_tls_key: str = setting("", "its private key (PEM)")
+    serve_login_required: bool = setting(False, "the web view's pages need a login on a "
+                                         "loopback listener too (elsewhere they always "
+                                         "do)")
     serve_login_failures: int = setting(10, "refused tokens a client address may send per "
                                         "minute before the operators' API and login "
                                         "refuse it for a minute", minimum=1)

@@ -25,6 +25,7 @@ pytest_plugins = [
     "tests.support.api_fixtures",
     "tests.support.bmc_fixtures",
     "tests.support.celery_fixtures",
+    "tests.support.chromium",
     "tests.support.fault_fixtures",
     "tests.support.simulator_fixtures",
 ]

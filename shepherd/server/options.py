@@ -42,6 +42,8 @@ class ServeOptions:
     operator_tls: TlsFiles | None
     #: Refused tokens per client address and minute before it is refused outright.
     login_failures: int
+    #: The web view's pages need a login even on a loopback listener.
+    login_required: bool
     #: Heartbeat batches written at once (threads, each with a BMDB connection).
     threads: int
     #: Seconds the first heartbeat of a batch waits for others (``group_commit``).
@@ -77,6 +79,7 @@ class ServeOptions:
             listen=parse_listen(settings.serve_listen),
             operator_listen=parse_listen(operator) if operator else None,
             tls=tls, operator_tls=operator_tls, login_failures=settings.serve_login_failures,
+            login_required=settings.serve_login_required,
             threads=settings.serve_threads,
             batch_window=settings.serve_batch_window, max_body=settings.serve_max_body,
             clock_window=settings.serve_clock_window,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp
 
 import bmdb
 from shepherd.config import Settings, SettingsError, parse_listen
@@ -45,6 +46,7 @@ from shepherd.server.options import COMPONENT, ServeOptions
 from shepherd.server.pool import ApiPools, Pool
 from shepherd.server.throttle import FailureThrottle
 from shepherd.server.web import WebView
+from shepherd.server.web_forms import WebForms
 
 log = logging.getLogger(__name__)
 #: Threads rendering the web view's pages and checking health.
@@ -203,15 +205,30 @@ def _operator_routes(runtime: Runtime, options: ServeOptions, health: asgi.Healt
     the web view."""
     metrics = asgi.Metrics(runtime, options.guard, options.metrics_cache)
     closers.append(metrics.close)
+    throttle = FailureThrottle(options.login_failures)
     views = None
     if options.operator_views and (options.operator_listen is not None or views_here):
-        pages = _pool(VIEW_THREADS, "web", closers)
-        views = WebView(runtime, options.guard, pages).app()
-    throttle = FailureThrottle(options.login_failures)
+        views = _web_view(runtime, options, throttle, closers)
     pools = ApiPools(_pool(API_THREADS, "api", closers),
                      _pool(API_WAIT_THREADS, "api-waits", closers))
     api = operator_api(runtime, pools, throttle) if operator_api else []
     return asgi.operator_routes(health, metrics, views, api)
+
+
+def _web_view(runtime: Runtime, options: ServeOptions, throttle: FailureThrottle,
+              closers: list[Callable[[], None]]) -> ASGIApp:
+    """The web view with its login and forms. Its pages need a login on a listener
+    off loopback (or with ``login_required``); its cookie is ``Secure`` under TLS."""
+    pages = _pool(VIEW_THREADS, "web", closers)
+    host = (options.operator_listen or options.listen)[0]
+    secure = bool(options.operator_tls or options.tls) if options.operator_listen \
+        else bool(options.tls)
+
+    def forms(view: WebView) -> WebForms:
+        return WebForms(runtime, pages, throttle, view.render_plain, secure)
+
+    return WebView(runtime, options.guard, pages, forms,
+                   login_required=options.login_required or not is_loopback(host)).app()
 
 
 def views_on_agent_listener(options: ServeOptions) -> bool:

@@ -21,6 +21,8 @@ disagree:
                              history newest first
   GET /sessions              BMDB sessions, alive or dead, and the work each holds
   GET /web-static/{file}     the stylesheet (no inline style: the CSP allows 'self' only)
+  GET|POST /login            log in with an API token; POST /logout ends it
+  POST /machines/{id}/ACTION maintenance, clear-backoff, power-cycle (``web_forms``)
 
 Every page: a banner of what is wrong fleet-wide (reconcile refusals, Recovery paused by
 the guard, the callback server unhealthy, dead sessions the sweep has not released),
@@ -42,9 +44,12 @@ others counts: ``bmdb.MachineList.health``). The one exception is sort=name over
 machines: the BMDB computes each one's key to order them (no index holds that order),
 a pass over what the filters let through (``bmdb.MachineFilter``'s name order).
 
-Read-only: nothing here changes the BMDB (the CLI does that), so the pages need no
-CSRF protection. They do show the fleet's inventory: put ``shepherd serve`` behind
-the same network boundary as the BMDB, or run it with ``--no-operator-views``.
+Acting: a login with an API token (``/login``, ``web_session``) and, for the roles
+the API's table allows, forms for maintenance, clearing a backoff and a power cycle
+(``web_forms``: each post checked for its session's anti-forgery value, and done as
+the CLI does it, in the token's name). A viewer sees no forms. Off loopback (or with
+``SHEPHERD_SERVE_LOGIN_REQUIRED``) every page needs a login: the pages show the
+fleet's inventory.
 """
 
 from __future__ import annotations
@@ -77,10 +82,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import bmdb
 from shepherd import operations, text_tables
+from shepherd.operations import tokens
 from shepherd.runtime import Runtime
 from shepherd.server.asgi import UNAVAILABLE, json_http_error, json_response
 from shepherd.server.limits import log_internal_error
 from shepherd.server.pool import Pool
+from shepherd.server.web_forms import WebForms
+from shepherd.server.web_session import COOKIE
 from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
 
@@ -156,10 +164,13 @@ class PageQuery:
     path: str
     items: tuple[tuple[str, str], ...]
     refresh: int | None = None
+    #: The login cookie (``web_session``), if the browser sent one.
+    session: str | None = None
 
     @classmethod
     def of(cls, request: Request) -> PageQuery:
-        return cls(request.url.path, tuple(request.query_params.multi_items()))
+        return cls(request.url.path, tuple(request.query_params.multi_items()),
+                   session=request.cookies.get(COOKIE))
 
     def get(self, name: str) -> str | None:
         return next((value for key, value in self.items if key == name), None)
@@ -475,10 +486,16 @@ class WebView:
     from the same settings, so a machine's page says Recovery is paused exactly when a
     worker would pause it; ``pool`` runs each page's blocking work."""
 
-    def __init__(self, runtime: Runtime, limits: GuardLimits, pool: Pool) -> None:
+    def __init__(self, runtime: Runtime, limits: GuardLimits, pool: Pool,
+                 forms: Callable[[WebView], WebForms] | None = None,
+                 login_required: bool = False) -> None:
         self.runtime = runtime
         self.limits = limits
         self.pool = pool
+        #: The login and the forms (``web_forms``); without them the view only reads.
+        self.forms = forms(self) if forms else None
+        #: Pages only for a logged-in viewer (a listener off loopback).
+        self.login_required = login_required
         #: Shared by the banners and the machine page, so they say the same.
         self.callback: Recent[guard.CallbackCheck | None] = Recent(CALLBACK_CHECK_TTL)
         self.recovery_paused: Recent[str | None] = Recent(GUARD_TTL)
@@ -489,6 +506,7 @@ class WebView:
                   Route(PATHS["machines"], self.machines, methods=["GET"]),
                   Route(PATHS["machines"] + "/{machine}", self.machine, methods=["GET"]),
                   Route(PATHS["sessions"], self.sessions, methods=["GET"]),
+                  *(self.forms.routes() if self.forms else []),
                   Mount("/web-static", app=StaticFiles(directory=STATIC))]
         return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
                          exception_handlers={HTTPException: json_http_error})
@@ -532,6 +550,8 @@ class WebView:
         """The status and HTML of ``page``, or of the error page that replaces it."""
         try:
             query = replace(query, refresh=parse_refresh(query.get("refresh")))
+            if self.login_required and self.caller(query) is None:
+                raise Refused(401, "log in to see the fleet (/login)")
             return 200, page(query)
         except (Refused, operations.BadArgument) as error:
             status = error.status if isinstance(error, Refused) else 400
@@ -541,9 +561,32 @@ class WebView:
                                        message=str(error))
 
     def render(self, query: PageQuery, template: str, banner: Banner, **values: Any) -> str:
+        """``template`` with what every page shows: the banner, the refresh links, and
+        who is logged in with the forms they may use (``csrf``: their anti-forgery
+        value, only for a live login)."""
+        forms, caller = self.forms, self.caller(query)
+        csrf = forms.key.csrf(query.session) if forms and caller and query.session else ""
         return self.templates.get_template(template).render(
             refresh=query.refresh, refresh_url=query.refresh_url,
-            keep_refresh=query.keep_refresh, banner=banner, **values)
+            keep_refresh=query.keep_refresh, banner=banner, caller=caller,
+            logins=forms is not None, can=forms.can(caller) if forms else {}, csrf=csrf,
+            **values)
+
+    def render_plain(self, template: str, values: dict[str, Any],
+                     session: str | None = None) -> str:
+        """A page outside the pages' own flow (the login, a form's answer), for the
+        login cookie ``session``."""
+        query = PageQuery(PATHS["machines"], (), session=session)
+        callback = self.checked_callback()
+        banner = self.db.read(lambda tx: self.banner(tx, callback))
+        return self.render(query, template, banner, **values)
+
+    def caller(self, query: PageQuery) -> tokens.Caller | None:
+        """Who the page's login cookie names (None: nobody, or no logins here)."""
+        if self.forms is None or not query.session:
+            return None
+        forms = self.forms
+        return self.db.read(lambda tx: forms.caller(tx, query.session))
 
     def checked_callback(self) -> guard.CallbackCheck | None:
         """``guard.check_callback`` (an HTTP request) at most once per

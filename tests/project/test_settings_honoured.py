@@ -170,6 +170,8 @@ HONOURED_BY: dict[str, dict[str, str]] = {
                                   "listener_serves_the_api_over_tls_with_its_own_certificate"},
     "serve_login_failures": {S: "tests/operators/test_api_listener.py::test_an_address_"
                                 "sending_refused_tokens_is_throttled_and_nothing_changes"},
+    "serve_login_required": {S: "tests/server/test_web_forms.py::test_pages_can_require_a_"
+                                "login"},
     "serve_max_body": {S: probe},
     "serve_clock_window": {S: "tests/server/test_callback_server.py::"
                               "test_the_newcomer_is_accepted_within_the_clock_window"},
