@@ -87,7 +87,7 @@ from shepherd.runtime import Runtime
 from shepherd.server.asgi import UNAVAILABLE, json_http_error, json_response
 from shepherd.server.limits import log_internal_error
 from shepherd.server.pool import Pool
-from shepherd.server.web_forms import WebForms
+from shepherd.server.web_forms import Refused, WebForms
 from shepherd.server.web_session import COOKIE
 from shepherd.workflows import guard
 from shepherd.workflows.guard import GuardLimits
@@ -200,14 +200,6 @@ class PageQuery:
         if not self.refresh:
             return url
         return f"{url}{'&' if '?' in url else '?'}refresh={self.refresh}"
-
-
-class Refused(Exception):
-    """What a page answers instead of itself: an error page with this status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

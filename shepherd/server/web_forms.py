@@ -53,7 +53,8 @@ Render = Callable[[str, dict[str, Any], str | None], str]
 
 
 class Refused(Exception):
-    """A post that is not done: its status and one line for the page."""
+    """What a page or a post answers instead of itself: an error page with this
+    status and one line (the pages of ``web`` raise it too)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

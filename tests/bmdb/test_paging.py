@@ -14,7 +14,13 @@ import bmdb
 from bmdb import MachineFilter, inspection
 from bmdb._types import natural_key, natural_key_text
 from shepherd import operations
-from tests.support.bmdb_helpers import seed_health_fleet, seed_provided, start_agent
+from tests.support.bmdb_helpers import (
+    rack_order,
+    seed_health_fleet,
+    seed_provided,
+    seed_rack_names,
+    start_agent,
+)
 
 
 def all_pages(db: bmdb.BMDB, **filters) -> tuple[list[uuid.UUID], int]:
@@ -228,29 +234,8 @@ def test_by_name_pages_cover_every_machine_once_ties_and_unnamed_included(db, se
     providers, machines without a provider id, the tag filter: every page size pages
     through the same order, each machine once; a cursor of one order is refused by the
     other."""
-    def body(tx: bmdb.Tx) -> dict[uuid.UUID, str | None]:
-        named: dict[uuid.UUID, str | None] = {}
-        for provider, provider_id in (("inv", "rack10-u1"), ("inv", "rack2-u1"),
-                                      ("inv", "rack1-u10"), ("inv", "rack1-u2"),
-                                      ("inv", "rack1-u02"), ("other", "rack1-u10")):
-            machine = bmdb.create_machine(tx)
-            bmdb.upsert_provided(tx, machine, provider=provider, provider_id=provider_id,
-                                 provider_status="Running", address="127.0.0.1")
-            named[machine] = provider_id
-        for _ in range(3):
-            named[bmdb.create_machine(tx)] = None
-        return named
-
-    named = session.transact(body)
-    rank = ["rack1-u2", "rack1-u10", "rack2-u1", "rack10-u1"]
-
-    def place(machine: uuid.UUID) -> tuple[int, int, uuid.UUID]:
-        provider_id = named[machine]
-        if provider_id is None:
-            return 1, 0, machine
-        return 0, rank.index(provider_id.replace("u02", "u2")), machine
-
-    expected = sorted(named, key=place)
+    named = seed_rack_names(session, unnamed=3)
+    expected = rack_order(named)
     for limit in (1, 2, 4, 9, 10):
         seen, pages = all_pages(db, limit=limit, sort="name")
         assert seen == expected and pages == -(-len(expected) // limit), limit

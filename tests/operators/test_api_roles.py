@@ -6,6 +6,7 @@ table under test)."""
 from __future__ import annotations
 
 import pytest
+import requests
 
 from shepherd import api_routes
 from shepherd.roles import Role
@@ -113,7 +114,7 @@ def test_a_revoked_token_is_refused_on_its_next_request(api_plane: ApiPlane) -> 
     assert api_plane.call(fleet, viewer, {}).status_code == 401
 
 
-def test_no_token_appears_in_answers_history_or_the_log(api_plane: ApiPlane,
+def test_no_token_appears_in_answers_history_metrics_or_the_log(api_plane: ApiPlane,
                                                         caplog: pytest.LogCaptureFixture
                                                         ) -> None:
     admin = api_plane.tokens["admin"]
@@ -127,8 +128,10 @@ def test_no_token_appears_in_answers_history_or_the_log(api_plane: ApiPlane,
     shown = api_plane.call(api_routes.BY_NAME["show"], admin, {"machine": machine},
                            accept="text/plain")
     rows = digest(api_plane.db)
+    metrics = requests.get(api_plane.url + "/metrics", timeout=30)
+    assert metrics.status_code == 200
     secrets = [t for t in api_plane.tokens.values() if t]
-    for text in (listed.text, shown.text, repr(rows), caplog.text):
+    for text in (listed.text, shown.text, repr(rows), caplog.text, metrics.text):
         assert not any(secret in text for secret in secrets)
     stored = "".join(rows["api_tokens"])
     assert all(secret[len("shepherd_"):] not in stored for secret in secrets)

@@ -27,7 +27,12 @@ from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, ServeOptions, serve, start_server
 from shepherd.server.options import COMPONENT
 from shepherd.workflows.guard import GuardLimits
-from tests.support.bmdb_helpers import claim_for, seed_health_fleet
+from tests.support.bmdb_helpers import (
+    claim_for,
+    rack_order,
+    seed_health_fleet,
+    seed_rack_names,
+)
 from tests.support.chromium import BROWSER_FLAGS, Devtools
 from tests.support.operator_fixtures import Fleet, seed_fleet
 from tests.support.servers import free_port
@@ -904,34 +909,10 @@ def test_the_health_counts_stay_true_as_the_fleet_changes(
 
 
 #: Provider ids in rack order, as the list must show them (ties by machine id).
-RACK_ORDER = ["rack1-u2", "rack1-u10", "rack2-u1", "rack10-u1"]
-
-
 def seed_racks(session: bmdb.Session) -> list[str]:
-    """Machines named out of order, with ties (``rack1-u02`` is ``rack1-u2``'s number;
-    a second provider's ``rack1-u10``) and two machines without a provider id; their
-    ids in the order the list must show them."""
-    def body(tx: bmdb.Tx) -> dict[uuid.UUID, tuple[str, str]]:
-        named = {}
-        for provider, provider_id in (("inv", "rack10-u1"), ("inv", "rack2-u1"),
-                                      ("inv", "rack1-u10"), ("inv", "rack1-u2"),
-                                      ("inv", "rack1-u02"), ("other", "rack1-u10")):
-            machine = bmdb.create_machine(tx)
-            bmdb.upsert_provided(tx, machine, provider=provider, provider_id=provider_id,
-                                 provider_status="Running", address="127.0.0.1")
-            named[machine] = (provider, provider_id)
-        for _ in range(2):
-            named[bmdb.create_machine(tx)] = ("", "")
-        return named
-
-    named = session.transact(body)
-
-    def place(machine: uuid.UUID) -> tuple[int, int, uuid.UUID]:
-        provider_id = named[machine][1].replace("u02", "u2")
-        rank = RACK_ORDER.index(provider_id) if provider_id else len(RACK_ORDER)
-        return (0 if provider_id else 1), rank, machine
-
-    return [str(m) for m in sorted(named, key=place)]
+    """``seed_rack_names`` with two machines without a provider id: their ids in the
+    order the list must show them."""
+    return [str(m) for m in rack_order(seed_rack_names(session, unnamed=2))]
 
 
 def test_the_list_sorts_by_provider_id_in_rack_order_across_pages_and_filters(

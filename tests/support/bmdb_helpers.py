@@ -106,3 +106,39 @@ def _health_rows(tx: bmdb.Tx, m: dict[str, uuid.UUID]) -> None:
         bmdb.dispatch_installation(tx, m[name], {"image": {"name": "debian-12"}, "disk": "x"})
     bmdb.withdraw_installation(tx, m["withdrawn"], by="test", reason="changed my mind")
     bmdb.put_hold(tx, m["held"], bmdb.MAINTENANCE, "rack work", "test")
+
+
+#: Provider ids out of order, with a tie by value (``rack1-u02`` is ``rack1-u2``'s
+#: number) and a second provider's ``rack1-u10``: what the list's rack order must sort.
+RACK_NAMES = (("inv", "rack10-u1"), ("inv", "rack2-u1"), ("inv", "rack1-u10"),
+              ("inv", "rack1-u2"), ("inv", "rack1-u02"), ("other", "rack1-u10"))
+RACK_ORDER = ["rack1-u2", "rack1-u10", "rack2-u1", "rack10-u1"]
+
+
+def seed_rack_names(session: bmdb.Session, unnamed: int) -> dict[uuid.UUID, str | None]:
+    """A machine per ``RACK_NAMES`` entry and ``unnamed`` machines without a provider
+    id: each machine's provider id."""
+    def body(tx: bmdb.Tx) -> dict[uuid.UUID, str | None]:
+        named: dict[uuid.UUID, str | None] = {}
+        for provider, provider_id in RACK_NAMES:
+            machine = bmdb.create_machine(tx)
+            bmdb.upsert_provided(tx, machine, provider=provider, provider_id=provider_id,
+                                 provider_status="Running", address="127.0.0.1")
+            named[machine] = provider_id
+        for _ in range(unnamed):
+            named[bmdb.create_machine(tx)] = None
+        return named
+
+    return session.transact(body)
+
+
+def rack_order(named: dict[uuid.UUID, str | None]) -> list[uuid.UUID]:
+    """The machines in the order ``sort=name`` must list them: by rack order, ties by
+    machine id, the unnamed last."""
+    def place(machine: uuid.UUID) -> tuple[int, int, uuid.UUID]:
+        provider_id = named[machine]
+        if provider_id is None:
+            return 1, 0, machine
+        return 0, RACK_ORDER.index(provider_id.replace("u02", "u2")), machine
+
+    return sorted(named, key=place)
