@@ -27,9 +27,10 @@ returned; a refusal is ``{"error": "one line"}`` with the status the CLI's exit
 status stands for (``STATUS``). ``GET /api/v1/openapi.json`` (no token needed) is
 generated from the same table (``openapi``).
 
-Nothing else writes the BMDB on an operator's behalf: the web view's forms post to
-these same routes' commands (``shepherd.server.web``), and the CLI in API mode sends
-them (``api_client``).
+Nothing else writes the BMDB on an operator's behalf: the web view's forms do what
+these routes' commands do, for the roles of the same table
+(``shepherd.server.web_forms``), and the CLI in API mode sends these routes
+(``api_client``).
 """
 
 from __future__ import annotations
