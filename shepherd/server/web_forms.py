@@ -122,10 +122,7 @@ class WebForms:
     async def log_out(self, request: Request) -> Response:
         form = await _form(request)
         cookie = request.cookies.get(COOKIE)
-        if not self.key.forms_allowed(cookie, form.get("csrf")):
-            refused = Refused(403, "this form did not come from this site's page")
-            return self._answer(await self.pool.run(lambda: self._refusal(refused, cookie)))
-        return self._answer(Outcome(location=LOGIN, forget=True))
+        return self._answer(await self.pool.run(lambda: self._log_out(form, cookie)))
 
     async def act(self, request: Request) -> Response:
         action, machine = request.path_params["action"], request.path_params["machine"]
@@ -165,6 +162,12 @@ class WebForms:
                                             "expired")
         return Outcome(location="/machines", cookie=cookie)
 
+    def _log_out(self, form: dict[str, str], cookie: str | None) -> Outcome:
+        if not self.key.forms_allowed(cookie, form.get("csrf")):
+            return self._refusal(Refused(403, "this form did not come from this site's "
+                                              "page"), cookie)
+        return Outcome(location=LOGIN, forget=True)
+
     def _login_refused(self, status: int, message: str) -> Outcome:
         return Outcome(status, self.render("login.html", {"error": message}, None))
 
@@ -181,6 +184,8 @@ class WebForms:
             return self._refusal(Refused(409, str(error)), cookie)
         except ProviderError as error:  # as the CLI says it (exit 1), and the API (502)
             return self._refusal(Refused(502, f"provider: {error}"), cookie)
+        except bmdb.Unavailable:
+            return Outcome(503, "BMDB unavailable: nothing was done; try again")
 
     def _refusal(self, refused: Refused, cookie: str | None) -> Outcome:
         return Outcome(refused.status, self.render("error.html", {

@@ -170,8 +170,17 @@ def test_the_view_and_flower_answer_on_loopback_with_their_authentication(
     ports = {port: podman("port", stack.container(service), str(port)).split()
              for port, service in ((8081, "server"), (5555, "flower"))}
     assert ports == {8081: ["127.0.0.1:8081"], 5555: ["127.0.0.1:5555"]}
-    view = requests.get("http://127.0.0.1:8081/machines", timeout=30)
-    assert view.status_code == 200 and "ShepherdAgentStart" in view.text
+    # The view listens off loopback in its container: every page needs a login, with a
+    # token its owner made (direct mode, in the server's container).
+    view = "http://127.0.0.1:8081"
+    assert requests.get(f"{view}/machines", timeout=30).status_code == 401
+    token = stack.exec("server", "shepherd", "token", "create", "compose-test",
+                       "--role", "viewer").strip()
+    login = requests.post(f"{view}/login", data={"token": token}, timeout=30,
+                          allow_redirects=False)
+    assert login.status_code == 303, login.text[:300]
+    page = requests.get(f"{view}/machines", cookies=login.cookies, timeout=30)
+    assert page.status_code == 200 and "ShepherdAgentStart" in page.text
     flower = "http://127.0.0.1:5555/api/workers"
     assert requests.get(flower, timeout=30).status_code == 401
     assert requests.get(flower, auth=(FLOWER_USER, "wrong"), timeout=30).status_code == 401

@@ -71,7 +71,18 @@ def test_auth_and_error_shapes(simulator: Simulator) -> None:
     assert invalid.status_code == 422 and invalid.json()["errors"]
 
 
-def test_device_shape_and_lifecycle(simulator: Simulator) -> None:
+@pytest.fixture
+def slow_provisioning(tmp_path: Path) -> Iterator[Simulator]:
+    """A simulator whose devices stay queued 1 s and provisioning 2 s: a state a test
+    polls for must last longer than a GET can take on a loaded host (0.1 s did not)."""
+    sim = Simulator(reservations=6, token=TOKEN, ssh_port=free_port(), provision_delay=3.0,
+                    reboot_delay=0.6, workdir=tmp_path / "sim", seed=1)
+    with sim:
+        yield sim
+
+
+def test_device_shape_and_lifecycle(slow_provisioning: Simulator) -> None:
+    simulator = slow_provisioning
     device = _create(simulator, tags=["a"])
     assert device["state"] == "queued"
     assert device["tags"] == ["a"]
@@ -96,8 +107,10 @@ def test_device_shape_and_lifecycle(simulator: Simulator) -> None:
     assert reservation["provisionable"] is False
     bare = _api(simulator, "GET", f"/hardware-reservations/{reservation_id}").json()
     assert bare["device"] == {"href": f"/metal/v1/devices/{device['id']}"}  # href only
-    seen = set()
-    deadline = time.monotonic() + 5
+    # Queued as the creation answered (asserted above); then each later state within
+    # its own window (``slow_provisioning``: wide enough for a loaded host's GETs).
+    seen = {device["state"]}
+    deadline = time.monotonic() + 15
     while "active" not in seen and time.monotonic() < deadline:
         seen.add(_api(simulator, "GET", f"/devices/{device['id']}").json()["state"])
         time.sleep(0.02)
