@@ -100,9 +100,6 @@ class Route:
     def url_path(self) -> str:
         return PREFIX + self.path
 
-    def param(self, name: str) -> Param:
-        return next(p for p in self.params if p.name == name)
-
     def argv(self, values: Mapping[str, Any]) -> list[str]:
         """The command line for validated ``values`` (``check``): options as
         ``--name=value`` and positionals after ``--``, so no value is ever read as
@@ -197,11 +194,9 @@ _reason = Param("reason", where="body", help=REASON)
 
 
 def _obj(*required: str, **properties: Any) -> dict[str, Any]:
-    return {"type": "object", "required": list(required),
-            "properties": {k: v for k, v in properties.items()}}
+    return {"type": "object", "required": list(required), "properties": properties}
 
 
-_ANY: dict[str, Any] = {}
 _STR = {"type": "string"}
 _ARRAY = {"type": "array"}
 _HOLD = _obj("machine", "kind", "changed", machine=_STR, kind=_STR,

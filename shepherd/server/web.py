@@ -166,6 +166,8 @@ class PageQuery:
     refresh: int | None = None
     #: The login cookie (``web_session``), if the browser sent one.
     session: str | None = None
+    #: Who that cookie names, read once per page (``WebView.logged_in``).
+    caller: tokens.Caller | None = None
 
     @classmethod
     def of(cls, request: Request) -> PageQuery:
@@ -541,8 +543,8 @@ class WebView:
     def render_page(self, query: PageQuery, page: Page) -> tuple[int, str]:
         """The status and HTML of ``page``, or of the error page that replaces it."""
         try:
-            query = replace(query, refresh=parse_refresh(query.get("refresh")))
-            if self.login_required and self.caller(query) is None:
+            query = self.logged_in(replace(query, refresh=parse_refresh(query.get("refresh"))))
+            if self.login_required and query.caller is None:
                 raise Refused(401, "log in to see the fleet (/login)")
             return 200, page(query)
         except (Refused, operations.BadArgument) as error:
@@ -556,7 +558,7 @@ class WebView:
         """``template`` with what every page shows: the banner, the refresh links, and
         who is logged in with the forms they may use (``csrf``: their anti-forgery
         value, only for a live login)."""
-        forms, caller = self.forms, self.caller(query)
+        forms, caller = self.forms, query.caller
         csrf = forms.key.csrf(query.session) if forms and caller and query.session else ""
         return self.templates.get_template(template).render(
             refresh=query.refresh, refresh_url=query.refresh_url,
@@ -568,17 +570,18 @@ class WebView:
                      session: str | None = None) -> str:
         """A page outside the pages' own flow (the login, a form's answer), for the
         login cookie ``session``."""
-        query = PageQuery(PATHS["machines"], (), session=session)
+        query = self.logged_in(PageQuery(PATHS["machines"], (), session=session))
         callback = self.checked_callback()
         banner = self.db.read(lambda tx: self.banner(tx, callback))
         return self.render(query, template, banner, **values)
 
-    def caller(self, query: PageQuery) -> tokens.Caller | None:
-        """Who the page's login cookie names (None: nobody, or no logins here)."""
-        if self.forms is None or not query.session:
-            return None
+    def logged_in(self, query: PageQuery) -> PageQuery:
+        """``query`` with who its login cookie names (nobody, or no logins here): one
+        BMDB read per page, whatever the page asks of it."""
         forms = self.forms
-        return self.db.read(lambda tx: forms.caller(tx, query.session))
+        if forms is None or not query.session:
+            return query
+        return replace(query, caller=self.db.read(lambda tx: forms.caller(tx, query.session)))
 
     def checked_callback(self) -> guard.CallbackCheck | None:
         """``guard.check_callback`` (an HTTP request) at most once per
