@@ -8,6 +8,7 @@ here is bounded by a few seconds.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import functools
 import importlib
@@ -361,9 +362,20 @@ def world_reachable_dir() -> Iterator[Path]:
         yield path
 
 
+def process_owners() -> dict[int, int]:
+    """pid -> uid of every process now. One that ends while /proc is read is left out:
+    it runs no more (reading its entry after it ended raised, one CI run in many)."""
+    owners = {}
+    for path in Path("/proc").iterdir():
+        if path.name.isdigit():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                owners[int(path.name)] = path.stat().st_uid
+    return owners
+
+
 def unused_uid() -> int:
     """A user id no process runs as: RLIMIT_NPROC counts that user's processes only."""
-    busy = {path.stat().st_uid for path in Path("/proc").iterdir() if path.name.isdigit()}
+    busy = set(process_owners().values())
     return next(uid for uid in range(61000, 62000) if uid not in busy)
 
 
@@ -394,8 +406,7 @@ def test_a_process_limit_that_refuses_a_fork_is_the_takeovers_error(
     assert not answer.ok and expected in (answer.error or ""), (answer.error, done.stderr)
     assert done.returncode == 1
     assert not (home / "shepherd-agent.d" / "agent.pid").exists()
-    assert not [path for path in Path("/proc").iterdir()
-                if path.name.isdigit() and path.stat().st_uid == uid]
+    assert uid not in process_owners().values()
 
 
 def test_takeover_does_not_wait_for_stdin_to_close(agents: AgentLauncher, tmp_path: Path) -> None:
