@@ -2,7 +2,7 @@
 
 Four figures from one run, on one PostgreSQL (fsync on) with ``--machines`` agents:
 
-(a) one ``shepherd serve`` process (its defaults: group commit, 4 batches at
+(a) one ``shepherd serve`` process (its defaults: group commit, 2 batches at
     once), loaded by ``--clients`` concurrent clients, each heartbeat on a new
     connection as an agent sends it every minute; then the same clients paced at 80 %
     of the rate it sustained (``PACED``), for the latency of a busy server that

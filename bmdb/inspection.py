@@ -26,7 +26,7 @@ from bmdb import _schema as schema
 from bmdb import backlog, fleet
 from bmdb._database import Tx
 from bmdb._types import AnySelect, natural_key
-from bmdb.fleet import HEARTBEATING, INSTALLING, SILENT, HealthCounts
+from bmdb.fleet import HEARTBEATING, INSTALLING, SILENT
 from bmdb.queries import TAG_TABLES, Glance, glance_joins, glance_of
 from bmdb.vocabulary import HOLD_KINDS, Process
 
@@ -117,8 +117,6 @@ class MachineList:
     matched_estimated: bool = False
     #: Machines per hold kind over the whole fleet (``fleet.held_counts``' figures).
     held_counts: dict[str, int] = field(default_factory=dict)
-    #: The fleet's health (``fleet.health_counts``), when the list was given thresholds.
-    health: HealthCounts | None = None
 
 
 @dataclass(frozen=True)
@@ -275,8 +273,10 @@ def list_machines(tx: Tx, f: MachineFilter = MachineFilter(),
                   thresholds: backlog.Thresholds | None = None) -> MachineList:
     """A page of the machines matching ``f`` (in ``f.sort`` order, ``f.limit`` at most,
     after ``f.after``), with their tags, work, active backoffs and holds, plus the
-    fleet's per-tag counts, and with ``thresholds`` (the BMDB's: what ``heartbeating``
-    and ``silent`` are measured by) its health.
+    fleet's per-tag counts. ``thresholds`` (the BMDB's: what ``heartbeating`` and
+    ``silent`` are measured by) are needed for those two filters only; the fleet's
+    health figures are ``fleet.health_counts``, read apart so that a page can read
+    them less often than its rows (``shepherd.server.web``).
 
     Flat in the fleet's size in creation order: the tag and hold filters become a set
     of ``tag_bits`` values (from the counters, only those that occur), and each is a
@@ -311,8 +311,7 @@ def _listed(tx: Tx, f: MachineFilter, thresholds: backlog.Thresholds | None, gla
         tag_counts=_tag_counts(states), total=sum(states.values()),
         next_cursor=_cursor(f.sort, page[-1]) if more else None,
         matched_estimated=estimated,
-        held_counts=counters.hold_counts(states),
-        health=None if thresholds is None else fleet.health_counts(tx, thresholds, states))
+        held_counts=counters.hold_counts(states))
     return found, {row["id"]: glance_of(row) for row in page} if glances else {}
 
 

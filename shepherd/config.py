@@ -234,9 +234,13 @@ class Settings:
     serve_clock_window: float = setting(60.0, "seconds a heartbeat's timestamp may differ from "
                                         "the server's clock")
     serve_operator_views: bool = setting(True, "serve the web view (/machines, /sessions)")
-    serve_threads: int = setting(4, "heartbeat batches written at once (each a thread "
+    # Two writers, not more: batches grow while both are busy, and every further
+    # writer thread fights the event loop for the GIL at each of its round trips
+    # (bench/heartbeat_ingest.py: 4 writers took a third fewer heartbeats a second
+    # than 2, at more CPU each; 1 writer fewer again).
+    serve_threads: int = setting(2, "heartbeat batches written at once (each a thread "
                                  "and a BMDB connection)", minimum=1)
-    serve_batch_window: float = setting(0.002, "seconds a heartbeat waits for others to "
+    serve_batch_window: float = setting(0.003, "seconds a heartbeat waits for others to "
                                         "share its BMDB transaction (group commit)",
                                         minimum=0.0)
     # Limits against clients on an open network (``shepherd.server.limits``).

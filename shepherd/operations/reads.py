@@ -90,8 +90,8 @@ def list_machines_at_a_glance(tx: bmdb.Tx, f: MachineFilter,
                               thresholds: bmdb.Thresholds | None = None
                               ) -> tuple[MachineList, dict[uuid.UUID, Glance]]:
     """``list_machines`` and each listed machine's glance (as ``glances`` gives them),
-    from the same statement; with ``thresholds`` (the BMDB's), the fleet's health too,
-    and the heartbeating and silent filters allowed."""
+    from the same statement; with ``thresholds`` (the BMDB's), the heartbeating and
+    silent filters allowed."""
     found, looks = bmdb.list_machines_at_a_glance(tx, f, thresholds)
     return found, _printable(looks)
 

@@ -40,7 +40,8 @@ agent's heartbeat age (late past the BMDB's thresholds) and its power as last
 observed by Recovery or ``shepherd power`` (``bmdb.power_of``): nothing on a
 page calls a BMC or the provider, so a page costs the same at any fleet size. So do
 the health figures (the BMDB's counters, and indexes over the few machines each of the
-others counts: ``bmdb.MachineList.health``). The one exception is sort=name over many
+others counts: ``bmdb.health_counts``; read at most once per ``HEALTH_TTL`` for every
+list page, like the banner's guard decision). The one exception is sort=name over many
 machines: the BMDB computes each one's key to order them (no index holds that order),
 a pass over what the filters let through (``bmdb.MachineFilter``'s name order).
 
@@ -114,6 +115,10 @@ CALLBACK_CHECK_TTL = 5.0
 #: How long one guard decision serves the banners of the pages that do not explain a
 #: machine: fleet-wide counts, like /metrics' cache (the machine page asks it afresh).
 GUARD_TTL = 2.0
+#: How long one reading of the list's health figures serves every list page, for the
+#: same reason: they count the whole fleet (the silent figure is the guard's own
+#: statement), and every auto-refreshing page of every operator would pay them.
+HEALTH_TTL = GUARD_TTL
 T = TypeVar("T")
 
 
@@ -247,7 +252,7 @@ class HealthLink:
 
 
 #: The health strip, in its order: (key, words, the list's query for exactly those
-#: machines, what they are). Each key names a figure of ``MachineList.health`` ("-" for
+#: machines, what they are). Each key names a figure of ``bmdb.HealthCounts`` ("-" for
 #: "_"); the filters are the list's own, so the words mean what they mean elsewhere.
 HEALTH: tuple[tuple[str, str, dict[str, str], str], ...] = (
     ("heartbeating", "heartbeating", {"health": "heartbeating"},
@@ -281,15 +286,14 @@ def page_filter(query: PageQuery) -> bmdb.MachineFilter:
         raise Refused(400, str(error)) from None
 
 
-def health_links(found: bmdb.MachineList, f: bmdb.MachineFilter, query: PageQuery
+def health_links(health: bmdb.HealthCounts, f: bmdb.MachineFilter, query: PageQuery
                  ) -> list[HealthLink]:
-    """The strip's links for ``found.health``, each keeping the page's order, page size
+    """The strip's links for ``health``, each keeping the page's order, page size
     and auto-refresh (and nothing else: it lists exactly its machines)."""
-    assert found.health is not None, "list the machines with the BMDB's thresholds"
     kept = {"sort": query.get("sort"), "limit": query.get("limit")}
     links = []
     for key, label, filters, title in HEALTH:
-        count = getattr(found.health, key.replace("-", "_"))
+        count = getattr(health, key.replace("-", "_"))
         listed = operations.machine_filter(**filters, sort=f.sort, limit=f.limit)
         links.append(HealthLink(
             key, label, count, query.keep_refresh(url_for("machines", **filters, **kept)),
@@ -493,6 +497,7 @@ class WebView:
         #: Shared by the banners and the machine page, so they say the same.
         self.callback: Recent[guard.CallbackCheck | None] = Recent(CALLBACK_CHECK_TTL)
         self.recovery_paused: Recent[str | None] = Recent(GUARD_TTL)
+        self.health: Recent[bmdb.HealthCounts] = Recent(HEALTH_TTL)
         self.templates = template_environment()
 
     def app(self) -> Starlette:
@@ -597,18 +602,20 @@ class WebView:
         return Banner(operations.problems(tx), paused, callback)
 
     def machines_page(self, query: PageQuery) -> str:
-        """The list: the fleet's health first (``health_links``), then the page of
-        ``page_filter(query)`` in its order, with its paging and order links."""
+        """The list: the fleet's health first (``health_links``; at most ``HEALTH_TTL``
+        old), then the page of ``page_filter(query)`` in its order, with its paging and
+        order links."""
         f = page_filter(query)
         callback = self.checked_callback()
         thresholds = self.db.thresholds
 
-        def read(tx: bmdb.Tx) -> tuple[operations.MachineList,
-                                       dict[uuid.UUID, bmdb.Glance], Banner]:
+        def read(tx: bmdb.Tx) -> tuple[operations.MachineList, dict[uuid.UUID, bmdb.Glance],
+                                       bmdb.HealthCounts, Banner]:
             found, looks = operations.list_machines_at_a_glance(tx, f, thresholds)
-            return found, looks, self.banner(tx, callback)
+            health = self.health.get(lambda: bmdb.health_counts(tx, thresholds))
+            return found, looks, health, self.banner(tx, callback)
 
-        found, looks, banner = self.db.read(read)
+        found, looks, health, banner = self.db.read(read)
         paging = {k: v for k, v in query.grouped().items() if k != "after"}
         next_page = None
         if found.next_cursor:
@@ -618,7 +625,7 @@ class WebView:
         return self.render(query, "machines.html", banner, found=found, f=f,
                            tags=operations.TAGS, rows=rows, short_tags=operations.SHORT_TAGS,
                            next_page=next_page, first_page=query.url(paging),
-                           health=health_links(found, f, query),
+                           health=health_links(health, f, query),
                            by_name=f.sort == BY_NAME,
                            order_urls={s: order_url(query, s) for s in (CREATED, BY_NAME)},
                            held=found.held_counts, hold_kinds=bmdb.HOLD_KINDS,

@@ -80,7 +80,7 @@ def test_server_worker_and_pool_settings():
             defaults.serve_max_body, defaults.serve_clock_window, defaults.serve_threads,
             defaults.serve_operator_views, defaults.reconcile_wait,
             defaults.worker_metrics_port, defaults.prometheus_multiproc_dir) == (
-        5, "127.0.0.1:8470", "", 256 * 1024, 60.0, 4, True, 300.0, 0, "")
+        5, "127.0.0.1:8470", "", 256 * 1024, 60.0, 2, True, 300.0, 0, "")
     settings = Settings.from_env({
         "SHEPHERD_BMDB_POOL_SIZE": "12", "SHEPHERD_SERVE_LISTEN": "[::1]:9000",
         "SHEPHERD_SERVE_OPERATOR_LISTEN": ":9001", "SHEPHERD_SERVE_TLS_CERT": "c.pem",

@@ -10,6 +10,7 @@ import dataclasses
 import datetime as dt
 import re
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from shepherd.config import Settings
 from shepherd.runtime import Runtime
 from shepherd.server import RunningServer, ServeOptions, serve, start_server
 from shepherd.server.options import COMPONENT
+from shepherd.server.web import HEALTH_TTL
 from shepherd.workflows.guard import GuardLimits
 from tests.support.bmdb_helpers import (
     claim_for,
@@ -906,6 +908,26 @@ def test_the_health_counts_stay_true_as_the_fleet_changes(
     assert set(held) == {str(fleet.machines["held"]), str(fleet.machines["silent"])}
     assert set(fresh) == {str(fleet.machines["withdrawn"])}
     assert [shown_count(page, k) for k in HEALTH_KEYS] == [1, 2, 1, 2, 2, 1]
+
+
+def test_the_health_figures_are_read_once_per_ttl_and_then_follow_the_fleet(
+        db: bmdb.BMDB, session: bmdb.Session, db_url: str) -> None:
+    """Every list page within ``HEALTH_TTL`` shows one reading of the figures (they
+    count the whole fleet), while its rows are read afresh; the next page after it
+    shows the fleet as it is."""
+    fleet = seed_health_fleet(session)
+    with serve(loopback(db_url), db=db) as server:
+        before = fetch(f"{server.url}/machines")
+        read_at = time.monotonic()
+        session.transact(lambda tx: bmdb.put_hold(
+            tx, fleet.machines["heartbeating"], bmdb.MAINTENANCE, "rack work", "test"))
+        within = fetch(f"{server.url}/machines?held=any")
+        if time.monotonic() - read_at < HEALTH_TTL:  # else the host was too slow
+            assert shown_count(within, "held") == shown_count(before, "held")
+        assert within.by_id["matched"].startswith(f"{shown_count(before, 'held') + 1} ")
+        time.sleep(max(0.0, HEALTH_TTL - (time.monotonic() - read_at)))
+        after = fetch(f"{server.url}/machines")
+    assert shown_count(after, "held") == shown_count(before, "held") + 1
 
 
 #: Provider ids in rack order, as the list must show them (ties by machine id).
