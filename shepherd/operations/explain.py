@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import bmdb
@@ -46,39 +47,57 @@ def explain(tx: bmdb.Tx, machine_id: uuid.UUID, thresholds: bmdb.Thresholds,
     and the callback server's health as ``guard.check_callback`` found it: not checked
     when ``callback`` is None; ``explain_machine`` checks it)."""
     require_machine(tx, machine_id)
-    # As stored: no document is decoded, so none that is undecodable can fail this.
-    tags = bmdb.machine_tags_as_stored(tx, machine_id)
-    holds = bmdb.holds_of(tx, machine_id)
+    known = MachineFacts.read(tx, machine_id)
     decision = guard.decide(tx, thresholds, limits or GuardLimits(), callback)
-    out = [explain_process(tx, process, machine_id, thresholds, tags,
-                           decision if process is bmdb.Process.RECOVERY else None, holds)
+    out = [explain_process(tx, process, machine_id, thresholds, known,
+                           decision if process is bmdb.Process.RECOVERY else None)
            for process in BACKLOG_PROCESSES]
-    return Explanation(now=tx.now, id=machine_id, tags=list(tags), processes=out,
-                       holds=holds)
+    return Explanation(now=tx.now, id=machine_id, tags=list(known.tags), processes=out,
+                       holds=known.holds)
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What each process's explanation reads of the machine, read once for all of them
+    (a machine page explains every process: a statement per process and fact was half
+    its round trips)."""
+
+    #: As stored: no document is decoded, so none that is undecodable can fail this.
+    tags: dict[str, dict[str, Any]]
+    holds: list[bmdb.Hold]
+    #: Every process's, oldest first; and every backoff, expired ones too.
+    work: list[bmdb.WorkInfo]
+    backoffs: list[bmdb.BackoffInfo]
+    installation: bmdb.Installation
+
+    @classmethod
+    def read(cls, tx: bmdb.Tx, machine_id: uuid.UUID) -> MachineFacts:
+        return cls(bmdb.machine_tags_as_stored(tx, machine_id), bmdb.holds_of(tx, machine_id),
+                   bmdb.machine_work(tx, machine_id), bmdb.machine_backoffs(tx, machine_id),
+                   bmdb.installation_of(tx, machine_id))
 
 
 def explain_process(tx: bmdb.Tx, process: bmdb.Process, machine_id: uuid.UUID,
-                    thresholds: bmdb.Thresholds, tags: dict[str, dict[str, Any]],
-                    decision: GuardDecision | None = None,
-                    holds: list[bmdb.Hold] | None = None) -> ProcessExplanation:
+                    thresholds: bmdb.Thresholds, known: MachineFacts,
+                    decision: GuardDecision | None = None) -> ProcessExplanation:
     """One process of ``explain``; ``decision`` is the guard's, for a guarded process.
     A hold (maintenance, quarantine) is the reason before any other: the backlog
     queries leave held machines out whatever their tags say."""
-    held = bmdb.machine_work(tx, machine_id, bmdb.exclusion_group(process))
-    backoffs = bmdb.machine_backoffs(tx, machine_id, process)
-    if holds is None:
-        holds = bmdb.holds_of(tx, machine_id)
-    if holds:
-        reason = held_reason(holds)
+    group = bmdb.exclusion_group(process)
+    held = [w for w in known.work if w.exclusion_group == group]
+    backoffs = [b for b in known.backoffs if b.process == process.value]
+    tags = known.tags
+    if known.holds:
+        reason = held_reason(known.holds)
     elif process is bmdb.Process.AGENT_START:
         reason = _agent_start_reason(tags)
     elif process is bmdb.Process.OS_INSTALL:
         heartbeat = tags.get("AgentHeartbeat")
-        reason = install_reason(bmdb.installation_of(tx, machine_id), tx.now,
+        reason = install_reason(known.installation, tx.now,
                                 heartbeat["last_heartbeat_at"] if heartbeat else None,
                                 thresholds)
     else:
-        reason = (_installing_reason(bmdb.installation_of(tx, machine_id))
+        reason = (_installing_reason(known.installation)
                   or _recovery_reason(tags, tx.now, thresholds, bmdb.last_resumption(tx)))
     return ProcessExplanation(
         process=process.value,
@@ -107,8 +126,8 @@ def why_not(db: bmdb.BMDB, process: bmdb.Process, machine_id: uuid.UUID) -> bmdb
 
     def read(tx: bmdb.Tx) -> ProcessExplanation:
         require_machine(tx, machine_id)
-        tags = bmdb.machine_tags_as_stored(tx, machine_id)
-        return explain_process(tx, process, machine_id, db.thresholds, tags)
+        return explain_process(tx, process, machine_id, db.thresholds,
+                               MachineFacts.read(tx, machine_id))
 
     mine = db.read(read)
     if mine.in_backlog and mine.work is not None:
