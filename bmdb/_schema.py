@@ -101,6 +101,13 @@ provided = Table(
     UniqueConstraint("provider", "provider_id", name="uq_provided_provider_id"),
     # Operators name machines by provider id alone (``bmdb.machines_by_provider_id``).
     Index("ix_provided_provider_id", "provider_id"),
+    # The list's rack order (``inspection._by_name``): PostgreSQL's immutable
+    # shepherd_natural_key(), made with the index by migration 0019 (SQLite computes
+    # the key per row). Written as PostgreSQL reflects it, for the migrations' check:
+    # the index's COLLATE "C", which ``_types.natural_key`` matches, is not reflected.
+    Index("ix_provided_natural_key",
+          sa.text("shepherd_natural_key(provider_id::text)"), "machine_id"
+          ).ddl_if(dialect="postgresql"),
     Index(
         "ix_provided_awaiting_agent",
         "machine_id",

@@ -82,31 +82,22 @@ class natural_key(FunctionElement[str]):
     rest as it is, compared byte by byte. So ``rack1-u2`` < ``rack1-u10`` < ``rack2-u1``
     < ``rack10-u1``, and ``u007`` ties with ``u7``. NULL for NULL.
 
-    The same key on both backends: on PostgreSQL the text cut into (non-digits,
-    digits) pairs by ``regexp_matches`` and put together again with each run padded,
-    ``COLLATE "C"`` whatever the database's collation (a pattern that pads a run itself
-    must count its digits, which PostgreSQL's regular expressions do slowly: two to
-    three times the cost); on SQLite ``natural_key_text``, registered on each connection
-    (``_database``). Not indexed (that would take a migration): ordering by it
-    computes it for every row ordered, several microseconds each on PostgreSQL
-    (``inspection._by_name`` says what a page costs).
+    The same key on both backends, from a function named ``shepherd_natural_key`` on
+    each: on PostgreSQL an IMMUTABLE SQL function (migration 0019: the text cut into
+    (non-digits, digits) pairs by ``regexp_matches`` and put together again with each
+    run padded), compared ``COLLATE "C"`` whatever the database's collation, and
+    indexed over provided's ids (``ix_provided_natural_key``: the expression here is
+    the index's, so the planner can walk it); on SQLite ``natural_key_text``,
+    registered on each connection (``_database``) and computed per row.
     """
 
     type = String()
     inherit_cache = True
 
 
-_ZEROS = "0" * NATURAL_WIDTH
-
-
 @compiles(natural_key, "postgresql")
 def _natural_key_pg(element: natural_key, compiler: Any, **kw: Any) -> str:
-    text = compiler.process(element.clauses, **kw)
-    padded = (f"m[1] || CASE WHEN m[2] = '' THEN '' "
-              f"ELSE right('{_ZEROS}' || m[2], {NATURAL_WIDTH}) END")
-    pairs = (f"SELECT coalesce(string_agg({padded}, '' ORDER BY i), '') FROM "
-             f"regexp_matches({text}, '([^0-9]*)([0-9]*)', 'g') WITH ORDINALITY AS r(m, i)")
-    return f'(CASE WHEN {text} IS NULL THEN NULL ELSE ({pairs}) END COLLATE "C")'
+    return f'(shepherd_natural_key({compiler.process(element.clauses, **kw)}) COLLATE "C")'
 
 
 @compiles(natural_key, "sqlite")

@@ -387,7 +387,7 @@ def _page(tx: Tx, f: MachineFilter, allowed: list[int],
     where = _conditions(tx, f, thresholds)
     size = f.limit + 1
     if f.sort == NAME:
-        return _by_name(f, [m.c.tag_bits.in_(allowed), *where]).limit(size)
+        return _by_name(f, [m.c.tag_bits.in_(allowed), *where], size)
     if f.after is not None:
         created_at, machine_id = decode_cursor(f.after)
         where.append(sa.tuple_(m.c.created_at, m.c.id) > sa.tuple_(
@@ -401,44 +401,49 @@ def _page(tx: Tx, f: MachineFilter, allowed: list[int],
     return sa.select(merged).order_by(merged.c.created_at, merged.c.id).limit(size)
 
 
-def _name_order(provider_id: sa.ColumnElement[Any]
-                ) -> tuple[sa.ColumnElement[int], sa.ColumnElement[str]]:
-    """(1 without a provider id else 0, the id's ``natural_key`` or ""): with the
-    machine's id, the ``NAME`` order, every part NOT NULL so keyset paging can compare
-    positions as rows."""
-    unnamed = sa.case((provider_id.is_(None), 1), else_=0)
-    return unnamed, sa.func.coalesce(natural_key(provider_id), "")
-
-
-def _by_name(f: MachineFilter, where: list[sa.ColumnElement[bool]]) -> AnySelect:
-    """The page in ``NAME`` order: by provider (or inventory) id, digit runs by their
-    value (``_types.natural_key``: ``rack1-u2``, ``rack1-u10``, ``rack2-u1``,
+def _by_name(f: MachineFilter, where: list[sa.ColumnElement[bool]], size: int) -> AnySelect:
+    """``size`` rows in ``NAME`` order: by provider (or inventory) id, digit runs by
+    their value (``_types.natural_key``: ``rack1-u2``, ``rack1-u10``, ``rack2-u1``,
     ``rack10-u1``), ties (two providers' equal ids, ``u07`` and ``u7``) by machine id,
     machines without a provider id last, by id. The cursor holds the last row's
     provider id and machine id; the next page is what follows that position, so no row
     is skipped or repeated, whatever ties or rows without an id there are.
 
-    What it costs: ``natural_key`` is not indexed (an index would take a migration:
-    an immutable SQL function and the index on it), so the database computes it for
-    every machine the filters let through and keeps the page's smallest (a top-N sort;
-    the next page again, past the cursor). Behind a filter that starts from few rows
-    (silent, installing, in Recovery, backing off) that is a few milliseconds at any
-    fleet size; over a whole fleet it is a pass over it, about 8 µs a machine on
-    PostgreSQL (its regular expressions, in one process: the key is a subquery, which
-    PostgreSQL keeps out of parallel workers): 0.15 s at 10k machines, 8 s at 1M on a
-    two-core machine (``bench/scale.py``'s fleet), where the creation order's page is a
-    walk of the index whatever the size.
+    Two walks, each stopping after ``size`` rows: the named machines in the order of
+    ``ix_provided_natural_key`` (PostgreSQL: the key and machine_id, the cursor a row
+    comparison on both, so a page is a walk of the index at any fleet size; the
+    planner may instead sort what a selective filter lets through), then, only on
+    the page where they run out, the unnamed ones by id (a pass over what the
+    filters let through: no index finds machines without an id). SQLite computes the
+    key for every named machine the filters let through (no index: see migration
+    0019).
     """
     m, p = schema.machines, schema.provided
-    unnamed, key = _name_order(p.c.provider_id)
+    key = natural_key(p.c.provider_id)
+    named = [*where, p.c.provider_id.is_not(None)]
+    unnamed = [*where, p.c.provider_id.is_(None)]
     if f.after is not None:
         provider_id, machine_id = decode_name_cursor(f.after)
-        after_unnamed, after_key = _name_order(sa.literal(provider_id, p.c.provider_id.type))
-        where = [*where, sa.tuple_(unnamed, key, m.c.id) > sa.tuple_(
-            after_unnamed, after_key, sa.literal(machine_id, m.c.id.type))]
-    sort_unnamed, sort_key = unnamed.label("sort_unnamed"), key.label("sort_key")
-    return (_columns().add_columns(sort_unnamed, sort_key).where(*where)
-            .order_by(sort_unnamed, sort_key, m.c.id))
+        after_id = sa.literal(machine_id, m.c.id.type)
+        if provider_id is None:  # past every named machine
+            named, unnamed = [sa.false()], [*unnamed, m.c.id > after_id]
+        else:
+            after_key = natural_key(sa.literal(provider_id, p.c.provider_id.type))
+            named.append(sa.tuple_(key, p.c.machine_id) > sa.tuple_(after_key, after_id))
+    # The named walk first, read once (a CTE); the unnamed one only when the named
+    # did not fill the page (a one-time filter): finding machines without an id has
+    # no index, and on most pages nothing past the named ones is needed.
+    named_walk = (_columns().add_columns(sa.literal(0).label("sort_unnamed"),
+                                         key.label("sort_key"))
+                  .where(*named).order_by(key, p.c.machine_id).limit(size).cte("named_walk"))
+    filled = sa.select(sa.func.count()).select_from(named_walk).scalar_subquery()
+    unnamed_walk = sa.select(
+        _columns().add_columns(sa.literal(1).label("sort_unnamed"),
+                               sa.literal("").label("sort_key"))
+        .where(*unnamed, filled < size).order_by(m.c.id).limit(size).subquery())
+    merged = sa.union_all(sa.select(named_walk), unnamed_walk).subquery()
+    return (sa.select(merged).order_by(merged.c.sort_unnamed, merged.c.sort_key, merged.c.id)
+            .limit(size))
 
 
 def _with_work_and_backoffs(tx: Tx, page: AnySelect, sort: str, glances: bool = False

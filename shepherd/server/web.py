@@ -41,9 +41,9 @@ observed by Recovery or ``shepherd power`` (``bmdb.power_of``): nothing on a
 page calls a BMC or the provider, so a page costs the same at any fleet size. So do
 the health figures (the BMDB's counters, and indexes over the few machines each of the
 others counts: ``bmdb.health_counts``; read at most once per ``HEALTH_TTL`` for every
-list page, like the banner's guard decision). The one exception is sort=name over many
-machines: the BMDB computes each one's key to order them (no index holds that order),
-a pass over what the filters let through (``bmdb.MachineFilter``'s name order).
+list page, like the banner's guard decision). So does sort=name on PostgreSQL (an
+index holds that order); on SQLite it is a pass over what the filters let through
+(``bmdb.MachineFilter``'s name order).
 
 Acting: a login with an API token (``/login``, ``web_session``) and, for the roles
 the API's table allows, forms for maintenance, clearing a backoff and a power cycle
