@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace,
     from shepherd.providers.base import ProviderError
     from shepherd.redaction import redact_url
 
+    _retries_told_once(args.command)
     ctx: Context | None = None
     try:
         ctx = Context.build(args, workers or CeleryWorkers)
@@ -90,6 +92,34 @@ def run(args: argparse.Namespace,
     finally:
         if ctx is not None:
             ctx.close()
+
+
+class _FirstRetryOnly(logging.Handler):
+    """The BMDB's transaction retries (``bmdb._database``: one warning per attempt, for
+    up to half a minute) as one line on stderr: the first says the command is waiting
+    for the BMDB and why; the rest would repeat it, and the command's own error (or
+    its output) follows. Without a handler, Python's last resort printed every one,
+    tracebacks' worth of lines each."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__(logging.WARNING)
+        self.command = command
+        self.told = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.told:
+            return
+        self.told = True
+        cause = str(record.args[-1]) if isinstance(record.args, tuple) and record.args else ""
+        print(f"shepherd {self.command}: the BMDB does not answer yet, retrying: "
+              f"{' '.join(cause.split())[:300]}", file=sys.stderr)
+
+
+def _retries_told_once(command: str) -> None:
+    logger = logging.getLogger("bmdb._database")
+    for handler in [h for h in logger.handlers if isinstance(h, _FirstRetryOnly)]:
+        logger.removeHandler(handler)  # a caller running several commands in-process
+    logger.addHandler(_FirstRetryOnly(command))
 
 
 def _fail(args: argparse.Namespace, error: object, status: int) -> int:

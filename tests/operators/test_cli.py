@@ -354,6 +354,21 @@ def test_unmigrated_bmdb_is_one_line_and_status_1(tmp_path, capsys) -> None:
     assert "shepherd migrate" in one_line_error(err, status, expected=1)
 
 
+def test_a_bmdb_that_does_not_answer_is_one_line_of_waiting_then_the_error() -> None:
+    """The transaction's retries (half a minute of them) are said once, then the
+    command's one-line error: not a warning and a traceback's hint per attempt."""
+    with socket.socket() as closed:  # a loopback port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    result = shepherd("--bmdb-url", f"postgresql://shepherd@127.0.0.1:{port}/bmdb", "machines")
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 2, result.stderr
+    assert lines[0].startswith("shepherd machines: the BMDB does not answer yet, retrying: ")
+    assert "Connection refused" in lines[0]
+    assert lines[1].startswith("shepherd machines: cannot use the BMDB at ")
+    assert result.stdout == ""
+
+
 def test_fleet_says_when_the_shepherd_up_it_reads_no_longer_runs(tmp_path) -> None:
     """The figures of a stopped ``up`` stay as last written: say that nothing runs."""
     url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
