@@ -25,7 +25,7 @@ from bmdb import _counters as counters
 from bmdb import _schema as schema
 from bmdb import backlog, fleet
 from bmdb._database import Tx
-from bmdb._types import AnySelect, natural_key
+from bmdb._types import AnySelect, natural_key, natural_key_text
 from bmdb.fleet import HEARTBEATING, INSTALLING, SILENT
 from bmdb.queries import TAG_TABLES, Glance, glance_joins, glance_of
 from bmdb.vocabulary import HOLD_KINDS, Process
@@ -302,8 +302,7 @@ def _listed(tx: Tx, f: MachineFilter, thresholds: backlog.Thresholds | None, gla
     states = counters.states(tx)
     allowed = _allowed_states(f, states)
     # As mappings: a Row read by attribute costs 5x a key lookup, ~20 reads a row.
-    rows = tx.execute(_with_work_and_backoffs(tx, _page(tx, f, allowed, thresholds), f.sort,
-                                              glances)).mappings().all() if allowed else []
+    rows = _rows(tx, f, allowed, thresholds, glances) if allowed else []
     page, more = rows[:f.limit], len(rows) > f.limit
     matched, estimated = _matched(tx, f, states, allowed, thresholds)
     found = MachineList(
@@ -313,6 +312,23 @@ def _listed(tx: Tx, f: MachineFilter, thresholds: backlog.Thresholds | None, gla
         matched_estimated=estimated,
         held_counts=counters.hold_counts(states))
     return found, {row["id"]: glance_of(row) for row in page} if glances else {}
+
+
+def _rows(tx: Tx, f: MachineFilter, allowed: list[int], thresholds: backlog.Thresholds | None,
+          glances: bool) -> list[sa.RowMapping]:
+    """The page's rows, and one more if there is one. By name, the named machines
+    first; only when they do not fill it, the unnamed ones (their walk is a pass over
+    the fleet, so a page that does not need it does not run it)."""
+    def walk(named: bool = True) -> list[sa.RowMapping]:
+        page = _page(tx, f, allowed, thresholds, named)
+        return list(tx.execute(_with_work_and_backoffs(tx, page, f.sort, glances)).mappings())
+
+    if f.sort != NAME:
+        return walk()
+    rows = _in_name_order(walk())
+    if len(rows) > f.limit:
+        return rows
+    return [*rows, *walk(named=False)][:f.limit + 1]
 
 
 def _cursor(sort: str, last: sa.RowMapping) -> str:
@@ -381,13 +397,14 @@ def _health(tx: Tx, health: str, thresholds: backlog.Thresholds | None
 
 
 def _page(tx: Tx, f: MachineFilter, allowed: list[int],
-          thresholds: backlog.Thresholds | None) -> AnySelect:
-    """One page plus one row (to know whether another page follows)."""
+          thresholds: backlog.Thresholds | None, named: bool = True) -> AnySelect:
+    """One page plus one row (to know whether another page follows); by name, one of
+    its two walks (``named``: ``_by_name``)."""
     m = schema.machines
     where = _conditions(tx, f, thresholds)
     size = f.limit + 1
     if f.sort == NAME:
-        return _by_name(f, [m.c.tag_bits.in_(allowed), *where], size)
+        return _by_name(f, [m.c.tag_bits.in_(allowed), *where], size, named)
     if f.after is not None:
         created_at, machine_id = decode_cursor(f.after)
         where.append(sa.tuple_(m.c.created_at, m.c.id) > sa.tuple_(
@@ -401,49 +418,47 @@ def _page(tx: Tx, f: MachineFilter, allowed: list[int],
     return sa.select(merged).order_by(merged.c.created_at, merged.c.id).limit(size)
 
 
-def _by_name(f: MachineFilter, where: list[sa.ColumnElement[bool]], size: int) -> AnySelect:
-    """``size`` rows in ``NAME`` order: by provider (or inventory) id, digit runs by
-    their value (``_types.natural_key``: ``rack1-u2``, ``rack1-u10``, ``rack2-u1``,
-    ``rack10-u1``), ties (two providers' equal ids, ``u07`` and ``u7``) by machine id,
-    machines without a provider id last, by id. The cursor holds the last row's
-    provider id and machine id; the next page is what follows that position, so no row
-    is skipped or repeated, whatever ties or rows without an id there are.
+def _by_name(f: MachineFilter, where: list[sa.ColumnElement[bool]], size: int,
+             named: bool) -> AnySelect:
+    """One of the two walks of a page in ``NAME`` order (``_rows``). That order: by
+    provider (or inventory) id, digit runs by their value (``_types.natural_key``:
+    ``rack1-u2``, ``rack1-u10``, ``rack2-u1``, ``rack10-u1``), ties (two providers'
+    equal ids, ``u07`` and ``u7``) by machine id, machines without a provider id
+    last, by id. The cursor holds the last row's provider id and machine id; the next
+    page is what follows that position, so no row is skipped or repeated, whatever
+    ties or rows without an id there are.
 
-    Two walks, each stopping after ``size`` rows: the named machines in the order of
+    With
+    ``named``, the machines with a provider (or inventory) id in the order of
     ``ix_provided_natural_key`` (PostgreSQL: the key and machine_id, the cursor a row
     comparison on both, so a page is a walk of the index at any fleet size; the
-    planner may instead sort what a selective filter lets through), then, only on
-    the page where they run out, the unnamed ones by id (a pass over what the
-    filters let through: no index finds machines without an id). SQLite computes the
-    key for every named machine the filters let through (no index: see migration
-    0019).
-    """
+    planner may instead sort what a selective filter lets through; SQLite computes
+    the key for every named machine the filters let through, see migration 0019);
+    else the machines without one, by id (a pass over what the filters let through:
+    no index finds machines without an id). ``size`` rows at most, each walk after
+    the cursor's position."""
     m, p = schema.machines, schema.provided
     key = natural_key(p.c.provider_id)
-    named = [*where, p.c.provider_id.is_not(None)]
-    unnamed = [*where, p.c.provider_id.is_(None)]
+    where = [*where, p.c.provider_id.is_not(None) if named else p.c.provider_id.is_(None)]
     if f.after is not None:
         provider_id, machine_id = decode_name_cursor(f.after)
         after_id = sa.literal(machine_id, m.c.id.type)
         if provider_id is None:  # past every named machine
-            named, unnamed = [sa.false()], [*unnamed, m.c.id > after_id]
-        else:
+            where.append(sa.false() if named else m.c.id > after_id)
+        elif named:
             after_key = natural_key(sa.literal(provider_id, p.c.provider_id.type))
-            named.append(sa.tuple_(key, p.c.machine_id) > sa.tuple_(after_key, after_id))
-    # The named walk first, read once (a CTE); the unnamed one only when the named
-    # did not fill the page (a one-time filter): finding machines without an id has
-    # no index, and on most pages nothing past the named ones is needed.
-    named_walk = (_columns().add_columns(sa.literal(0).label("sort_unnamed"),
-                                         key.label("sort_key"))
-                  .where(*named).order_by(key, p.c.machine_id).limit(size).cte("named_walk"))
-    filled = sa.select(sa.func.count()).select_from(named_walk).scalar_subquery()
-    unnamed_walk = sa.select(
-        _columns().add_columns(sa.literal(1).label("sort_unnamed"),
-                               sa.literal("").label("sort_key"))
-        .where(*unnamed, filled < size).order_by(m.c.id).limit(size).subquery())
-    merged = sa.union_all(sa.select(named_walk), unnamed_walk).subquery()
-    return (sa.select(merged).order_by(merged.c.sort_unnamed, merged.c.sort_key, merged.c.id)
-            .limit(size))
+            where.append(sa.tuple_(key, p.c.machine_id) > sa.tuple_(after_key, after_id))
+    order = (key, p.c.machine_id) if named else (m.c.id,)
+    return _columns().where(*where).order_by(*order).limit(size)
+
+
+def _in_name_order(rows: Sequence[sa.RowMapping]) -> list[sa.RowMapping]:
+    """The named walk's rows in ``NAME`` order, the key not sent back by the SQL:
+    ``natural_key_text`` computes the SQL's own key on both backends
+    (``tests/bmdb/test_paging.py`` checks them against each other), compared by code
+    point as PostgreSQL's ``COLLATE "C"`` compares UTF-8 bytes, ties by id as the
+    index orders them."""
+    return sorted(rows, key=lambda row: (natural_key_text(row["provider_id"]), row["id"]))
 
 
 def _with_work_and_backoffs(tx: Tx, page: AnySelect, sort: str, glances: bool = False
@@ -464,7 +479,7 @@ def _with_work_and_backoffs(tx: Tx, page: AnySelect, sort: str, glances: bool = 
         joined, columns = glance_joins(rows, rows.c.id)
         query = query.add_columns(*columns).select_from(joined)
     if sort == NAME:
-        return query.order_by(rows.c.sort_unnamed, rows.c.sort_key, rows.c.id)
+        return query.order_by(rows.c.id)  # the unnamed walk's order; _rows sorts the named
     return query.order_by(rows.c.created_at, rows.c.id)
 
 
