@@ -428,8 +428,7 @@ def _by_name(f: MachineFilter, where: list[sa.ColumnElement[bool]], size: int,
     page is what follows that position, so no row is skipped or repeated, whatever
     ties or rows without an id there are.
 
-    With
-    ``named``, the machines with a provider (or inventory) id in the order of
+    With ``named``, the machines with a provider (or inventory) id in the order of
     ``ix_provided_natural_key`` (PostgreSQL: the key and machine_id, the cursor a row
     comparison on both, so a page is a walk of the index at any fleet size; the
     planner may instead sort what a selective filter lets through; SQLite computes
