@@ -241,16 +241,15 @@ _HEALTH = sa.select(*(statement.scalar_subquery().label(name) for name, statemen
     ("installing", _INSTALLING), ("backing_off", _BACKING_OFF))))
 
 
-def health_counts(tx: Tx, thresholds: backlog.Thresholds,
-                  states: Mapping[int, int] | None = None) -> HealthCounts:
-    """The six figures, none counting the fleet (a page shows them on every view):
-    heartbeating and held from the counters (``states``, read here when not given),
+def health_counts(tx: Tx, thresholds: backlog.Thresholds) -> HealthCounts:
+    """The six figures, none counting the fleet (every list page shows them, at most
+    a couple of seconds old): heartbeating and held from the counters,
     minus the stale heartbeats through their index; silent through the Recovery
     backlog's indexes (a row per silent candidate: ``silent_machines``' statement); in
     Recovery over the work table (a row per work item in flight); installing through
     the pending wishes' partial index and the work; backing off through the backoffs'
     index (a row per active one). The five that are not counters are one statement."""
-    states = counters.states(tx) if states is None else states
+    states = counters.states(tx)
     cutoffs = backlog.recovery_cutoffs(tx, thresholds)
     row = tx.execute(_HEALTH, {**cutoffs, "cutoff": heartbeat_cutoff(tx, thresholds),
                                "now": tx.now}).one()
