@@ -309,7 +309,7 @@ def test_heartbeats_over_tls_verify_the_given_ca(sqlite_db: bmdb.BMDB, tmp_path:
     settings = Settings(bmdb_url=sqlite_db.url, serve_listen="127.0.0.1:0", session_interval=2,
                         serve_tls_cert=cert, serve_tls_key=key)
     with serve(settings, db=sqlite_db) as server, \
-            sqlite_db.start_session("test", interval=2) as session:
+            sqlite_db.start_session("test", interval=30) as session:
         assert server.url.startswith("https://")
         trusting, doubting = AgentLauncher(tmp_path / "a"), AgentLauncher(tmp_path / "b")
         key = AnswerKey.from_bmdb(sqlite_db).public_b64

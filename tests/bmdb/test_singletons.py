@@ -8,7 +8,7 @@ from bmdb import hold_singleton as hold
 
 
 def test_only_one_holder_at_a_time(db, session):
-    with db.start_session("other", interval=2) as other:
+    with db.start_session("other", interval=30) as other:
         with hold(session, "reconcile") as first, hold(other, "reconcile") as second:
             assert (first, second) == (True, False)
         with hold(other, "reconcile") as after_release:
@@ -17,7 +17,7 @@ def test_only_one_holder_at_a_time(db, session):
 
 def test_a_waiting_claimant_gets_the_hold_when_it_is_released(db, session):
     """An operator's reconcile waits for beat's to end instead of being skipped."""
-    with db.start_session("other", interval=2) as other:
+    with db.start_session("other", interval=30) as other:
         released = threading.Event()
 
         def hold_briefly() -> None:

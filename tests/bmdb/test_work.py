@@ -43,14 +43,14 @@ def expire_backoff(db: bmdb.BMDB, machine_id: uuid.UUID, process: Process) -> No
 
 def test_same_process_conflicts_across_sessions(db, session):
     (machine,) = seed_provided(session, 1)
-    with db.start_session("other", interval=2) as other:
+    with db.start_session("other", interval=30) as other:
         assert len(session.claim(Process.AGENT_START, only(machine))) == 1
         assert other.claim(Process.AGENT_START, only(machine)) == []
 
 
 def test_agent_start_and_recovery_exclude_each_other(db, session):
     (machine,) = seed_provided(session, 1)
-    with db.start_session("other", interval=2) as other:
+    with db.start_session("other", interval=30) as other:
         assert len(session.claim(Process.AGENT_START, only(machine))) == 1
         assert other.claim(Process.RECOVERY, only(machine)) == []
 
@@ -59,7 +59,7 @@ def test_an_installation_and_the_agents_work_exclude_each_other(db, session):
     """An installation rewrites the disk the agent's system runs from: no AgentStart,
     Recovery or power command beside it, and none of them under it."""
     first, second = seed_provided(session, 2)
-    with db.start_session("other", interval=2) as other:
+    with db.start_session("other", interval=30) as other:
         assert len(session.claim(Process.AGENT_START, only(first))) == 1
         assert other.claim(Process.OS_INSTALL, only(first)) == []
         assert len(session.claim(Process.OS_INSTALL, only(second))) == 1
@@ -255,7 +255,7 @@ def test_recovery_finish_returns_the_machine_to_agent_start(db, session):
 def test_adopt_moves_the_claim_to_the_adopter(db, session):
     (machine,) = seed_provided(session, 1)
     (claim,) = session.claim_backlog(Process.AGENT_START, limit=1, dispatch_ttl=30)
-    with db.start_session("worker", interval=2) as worker:
+    with db.start_session("worker", interval=30) as worker:
         work = worker.adopt(claim.id, machine_id=machine, process=Process.AGENT_START)
         with pytest.raises(bmdb.WorkGone):
             worker.adopt(claim.id)  # already adopted
@@ -268,7 +268,7 @@ def test_adopt_moves_the_claim_to_the_adopter(db, session):
 def test_adopt_refuses_a_claim_for_another_machine(db, session):
     (machine, other) = seed_provided(session, 2)
     (claim,) = session.claim(Process.AGENT_START, only(machine), dispatch_ttl=30)
-    with db.start_session("worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
+    with db.start_session("worker", interval=30) as worker, pytest.raises(bmdb.WorkGone):
         worker.adopt(claim.id, machine_id=other)
 
 
@@ -280,7 +280,7 @@ def test_named_claim_with_dispatch_ttl_can_be_adopted(db, session):
     claim = session.claim_machine(Process.AGENT_START, machine, dispatch_ttl=30)
     with pytest.raises(bmdb.MachineBusy, match="ShepherdAgentStart work held by session"):
         session.claim_machine(Process.AGENT_START, machine, dispatch_ttl=30)
-    with db.start_session("worker", interval=2) as worker:
+    with db.start_session("worker", interval=30) as worker:
         assert db.read(lambda tx: bmdb.work_holder(tx, claim.id)) == session.id
         work = worker.adopt(claim.id, machine_id=machine, process=Process.AGENT_START)
         assert db.read(lambda tx: bmdb.work_holder(tx, claim.id)) == worker.id
@@ -292,7 +292,7 @@ def test_named_claim_with_dispatch_ttl_can_be_adopted(db, session):
     assert db.read(lambda tx: bmdb.active_work(tx, Process.AGENT_START)) == 1
     time.sleep(1.1)
     assert db.sweep().unadopted == 1
-    with db.start_session("late-worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
+    with db.start_session("late-worker", interval=30) as worker, pytest.raises(bmdb.WorkGone):
         worker.adopt(unadopted.id)
     assert db.read(lambda tx: bmdb.active_work(tx, Process.AGENT_START)) == 0
 
@@ -300,7 +300,7 @@ def test_named_claim_with_dispatch_ttl_can_be_adopted(db, session):
 def test_a_named_claim_without_dispatch_ttl_cannot_be_adopted(db, session):
     (machine,) = seed_provided(session, 1)
     claim = session.claim_machine(Process.AGENT_START, machine)
-    with db.start_session("worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
+    with db.start_session("worker", interval=30) as worker, pytest.raises(bmdb.WorkGone):
         worker.adopt(claim.id)
 
 
@@ -308,7 +308,7 @@ def test_unadopted_claim_is_released_after_its_ttl(db, session):
     (machine,) = seed_provided(session, 1)
     (claim,) = session.claim_backlog(Process.AGENT_START, limit=1, dispatch_ttl=1)
     time.sleep(1.1)
-    with db.start_session("late-worker", interval=2) as worker, pytest.raises(bmdb.WorkGone):
+    with db.start_session("late-worker", interval=30) as worker, pytest.raises(bmdb.WorkGone):
         worker.adopt(claim.id)
     assert db.sweep().unadopted == 1
     assert events(db, machine)[-1] == (Process.AGENT_START, "Canceled")
@@ -342,7 +342,7 @@ def test_parallel_workers_share_the_machines(db, session):
     lock = threading.Lock()
 
     def worker(name: str) -> None:
-        with db.start_session(name, interval=2) as own:
+        with db.start_session(name, interval=30) as own:
             while True:
                 claimed = own.claim_backlog(Process.AGENT_START, limit=1)
                 if not claimed:
@@ -369,7 +369,7 @@ def test_parallel_workers_share_the_machines(db, session):
 def test_claimers_skip_rows_another_claimer_holds(pg_url):
     """A claim in progress elsewhere (rows locked) does not block this one: it skips them."""
     db = bmdb.connect(pg_url)
-    with db.start_session("a", interval=2) as session:
+    with db.start_session("a", interval=30) as session:
         machines = seed_provided(session, 4)
         locker = db.engine.connect()
         transaction = locker.begin()

@@ -311,7 +311,7 @@ def test_a_blank_machine_behind_redfish_is_installed_then_reinstalled(rack: Rack
     # Reinstallation: the running system lives on the disk to write, so the rescue
     # system is booted first; a new generation, a new key.
     assert rack.cp is not None
-    with rack.cp.db.start_session("operator", interval=2) as session:
+    with rack.cp.db.start_session("operator", interval=30) as session:
         session.transact(lambda tx: bmdb.want_installation(
             tx, machine_id, image="bookworm", disk=f"device={racked.disk}",
             origin="operator", by="test", reason="reinstall"))

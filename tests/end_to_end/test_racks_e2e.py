@@ -77,7 +77,7 @@ def heartbeating(cp: ControlPlane, machine_id: uuid.UUID, after: object = None) 
 
 
 def hold(cp: ControlPlane, machine_id: uuid.UUID, reason: str) -> None:
-    with cp.db.start_session("test-operator", interval=2) as session:
+    with cp.db.start_session("test-operator", interval=30) as session:
         session.transact(lambda tx: bmdb.put_hold(tx, machine_id, bmdb.MAINTENANCE,
                                                    reason, "test"))
 
@@ -375,7 +375,7 @@ def test_a_bmc_that_never_acts_quarantines_and_a_wrong_password_backs_off(racked
                                   bmdb.Process.RECOVERY.value), 30, "the refused login", cp)
     assert "BmcAuthFailed" in bad[0]["cause"] and racks.bmc.base_url in bad[0]["cause"]
     assert racks.bmc.resets(locked_out) == []
-    with cp.db.start_session("test-reader", interval=2) as session:
+    with cp.db.start_session("test-reader", interval=30) as session:
         backoffs = session.transact(
             lambda tx: bmdb.machine_backoffs(tx, ids[locked_out]))
     assert any(b.process == bmdb.Process.RECOVERY.value for b in backoffs)

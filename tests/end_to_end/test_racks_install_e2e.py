@@ -163,7 +163,7 @@ def test_racked_machines_install_the_demo_image_and_boot_it(rack: Rack) -> None:
 
     wait_until(lambda: rack.cp.tags(ids[second]).get("AgentHeartbeat"), 60,
                f"{second}'s agent heartbeating", rack.cp)
-    with rack.cp.db.start_session("operator", interval=2) as session:
+    with rack.cp.db.start_session("operator", interval=30) as session:
         session.transact(lambda tx: bmdb.want_installation(
             tx, ids[second], image="demo", disk=disks.DISK_SELECTOR, origin="operator",
             by="test", reason="demo"))
@@ -172,7 +172,7 @@ def test_racked_machines_install_the_demo_image_and_boot_it(rack: Rack) -> None:
     first_key = assert_installed(rack, first, ids[first], 1)
     assert_installed(rack, second, ids[second], 1)
 
-    with rack.cp.db.start_session("operator", interval=2) as session:
+    with rack.cp.db.start_session("operator", interval=30) as session:
         session.transact(lambda tx: bmdb.want_installation(
             tx, ids[first], image="demo", disk=disks.DISK_SELECTOR, origin="operator",
             by="test", reason="reinstall"))

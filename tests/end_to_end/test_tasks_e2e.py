@@ -345,7 +345,7 @@ def test_per_machine_task_by_hand(control_plane) -> None:
 
     wait_until(running, 20, "both machines Running", cp)
     busy, free = cp.machine_ids()
-    session = cp.db.start_session("e2e-operator", interval=2)
+    session = cp.db.start_session("e2e-operator", interval=30)
     try:
         held = session.claim_machine(bmdb.Process.AGENT_START, busy)
         before = machine_events(cp, busy)
@@ -495,7 +495,7 @@ def add_running(db: bmdb.BMDB, count: int, *, agent_started_ago: float | None = 
             ids.append(machine_id)
         return ids
 
-    with db.start_session("test-setup", interval=2) as session:
+    with db.start_session("test-setup", interval=30) as session:
         return session.transact(body)
 
 
@@ -560,7 +560,7 @@ def test_recovery_pauses_at_execution_when_the_callback_server_is_down(state) ->
     from tasks.errors import RecoveryPaused
 
     [machine_id] = add_running(state.db, 1, agent_started_ago=60)
-    with state.db.start_session("sourcer", interval=2) as sourcer:
+    with state.db.start_session("sourcer", interval=30) as sourcer:
         [work] = sourcer.claim_backlog(bmdb.Process.RECOVERY, 1, dispatch_ttl=30)
         result = machines.recovery.run(str(machine_id), str(work.id))
     assert result["outcome"] == "paused" and "unreachable" in result["cause"], result
@@ -739,7 +739,7 @@ def test_reconcile_runs_once_at_a_time_fleet_wide(state) -> None:
     """Beat's reconcile skips at once; one by hand waits for the running one first."""
     from tasks import control
 
-    with state.db.start_session("other-host", interval=2) as other, \
+    with state.db.start_session("other-host", interval=30) as other, \
             bmdb.hold_singleton(other, "reconcile") as held:
         assert held
         assert control.reconcile.run(wait_for_running=0) == {
@@ -812,7 +812,7 @@ def test_installations_are_sourced_within_their_own_cap_onto_their_queue(
             bmdb.want_installation(tx, machine_id, image="debian-12", disk="serial=S1",
                                    origin="operator", by="test", reason="sourcing")
 
-    with state.db.start_session("test-setup", interval=2) as setup:
+    with state.db.start_session("test-setup", interval=30) as setup:
         setup.transact(heard_and_wanted)
     patient = bmdb.connect(pg_url, thresholds=bmdb.Thresholds(first_heartbeat=600,
                                                               heartbeat=600))

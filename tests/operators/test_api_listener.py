@@ -27,7 +27,7 @@ def test_the_operators_listener_serves_the_api_over_tls_with_its_own_certificate
                         serve_tls_key=agents_key, serve_operator_tls_cert=cert,
                         serve_operator_tls_key=key)
     db = bmdb.connect(pg_url)
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         found = make_tokens(db, session)
         with serve(settings, db=db, operator_api=api_factory(Workers())) as server:
             url = server.operator_url
@@ -52,7 +52,7 @@ def test_an_address_sending_refused_tokens_is_throttled_and_nothing_changes(
         pg_url: str) -> None:
     settings = Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0", serve_login_failures=3)
     db = bmdb.connect(pg_url)
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         found = make_tokens(db, session)
         with serve(settings, db=db, operator_api=api_factory(Workers())) as server:
             fleet = server.url + api_routes.BY_NAME["fleet"].url_path

@@ -288,7 +288,7 @@ def test_start_says_why_not(fleet: Fleet, capsys, monkeypatch) -> None:
 def test_start_hands_the_claim_to_a_worker_that_adopts_it(fleet: Fleet, db: bmdb.BMDB,
                                                           capsys, monkeypatch) -> None:
     monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1")
-    with db.start_session("fake-worker", interval=2) as worker:
+    with db.start_session("fake-worker", interval=30) as worker:
         adopted: list[bmdb.Work] = []
 
         def dispatch(work: bmdb.Work) -> str:
@@ -657,7 +657,7 @@ def test_clear_backoff_json(fleet: Fleet, capsys) -> None:
 
 
 def test_start_json(fleet: Fleet, db: bmdb.BMDB, capsys, monkeypatch) -> None:
-    with db.start_session("fake-worker", interval=2) as worker:
+    with db.start_session("fake-worker", interval=30) as worker:
         adopted: list[bmdb.Work] = []
 
         def dispatch(work: bmdb.Work) -> str:

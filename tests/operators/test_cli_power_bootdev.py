@@ -230,7 +230,7 @@ def test_bad_arguments_are_one_line_and_change_nothing(racks: BootRacks, capsys,
 def test_bootdev_is_refused_while_recovery_holds_the_machine(racks: BootRacks,
                                                              capsys) -> None:
     machine = racks.ids["node-1"]
-    with racks.db.start_session("recovery-worker", interval=2) as worker:
+    with racks.db.start_session("recovery-worker", interval=30) as worker:
         work = worker.claim(bmdb.Process.RECOVERY,
                             lambda tx: sa.select(sa.literal(machine, sa.Uuid)))[0]
         status, _, err = run(capsys, "power", "bootdev", str(machine), "network")

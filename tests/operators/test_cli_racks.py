@@ -371,7 +371,7 @@ def test_machines_are_named_by_their_inventory_id_or_a_uuid_prefix(racks: Racks,
 def test_power_is_refused_while_recovery_holds_the_machine(racks: Racks,
                                                            capsys) -> None:
     machine = racks.ids["node-1"]
-    with racks.db.start_session("recovery-worker", interval=2) as worker:
+    with racks.db.start_session("recovery-worker", interval=30) as worker:
         work = worker.claim(bmdb.Process.RECOVERY,
                             lambda tx: sa.select(sa.literal(machine, sa.Uuid)))[0]
         status, _, err = run(capsys, "power", "off", str(machine))

@@ -365,7 +365,7 @@ def test_clear_backoff_makes_the_machine_claimable(session: bmdb.Session, fleet:
 def test_claim_for_handoff_can_be_adopted(db: bmdb.BMDB, session: bmdb.Session,
                                           fleet: Fleet) -> None:
     work = operations.claim_for_handoff(session, bmdb.Process.AGENT_START, fleet.new, 30)
-    with db.start_session("worker", interval=2) as worker:
+    with db.start_session("worker", interval=30) as worker:
         adopted = worker.adopt(work.id, machine_id=fleet.new, process=bmdb.Process.AGENT_START)
         assert operations.wait_adopted(session, work, timeout=1)
         adopted.cancel("test")

@@ -112,14 +112,14 @@ def db(pg_url: str) -> Iterator[bmdb.BMDB]:
 
 
 def sessions(db: bmdb.BMDB, count: int) -> list[bmdb.Session]:
-    return [db.start_session(f"power-test-{i}", interval=2) for i in range(count)]
+    return [db.start_session(f"power-test-{i}", interval=30) for i in range(count)]
 
 
 def _worker(pg_url: str, directory: str, calls: int) -> None:
     """One process of its own (a Celery worker, another host): its own BMDB pool and session."""
     db = bmdb.connect(pg_url)
     try:
-        with db.start_session(f"worker-{os.getpid()}", interval=2) as session:
+        with db.start_session(f"worker-{os.getpid()}", interval=30) as session:
             power = ExclusivePower(SharedBmc(Path(directory), hold=0.1), session, LOCK, wait=60)
             for _ in range(calls):
                 power.act(PowerAction.FORCE_RESTART)
@@ -160,7 +160,7 @@ def test_the_overlap_detector_sees_calls_at_once(tmp_path: Path) -> None:
 def test_threads_sharing_one_session_never_overlap(db: bmdb.BMDB, tmp_path: Path) -> None:
     """To the BMDB, threads of one session are one holder: the process lock separates them."""
     bmc = SharedBmc(tmp_path, hold=0.05)
-    with db.start_session("shared", interval=2) as session:
+    with db.start_session("shared", interval=30) as session:
         power = ExclusivePower(bmc, session, LOCK, wait=30)
 
         def power_on_three_times() -> None:
@@ -278,7 +278,7 @@ def test_a_failing_call_releases_the_bmc(db: bmdb.BMDB, tmp_path: Path) -> None:
 
 
 def test_it_passes_the_inner_control_through(db: bmdb.BMDB, tmp_path: Path) -> None:
-    with db.start_session("pass", interval=2) as session:
+    with db.start_session("pass", interval=30) as session:
         bmc = SharedBmc(tmp_path, hold=0)
         power = ExclusivePower(bmc, session, LOCK)
         assert power.description == bmc.description and power.reads_state
@@ -322,7 +322,7 @@ def most_at_once(found: list[tuple[float, float]]) -> int:
 def _capped_worker(pg_url: str, directory: str, lock: str, calls: int, cap: int) -> None:
     db = bmdb.connect(pg_url)
     try:
-        with db.start_session(f"worker-{os.getpid()}", interval=2) as session:
+        with db.start_session(f"worker-{os.getpid()}", interval=30) as session:
             power = ExclusivePower(SharedBmc(Path(directory), hold=0.2), session, lock,
                                    wait=60, calls_cap=cap)
             for _ in range(calls):
@@ -360,7 +360,7 @@ def test_threads_of_one_session_share_the_cap(db: bmdb.BMDB, tmp_path: Path) -> 
     """To the BMDB a slot held by one thread is its session's, free to its siblings:
     the process keeps its threads apart, so the cap holds within a session too."""
     directories = bmc_directories(tmp_path, 4)
-    with db.start_session("threaded", interval=2) as session:
+    with db.start_session("threaded", interval=30) as session:
         powers = [ExclusivePower(SharedBmc(directory, hold=0.2), session,
                                  f"bmc:ipmi:10.0.1.{number}:623", wait=60, calls_cap=2)
                   for number, directory in enumerate(directories)]

@@ -212,7 +212,7 @@ def exported(sqlite_url: str, simulator: Simulator, tmp_path: Path) -> set[str]:
     provider calls for the worker's."""
     db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
     try:
-        with db.start_session("test", interval=2) as session, \
+        with db.start_session("test", interval=30) as session, \
                 healthy_callback_server() as callback:
             seed_fleet(db, session)
             db.read(lambda tx: bmdb.record_refusal(tx, "equinix", "FLEET MISMATCH: test"))

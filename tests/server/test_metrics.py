@@ -287,7 +287,7 @@ def test_scrapes_blocked_in_the_bmdb_never_make_healthz_fail(pg_url: str) -> Non
     at once (its own threads), and the scrapes answer once the lock goes. Before, they
     took every server thread and 10 of 60 health checks failed."""
     db = bmdb.connect(pg_url)
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         seed_fleet(db, session)
     settings = Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0", metrics_cache=0)
     locker = sa.create_engine(pg_url)

@@ -194,7 +194,7 @@ def serve(url: str, workdir: Path, name: str, tls: bool = False,
     try:
         wait_for_port("127.0.0.1", port, timeout=30)
         key, public = new_key()
-        with db.start_session("test", interval=2) as session:
+        with db.start_session("test", interval=30) as session:
             machine = add_machine(session, public)
         answer_key = base64.b64decode(AnswerKey.from_bmdb(db).public_b64)
         served = Served(process, "127.0.0.1", port, log, db, context, machine, key,

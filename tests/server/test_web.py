@@ -64,7 +64,7 @@ def serve_guarded(db: bmdb.BMDB, url: str, guard: GuardLimits) -> RunningServer:
 @pytest.fixture
 def web(sqlite_url: str) -> Iterator[tuple[RunningServer, bmdb.BMDB, Fleet]]:
     db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         fleet = seed_fleet(db, session)
         with serve(loopback(sqlite_url), db=db) as server:
             yield server, db, fleet
@@ -248,7 +248,7 @@ def test_machine_page_shows_work_backoffs_and_history(web, browse) -> None:
     assert "active, ends in" in active and "ssh: connection refused" in active
 
     # The history of a machine with more events is newest first.
-    session = db.start_session("more", interval=2)
+    session = db.start_session("more", interval=30)
     try:
         work = session.claim_machine(bmdb.Process.AGENT_START, fleet.new)
         work.finish(lambda tx: bmdb.set_agent_started(tx, fleet.new, b"\x03" * 32))
@@ -302,7 +302,7 @@ def test_the_machine_page_asks_the_callback_server_like_the_guard(
     callback server alone pauses Recovery on the page; a healthy one does not."""
     db = bmdb.connect(sqlite_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
     monkeypatch.setenv("SHEPHERD_RECOVERY_MAX_SHARE", "1.0")
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         fleet = seed_fleet(db, session)
         monkeypatch.setenv("SHEPHERD_CALLBACK_URL", f"http://127.0.0.1:{free_port()}")
         with serve(settings_from_env(sqlite_url), db=db) as server:
@@ -458,7 +458,7 @@ def test_pages_stuck_in_the_bmdb_never_hold_up_the_event_loop(pg_url: str) -> No
     table: /healthz and the stylesheet, served by the same event loop, still answer at
     once, and the pages answer once the lock goes."""
     db = bmdb.connect(pg_url)
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         seed_fleet(db, session)
     locker = sa.create_engine(pg_url)
     with serve(loopback(pg_url), db=db) as server, locker.connect() as conn, \

@@ -37,7 +37,7 @@ def site_of(pg_url: str, **settings: Any) -> Iterator[Site]:
     db = bmdb.connect(pg_url, thresholds=bmdb.Thresholds(first_heartbeat=60, heartbeat=30))
     config = Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0",
                       provider_url="http://127.0.0.1:9", **settings)
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         fleet = seed_fleet(db, session)
         found = make_tokens(db, session)
         with serve(config, db=db) as server:
@@ -157,7 +157,7 @@ def test_a_revoked_token_is_logged_out_and_logout_ends_the_session(
     log_in(devtools, site, "operator")
     devtools.load(f"{site.url}/machines/{site.fleet.healthy}")
     assert devtools.exists("#maintenance-on")
-    with site.db.start_session("t", interval=2) as session:
+    with site.db.start_session("t", interval=30) as session:
         session.transact(lambda tx: bmdb.revoke_token(tx, "operator"))
     devtools.load(f"{site.url}/machines/{site.fleet.healthy}")
     assert not devtools.exists("#maintenance-on") and devtools.exists("#login-link")

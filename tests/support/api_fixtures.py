@@ -108,7 +108,7 @@ def api_plane(pg_url: str) -> Iterator[ApiPlane]:
     # (tests/operators/test_api_listener.py has its own).
     settings = Settings(bmdb_url=pg_url, serve_listen="127.0.0.1:0",
                         provider_url="http://127.0.0.1:9", serve_login_failures=100_000)
-    with db.start_session("test", interval=2) as session:
+    with db.start_session("test", interval=30) as session:
         fleet = seed_fleet(db, session)
         found = make_tokens(db, session)
         with serve(settings, db=db, operator_api=api_factory(workers)) as server:

@@ -76,7 +76,7 @@ def db(pg_url: str) -> Iterator[bmdb.BMDB]:
 
 @pytest.fixture
 def worker(db: bmdb.BMDB) -> Iterator[bmdb.Session]:
-    with db.start_session("worker", interval=2) as session:
+    with db.start_session("worker", interval=30) as session:
         yield session
 
 
@@ -100,7 +100,7 @@ def provision(db: bmdb.BMDB, provider: EquinixProvider, simulator: Simulator) ->
     simulator.wait_for_state(created.provider_id, "active", timeout=5)
     simulator.wait_for_ssh(created.provider_id, timeout=5)
     machine = provider.get_machine(created.provider_id)
-    with db.start_session("setup", interval=2) as session:
+    with db.start_session("setup", interval=30) as session:
         return session.transact(lambda tx: register_provided(tx, provider.name, machine))
 
 
@@ -115,13 +115,13 @@ def silent(db: bmdb.BMDB) -> uuid.UUID:
                                started_at=tx.now - dt.timedelta(hours=1))
         return machine_id
 
-    with db.start_session("setup", interval=2) as session:
+    with db.start_session("setup", interval=30) as session:
         return session.transact(body)
 
 
 def dispatched(db: bmdb.BMDB, process: bmdb.Process) -> bmdb.Work:
     """A claim of ``process``'s backlog made by another session, as sourcing makes it."""
-    with db.start_session("sourcer", interval=2) as sourcer:
+    with db.start_session("sourcer", interval=30) as sourcer:
         [work] = sourcer.claim_backlog(process, 1, dispatch_ttl=30)
         return work
 
@@ -155,7 +155,7 @@ def test_by_hand_the_machine_is_claimed_under_the_same_rules(
         db: bmdb.BMDB, parts: Parts, provider: EquinixProvider,
         simulator: Simulator) -> None:
     busy, free = provision(db, provider, simulator), provision(db, provider, simulator)
-    with db.start_session("operator", interval=2) as other:
+    with db.start_session("operator", interval=30) as other:
         other.claim_machine(AGENT_START, busy)
         with pytest.raises(bmdb.MachineBusy, match="held by session"):
             run_machine_work(parts, AGENT_START, busy)

@@ -435,7 +435,7 @@ def test_outage_during_creation_stops_the_run(session, provider, simulator):
 
 
 def test_one_reconcile_at_a_time_fleet_wide(db, session, provider, simulator):
-    with db.start_session("other", interval=2) as other, \
+    with db.start_session("other", interval=30) as other, \
             bmdb.hold_singleton(other, provisioner.RECONCILE_HOLD) as held:
         assert held
         result = reconcile(session, provider, settings())

@@ -135,7 +135,7 @@ def holder_of(tx: bmdb.Tx, name: str) -> uuid.UUID | None:
 
 def test_a_busy_hold_raises_claims_busy_after_waiting(db: bmdb.BMDB, session: bmdb.Session,
                                                      fleet: Fleet) -> None:
-    with db.start_session("other-claimer", interval=2) as other, \
+    with db.start_session("other-claimer", interval=30) as other, \
             bmdb.hold_singleton(other, RECOVERY_CLAIMS) as held:
         assert held
 
@@ -152,7 +152,7 @@ def test_a_busy_hold_raises_claims_busy_after_waiting(db: bmdb.BMDB, session: bm
 
 def test_a_waiting_claimer_gets_the_hold_once_released(db: bmdb.BMDB, session: bmdb.Session,
                                                       fleet: Fleet) -> None:
-    other = db.start_session("other-claimer", interval=2)
+    other = db.start_session("other-claimer", interval=30)
     released = threading.Event()
 
     def hold_briefly() -> None:

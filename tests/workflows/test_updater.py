@@ -167,7 +167,7 @@ def test_api_down_propagates_and_nothing_is_written(session, provider, simulator
 
 def test_one_update_per_provider_at_a_time(db, session, provider, simulator, fleet):
     activate(simulator, fleet[0])
-    with db.start_session("other", interval=2) as other, \
+    with db.start_session("other", interval=30) as other, \
             bmdb.hold_singleton(other, f"update:{provider.name}"):
         assert update(session, provider).busy
     assert update(session, provider).updated == 1
@@ -340,7 +340,7 @@ def test_no_transaction_is_open_while_the_provider_lists(db, session, monkeypatc
 
     def slow_listing() -> Iterator[ProviderMachine]:
         yield from machines[:2]  # the first chunk is loaded by now
-        with db.start_session("initializer", interval=2) as other:
+        with db.start_session("initializer", interval=30) as other:
             other.transact(lambda tx: bmdb.set_agent_started(
                 tx, machine_ids["b"], bytes(32)), give_up_after=1)
         yield machines[2]

@@ -369,7 +369,7 @@ def test_recovery_guard_pauses_on_a_fleet_wide_silence(
     url = request.getfixturevalue("pg_url" if backend == "postgresql" else "sqlite_url")
     guard_db = bmdb.connect(url)
     try:
-        with guard_db.start_session("guard-test", interval=2) as session:
+        with guard_db.start_session("guard-test", interval=30) as session:
             machines = [add_machine(session, bytes([i]) * 32) for i in range(20)]
             now = dt.datetime.now(dt.UTC)
 
@@ -404,7 +404,7 @@ def test_a_soft_time_limit_fails_the_work_into_backoff(db: bmdb.BMDB,
                                                        settings: InitializerSettings) -> None:
     """What a stuck task does when Celery asks it to stop: the machine sits out a
     backoff, instead of being released by the sweep and claimed again at once."""
-    with db.start_session("w", interval=2) as session:
+    with db.start_session("w", interval=30) as session:
         machine = ProviderMachine("dev-soft", "127.9.9.9", 22, None, None,
                                   bmdb.ProviderStatus.RUNNING, False)
         session.transact(lambda tx: register_provided(tx, "equinix", machine))
