@@ -116,10 +116,15 @@ def transport_options(url: str, settings: Settings) -> dict[str, object]:
     return {}
 
 
+def periodic_expiry(seconds: float) -> float:
+    """How long a message of periodic work sent every ``seconds`` lives: a stale one
+    (the next is on its way) expires, so that a backed-up control queue does not run
+    the same periodic work many times over."""
+    return max(seconds, MIN_EXPIRES)
+
+
 def _every(seconds: float, call: TaskCall[Any]) -> dict[str, object]:
-    # A stale beat message (the next one is on its way) expires, so that a backed-up
-    # control queue does not run the same periodic work many times over.
-    return call.every(seconds, expires=max(seconds, MIN_EXPIRES))
+    return call.every(seconds, expires=periodic_expiry(seconds))
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:

@@ -26,6 +26,7 @@ from celery.signals import worker_init, worker_process_init, worker_process_shut
 import celeryconfig
 from shepherd import metrics
 from shepherd.config import Settings, SettingsError
+from shepherd.frozen_heap import freeze_startup_objects
 from shepherd.providers.base import ConfigError
 from shepherd.runtime import Runtime, check_settings, worker_component
 from tasks import broker_fixes
@@ -102,6 +103,14 @@ def _refuse_unusable_settings(**_: Any) -> None:
     except (SettingsError, ConfigError) as error:
         log.critical("shepherd worker refuses to start: %s", error)
         raise SystemExit(2) from None
+
+
+@worker_init.connect
+def _freeze_startup_objects(**_: Any) -> None:
+    """In the main process, before the pool forks: its children inherit the frozen
+    heap (``shepherd.frozen_heap``)."""
+    log.info("%d startup objects frozen out of the collector's walks",
+             freeze_startup_objects())
 
 
 @worker_init.connect

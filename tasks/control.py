@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 import bmdb
-from celeryconfig import MACHINE_QUEUES
+from celeryconfig import MACHINE_QUEUES, periodic_expiry
 from shepherd import runtime, task_api
 from shepherd.workflows import guard, retention, sourcing
 from tasks.celery_app import app
@@ -82,7 +82,11 @@ def source(process: str) -> dict[str, Any]:
     (the rules: ``shepherd.workflows.sourcing``).
 
     Each message expires with its claim's dispatch deadline: a message nobody took
-    before the sweep released the claim would only end as "gone" anyway.
+    before the sweep released the claim would only end as "gone" anyway. Its result is
+    not stored: the outcome is the BMDB's (history, backoffs), nobody holds the task
+    id to ask for it, and Flower has it from the worker's events; a result per
+    machine would cost the worker two Redis writes and Redis its memory for a day.
+    When sourcing says there is more, the next sourcing is sent at once.
     """
     chosen = bmdb.Process(process)
     task = task_api.MACHINE_TASKS.get(chosen)
@@ -93,7 +97,12 @@ def source(process: str) -> dict[str, Any]:
 
     def dispatch(work: bmdb.Work) -> None:
         task.bind(str(work.machine_id), str(work.id)).send(
-            app, expires=settings.dispatch_ttl, queue=MACHINE_QUEUES[task.name])
+            app, expires=settings.dispatch_ttl, queue=MACHINE_QUEUES[task.name],
+            ignore_result=True)
 
-    return sourcing.source(rt.session, chosen, settings, rt.guard_limits(), dispatch,
-                           on_decision=count_pauses)
+    result = sourcing.source(rt.session, chosen, settings, rt.guard_limits(), dispatch,
+                             on_decision=count_pauses)
+    if result.get("more"):
+        task_api.SOURCE.bind(process).send(
+            app, expires=periodic_expiry(rt.settings.source_interval))
+    return result

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp
 
 import bmdb
 from shepherd.config import Settings, SettingsError, parse_listen
+from shepherd.frozen_heap import freeze_startup_objects
 from shepherd.runtime import Runtime, check_bmdb_url
 from shepherd.server import asgi
 from shepherd.server.asgi_server import EventLoopServer, Listener, bind, tls_context
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None, operator_api: OperatorApi | None = None)
         return 2
     log.info("callback server listening on %s; web view: %s; metrics: %s", running.url,
              running.operator_url or "off", running.metrics_url or "off")
+    log.info("%d startup objects frozen out of the collector's walks",
+             freeze_startup_objects())
     done = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -60,17 +60,19 @@ def source(session: bmdb.Session, process: bmdb.Process, settings: SourcingSetti
 
         {"process", "skipped"}                       another sourcing holds the process
         {"process", "paused", "guard"}               the guard pauses Recovery
-        {"process", "claimed": 0, "active"}          the in-flight cap is reached
-        {"process", "claimed", "dispatched", "refused", "active"}
+        {"process", "claimed": 0, "active", "more"}  the in-flight cap is reached
+        {"process", "claimed", "dispatched", "refused", "active", "more"}
 
     (the last with 0 claimed and the guard not asked when nothing was eligible).
+    ``more`` says to source again at once (``more_to_source``) rather than at the
+    next beat.
     """
     if process not in SOURCED:
         raise ValueError(f"no sourcing for process {process.value!r}")
     active, claimable = session.db.read(lambda tx: _outlook(tx, process, session.db))
     if not claimable:
         return {"process": process.value, "claimed": 0, "dispatched": 0, "refused": 0,
-                "active": active}
+                "active": active, "more": False}
     capped = False
 
     def claim(budget: int) -> list[bmdb.Work]:
@@ -99,13 +101,30 @@ def source(session: bmdb.Session, process: bmdb.Process, settings: SourcingSetti
                 return {"process": process.value, "skipped": SKIPPED}
             claims = claim(settings.batch_size)
     if capped:
-        return {"process": process.value, "claimed": 0, "active": active}
+        return {"process": process.value, "claimed": 0, "active": active, "more": False}
     refused = dispatch_all(claims, dispatch)
     if claims:
         log.info("sourced %d %s claims (%d refused by the broker)", len(claims),
                  process.value, refused)
     return {"process": process.value, "claimed": len(claims),
-            "dispatched": len(claims) - refused, "refused": refused, "active": active}
+            "dispatched": len(claims) - refused, "refused": refused, "active": active,
+            "more": more_to_source(len(claims), refused, active, settings)}
+
+
+def more_to_source(claimed: int, refused: int, active: int,
+                   settings: SourcingSettings) -> bool:
+    """Whether the backlog likely holds more than this run took, and may be handed out.
+
+    Why not wait for the next beat: one batch per beat (20 every 5 s by default) is 4
+    machines a second, and a rack coming up at once, or a fleet taken over, would
+    wait hours behind it. A full batch says more is waiting, so the run is followed
+    at once by another, as long as the in-flight cap has room (the cap, not the beat,
+    is what bounds how much is handed out) and the broker took every claim (one that
+    refuses waits for the beat). A batch the guard or the cap cut short, or the
+    backlog ended, is not full: the beat picks up from there.
+    """
+    return (claimed == settings.batch_size and refused == 0
+            and active + claimed < settings.in_flight_cap)
 
 
 def _outlook(tx: bmdb.Tx, process: bmdb.Process, db: bmdb.BMDB) -> tuple[int, bool]:

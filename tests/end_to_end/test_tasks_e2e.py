@@ -20,6 +20,7 @@ from typing import Any, cast
 import pytest
 
 import bmdb
+import celeryconfig
 from shepherd.agent import BUNDLE_NAME
 from shepherd.operations.explain import explain
 from shepherd.os_processes import marked_processes
@@ -509,15 +510,41 @@ def test_sourcing_dispatches_claims_within_the_caps(state, monkeypatch) -> None:
 
     first = control.source.run("ShepherdAgentStart")
     assert first == {"process": "ShepherdAgentStart", "claimed": 3, "dispatched": 3,
-                     "refused": 0, "active": 0}
+                     "refused": 0, "active": 0, "more": False}
     assert all(call["name"] == "shepherd.agent_start" and call["expires"] == 30
-               and call["queue"] == "shepherd.machines" for call in sent)
+               and call["queue"] == "shepherd.machines" and call["ignore_result"]
+               for call in sent)
     work = state.db.read(lambda tx: {(str(r.machine_id), str(r.id)) for r in
                                      tx.execute(bmdb._schema.work.select())})
     assert {tuple(call["args"]) for call in sent} == work
     assert {m for m, _ in work} <= {str(i) for i in ids}
     # Unadopted claims count against the in-flight cap.
     assert control.source.run("ShepherdAgentStart")["claimed"] == 0
+
+
+@pytest.mark.parametrize(("cap", "runs"), [
+    (10, [(2, True), (2, True), (1, False)]),  # the backlog ends in a short batch
+    (3, [(2, True), (1, False), (0, False)]),  # the cap cuts the second batch short
+])
+def test_a_full_batch_sends_the_next_sourcing_at_once(state, monkeypatch, cap: int,
+                                                      runs: list[tuple[int, bool]]) -> None:
+    """Batches of two from five machines: a full batch with room under the cap sends
+    the next sourcing at once; a short one leaves the rest to
+    the beat."""
+    from tasks import app, control
+
+    reconfigure(state, batch_size=2, in_flight_cap=cap)
+    add_running(state.db, 5)
+    sent: list[tuple[str, dict]] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: sent.append((name, kw)))
+
+    results = [control.source.run("ShepherdAgentStart") for _ in runs]
+    assert [(r["claimed"], r["more"]) for r in results] == runs
+    followed = [kw for name, kw in sent if name == "shepherd.source"]
+    assert [kw["args"] for kw in followed] == [("ShepherdAgentStart",)] * sum(
+        more for _, more in runs)
+    assert all(kw["expires"] == celeryconfig.MIN_EXPIRES for kw in followed)
+    assert len(sent) - len(followed) == sum(claimed for claimed, _ in runs)
 
 
 def test_a_broker_refusal_cancels_the_claim_at_once(state, monkeypatch) -> None:

@@ -1,0 +1,27 @@
+"""What a long-lived process built at startup, out of the garbage collector's way.
+
+Why: once ``shepherd serve`` or a worker has imported SQLAlchemy, Celery or Starlette
+and built its apps, it holds some hundreds of thousands of objects that live as long
+as the process. Python's full collection (its oldest generation) walks every one of
+them each time it runs, and on a busy server that is a pause of tens of
+milliseconds for whichever requests are in flight: paced at 80 % of its rate, one
+server answered its 99th percentile heartbeat in 80 to 108 ms with them in the heap and
+in 22 to 30 ms with them frozen (``bench/heartbeat_ingest.py``, side by side).
+
+``gc.freeze`` moves every object alive now into a permanent generation that no
+collection walks. The cost: a cycle among them is never freed, which is moot for
+objects that live until exit anyway. In a prefork worker it also keeps the
+children's collections from writing to the pages they share with the parent.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_objects() -> int:
+    """Collect once (so no garbage is frozen with them), then freeze what is left.
+    Returns how many objects are now frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
