@@ -423,6 +423,8 @@ def test_flower_lists_workers_and_tasks(control_plane) -> None:
     tasks = wait_until(machine_tasks, 30, "Flower listing the AgentStart tasks", cp)
     machine_ids = {str(m) for m in cp.machine_ids()}
     assert {t["state"] for t in tasks.values()} == {"SUCCESS"}
+    # Sourced with no result kept: the outcome Flower shows came with the worker's events.
+    assert all("'outcome': 'finished'" in t["result"] for t in tasks.values()), tasks
     assert {str(t["args"]).split("'")[1] for t in tasks.values()} == machine_ids
     everything = http.get(f"{base}/tasks", timeout=10).text
     assert "shepherd.source" in everything and "shepherd.reconcile" in everything
@@ -543,7 +545,8 @@ def test_a_full_batch_sends_the_next_sourcing_at_once(state, monkeypatch, cap: i
     followed = [kw for name, kw in sent if name == "shepherd.source"]
     assert [kw["args"] for kw in followed] == [("ShepherdAgentStart",)] * sum(
         more for _, more in runs)
-    assert all(kw["expires"] == celeryconfig.MIN_EXPIRES for kw in followed)
+    assert all(kw["expires"] == celeryconfig.MIN_EXPIRES and kw["ignore_result"]
+               for kw in followed)
     assert len(sent) - len(followed) == sum(claimed for claimed, _ in runs)
 
 
@@ -696,7 +699,7 @@ def test_settings_and_celery_config_from_the_environment() -> None:
     assert "reconcile" not in config["beat_schedule"]   # interval 0: off
     assert config["beat_schedule"]["source-recovery"] == {
         "task": "shepherd.source", "schedule": 2.0, "args": ("ShepherdRecovery",),
-        "kwargs": {}, "options": {"expires": 10.0}}
+        "kwargs": {}, "options": {"expires": 10.0, "ignore_result": True}}
     assert config["broker_transport_options"]["visibility_timeout"] == 7200
     limit = settings.machine_task_time_limit
     assert config["broker_transport_options"]["visibility_timeout"] > limit
