@@ -95,7 +95,7 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
                              RECOVERY.name: machine_task_limits,
                              INSTALL.name: install_limits},
         # Flower shows every task with its name, arguments and result (which never
-        # carry secrets).
+        # carry secrets). Workers turn task-sent events off (tasks/celery_app.py).
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_track_started": True,

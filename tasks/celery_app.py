@@ -106,6 +106,15 @@ def _refuse_unusable_settings(**_: Any) -> None:
 
 
 @worker_init.connect
+def _no_sent_events(**_: Any) -> None:
+    """What a worker sends is sourcing's dispatch, hundreds a second with a backlog:
+    no ``task-sent`` event for each, which doubled what the broker carried. Flower
+    lists each such task once a worker receives it (the BMDB has the claim, with its
+    dispatch deadline, before that). Beat's and the CLI's sends keep theirs."""
+    app.conf.task_send_sent_event = False
+
+
+@worker_init.connect
 def _freeze_startup_objects(**_: Any) -> None:
     """In the main process, before the pool forks: its children inherit the frozen
     heap (``shepherd.frozen_heap``)."""

@@ -425,6 +425,11 @@ def test_flower_lists_workers_and_tasks(control_plane) -> None:
     assert {t["state"] for t in tasks.values()} == {"SUCCESS"}
     # Sourced with no result kept: the outcome Flower shows came with the worker's events.
     assert all("'outcome': 'finished'" in t["result"] for t in tasks.values()), tasks
+    # A worker sends no task-sent events (sourcing's dispatch); beat does.
+    assert all(t["sent"] is None and t["received"] for t in tasks.values()), tasks
+    sourcings = http.get(f"{base}/tasks", params={"taskname": "shepherd.source"},
+                         timeout=10).json()
+    assert any(t["sent"] for t in sourcings.values()), sourcings
     assert {str(t["args"]).split("'")[1] for t in tasks.values()} == machine_ids
     everything = http.get(f"{base}/tasks", timeout=10).text
     assert "shepherd.source" in everything and "shepherd.reconcile" in everything
