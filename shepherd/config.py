@@ -107,7 +107,8 @@ class Settings:
     # What beat schedules (seconds between runs).
     reconcile_interval: float = setting(60.0, "seconds between reconciles")
     update_interval: float = setting(60.0, "seconds between provider updates")
-    source_interval: float = setting(5.0, "seconds between sourcings")
+    source_interval: float = setting(5.0, "seconds between sourcings (a full batch is "
+                                     "followed by the next at once)")
     sweep_interval: float = setting(5.0, "seconds between sweeps of dead sessions")
     history_retention: float = setting(30.0, "days of history kept (0: for ever; at "
                                        "least an hour, which the guard reads)",
