@@ -131,12 +131,29 @@ class Bench:
     def started(self, ids: list[uuid.UUID]) -> int:
         return self.db.read(lambda tx: bmdb.agents_started(tx, among=ids))
 
+    def why_not_started(self, ids: list[uuid.UUID]) -> str:
+        """What the BMDB says of the machines still without AgentStarted: a bench that
+        times out says why (a failed AgentStart sits out a 5-minute backoff, longer
+        than the bench waits), not only how many."""
+        def last_events(tx: bmdb.Tx) -> Counter[str]:
+            seen: Counter[str] = Counter()
+            for machine_id in ids:
+                if "AgentStarted" in bmdb.machine_tags(tx, machine_id):
+                    continue
+                history = bmdb.machine_history(tx, machine_id, limit=1)
+                seen[" ".join(str(history[0][k]) for k in ("event", "cause"))
+                     if history else "never claimed"] += 1
+            return seen
+
+        return "; ".join(f"{n}x {what}" for what, n in self.db.read(last_events).items())
+
     def run_machines(self, count: int, *, with_ssh: bool) -> float:
         ids = self.seed(count, with_ssh=with_ssh)
         start = self.release(ids)
         while (done := self.started(ids)) < count:
             if time.perf_counter() - start > self.timeout:
-                raise TimeoutError(f"{done}/{count} AgentStarted after {self.timeout}s")
+                raise TimeoutError(f"{done}/{count} AgentStarted after {self.timeout}s; "
+                                   f"{self.why_not_started(ids)}")
             time.sleep(0.05)
         rate = count / (time.perf_counter() - start)
         # Each device's SSH listener is a polling thread in this process: stop the ones
