@@ -6,7 +6,7 @@ as the process. Python's full collection (its oldest generation) walks every one
 them each time it runs, and on a busy server that is a pause of tens of
 milliseconds for whichever requests are in flight: paced at 80 % of its rate, one
 server answered its 99th percentile heartbeat in 80 to 108 ms with them in the heap and
-in 22 to 30 ms with them frozen (``bench/heartbeat_ingest.py``, side by side).
+in 18 to 40 ms with them frozen (``bench/heartbeat_ingest.py``, the same day).
 
 ``gc.freeze`` moves every object alive now into a permanent generation that no
 collection walks. The cost: a cycle among them is never freed, which is moot for
