@@ -124,9 +124,7 @@ def periodic_expiry(seconds: float) -> float:
 
 
 def _every(seconds: float, call: TaskCall[Any]) -> dict[str, object]:
-    # No result kept: beat never asks for one (Flower has it from the worker's events),
-    # and each would cost two result-backend writes. Called by hand, a task keeps its.
-    return call.every(seconds, expires=periodic_expiry(seconds), ignore_result=True)
+    return call.every(seconds, expires=periodic_expiry(seconds))
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:

@@ -104,5 +104,5 @@ def source(process: str) -> dict[str, Any]:
                              on_decision=count_pauses)
     if result.get("more"):
         task_api.SOURCE.bind(process).send(
-            app, expires=periodic_expiry(rt.settings.source_interval), ignore_result=True)
+            app, expires=periodic_expiry(rt.settings.source_interval))
     return result

@@ -258,8 +258,7 @@ def test_beat_prunes_only_what_is_kept_for_a_while() -> None:
 
     assert schedule()["prune-history"] == {"task": "shepherd.prune_history",
                                            "schedule": 600.0, "args": (), "kwargs": {},
-                                           "options": {"expires": 600.0,
-                                                       "ignore_result": True}}
+                                           "options": {"expires": 600.0}}
     assert "prune-history" not in schedule(SHEPHERD_HISTORY_RETENTION="0")
     assert "prune-history" not in schedule(SHEPHERD_HISTORY_PRUNE_INTERVAL="0")
 

@@ -549,8 +549,7 @@ def test_a_full_batch_sends_the_next_sourcing_at_once(state, monkeypatch, cap: i
     followed = [kw for name, kw in sent if name == "shepherd.source"]
     assert [kw["args"] for kw in followed] == [("ShepherdAgentStart",)] * sum(
         more for _, more in runs)
-    assert all(kw["expires"] == celeryconfig.MIN_EXPIRES and kw["ignore_result"]
-               for kw in followed)
+    assert all(kw["expires"] == celeryconfig.MIN_EXPIRES for kw in followed)
     assert len(sent) - len(followed) == sum(claimed for claimed, _ in runs)
 
 
@@ -703,7 +702,7 @@ def test_settings_and_celery_config_from_the_environment() -> None:
     assert "reconcile" not in config["beat_schedule"]   # interval 0: off
     assert config["beat_schedule"]["source-recovery"] == {
         "task": "shepherd.source", "schedule": 2.0, "args": ("ShepherdRecovery",),
-        "kwargs": {}, "options": {"expires": 10.0, "ignore_result": True}}
+        "kwargs": {}, "options": {"expires": 10.0}}
     assert config["broker_transport_options"]["visibility_timeout"] == 7200
     limit = settings.machine_task_time_limit
     assert config["broker_transport_options"]["visibility_timeout"] > limit

@@ -238,12 +238,47 @@ def run_in_namespaces(script: str, log_path: Path, what: str) -> subprocess.Pope
 
 def kill_machine(process: subprocess.Popen[bytes] | None) -> None:
     """SIGKILL to unshare kills its child, pid 1 of the machine's PID namespace,
-    and with it every process the machine had, the detached agent included."""
+    and with it every process the machine had, the detached agent included.
+
+    Returns once that pid 1 has exited, not only unshare: the kernel kills the
+    namespace's processes after unshare is gone, and until the last has exited the
+    machine's mount namespace still holds what it mounted (a loop disk the caller
+    is about to detach: a CI run under load found it still held 10 s after)."""
     if process is None:
         return
+    machine = _children(process.pid)
     with contextlib.suppress(ProcessLookupError):
         process.send_signal(signal.SIGKILL)
     process.wait(timeout=10)
+    deadline = time.monotonic() + MACHINE_EXIT_TIMEOUT
+    while any(_running(pid) for pid in machine):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the machine's pid 1 ({machine}) still runs "
+                               f"{MACHINE_EXIT_TIMEOUT:.0f} s after SIGKILL")
+        time.sleep(0.05)
+
+
+#: How long a killed machine's processes may take to exit (they exit at once unless the
+#: host is starved; a bound, so that a test cannot hang on them).
+MACHINE_EXIT_TIMEOUT = 120.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in
+                Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:  # already gone
+        return []
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs: not gone, and not a zombie (which has released its
+    namespaces and waits only to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def read_log(path: Path) -> str:
