@@ -118,8 +118,7 @@ def _no_sent_events(**_: Any) -> None:
 def _freeze_startup_objects(**_: Any) -> None:
     """In the main process, before the pool forks: its children inherit the frozen
     heap (``shepherd.frozen_heap``)."""
-    log.info("%d startup objects frozen out of the collector's walks",
-             freeze_startup_objects())
+    freeze_startup_objects()
 
 
 @worker_init.connect

@@ -360,8 +360,7 @@ def main(argv: list[str] | None = None, operator_api: OperatorApi | None = None)
         return 2
     log.info("callback server listening on %s; web view: %s; metrics: %s", running.url,
              running.operator_url or "off", running.metrics_url or "off")
-    log.info("%d startup objects frozen out of the collector's walks",
-             freeze_startup_objects())
+    freeze_startup_objects()
     done = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:

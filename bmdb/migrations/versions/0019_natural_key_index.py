@@ -2,7 +2,7 @@
 
 Revision ID: 0019
 Revises: 0018
-Create Date: 2026-12-05 10:00:00
+Create Date: 2026-12-03 10:00:00
 
 The machine list's ``sort=name`` orders machines by provider id, digit runs by their
 value (``bmdb._types.natural_key``). Unindexed, that was a pass over the fleet for
