@@ -21,6 +21,9 @@ import logging
 
 log = logging.getLogger(__name__)
 
+#: Whether ``pause_collection`` turned the collector off (and so may turn it on).
+_paused = False
+
 
 def freeze_startup_objects() -> int:
     """Collect once (so no garbage is frozen with them), then freeze what is left.
@@ -30,3 +33,28 @@ def freeze_startup_objects() -> int:
     frozen = gc.get_freeze_count()
     log.info("%d startup objects frozen out of the collector's walks", frozen)
     return frozen
+
+
+def pause_collection() -> None:
+    """No collection while a command starts (``resume_collection`` ends the pause).
+
+    Why: a CLI command is a new process whose start imports SQLAlchemy and the BMDB's
+    tables; those objects live until it exits, yet the collector walked all of them
+    twice in a ``shepherd machines`` (two full collections, 29 and 36 ms, of a
+    400 ms command)."""
+    global _paused
+    _paused = gc.isenabled()
+    gc.disable()
+
+
+def resume_collection() -> None:
+    """Freeze what the start built (as ``freeze_startup_objects``, without its
+    collection: nothing has been collected since the pause, so no walk is spent), then
+    collect as usual. Only for a process's own start: in a process that lived before
+    the pause (a test calling the CLI's ``main``), the freeze would keep its garbage.
+    Does nothing unless ``pause_collection`` turned the collector off."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.freeze()
+        gc.enable()

@@ -15,31 +15,24 @@ it ran, 2 for a bad argument or an unknown machine, 1 for anything that could no
 done now (refused token, busy machine, the API out of reach).
 
 Only the standard library is imported here (and ``api_routes``): this is the path
-that must start fast.
+that must start fast. Its HTTP client (``api_http``) is imported only to send.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import ssl
 import sys
-import urllib.error
-import urllib.request
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from shepherd import api_routes, state_env
 from shepherd.client_settings import ClientSettings, ClientSettingsError
 
+if TYPE_CHECKING:
+    from shepherd.cli import api_http
+
 EXIT_FAILED, EXIT_BAD_ARGUMENT = 1, 2
-#: How long a command may take on the server (a power cycle waits for its rungs).
-TIMEOUT = 900.0
-#: How long reaching the API may take (its TCP and TLS handshakes). ``TIMEOUT`` is for
-#: the answer: alone, it left an API whose host drops packets holding the command for
-#: the kernel's SYN retries, over two minutes, before "cannot reach".
-CONNECT_TIMEOUT = 10.0
 
 
 def wanted(args: argparse.Namespace) -> ClientSettings | None:
@@ -64,6 +57,8 @@ def wanted(args: argparse.Namespace) -> ClientSettings | None:
 
 def run(args: argparse.Namespace, settings: ClientSettings) -> int:
     """Send the command, print the answer; returns the exit status."""
+    from shepherd.cli import api_http  # only when a command is sent (its module says why)
+
     route = api_routes.route_of(args)
     assert route is not None and settings.url is not None
     if not settings.token:
@@ -72,69 +67,29 @@ def run(args: argparse.Namespace, settings: ClientSettings) -> int:
     path, query, body = api_routes.request_of(route, args)
     url = settings.url.rstrip("/") + path + ("?" + urlencode(query, doseq=True)
                                             if query else "")
-    request = urllib.request.Request(
-        url, method=route.method, data=json.dumps(body).encode() if route.method == "POST"
-        else None, headers={"Authorization": f"Bearer {settings.token}",
-                            "Accept": "application/json" if getattr(args, "json", False)
-                            else "text/plain", "Content-Type": "application/json"})
-    tls = ssl.create_default_context(cafile=settings.ca_file) if settings.ca_file else None
-    opener = urllib.request.build_opener(_HttpHandler(), _HttpsHandler(tls))
+    headers = {"Authorization": f"Bearer {settings.token}",
+               "Accept": "application/json" if getattr(args, "json", False) else "text/plain",
+               "Content-Type": "application/json"}
+    data = json.dumps(body).encode() if route.method == "POST" else None
     try:
-        with opener.open(request, timeout=TIMEOUT) as answer:
-            print(answer.read().decode().removesuffix("\n"))
-            return int(answer.headers.get("Shepherd-Exit") or 0)
-    except urllib.error.HTTPError as refused:
-        return _fail(args, _error(refused), EXIT_BAD_ARGUMENT
-                     if refused.code in (400, 404) else EXIT_FAILED)
-    except (urllib.error.URLError, OSError) as error:
-        reason = getattr(error, "reason", error)
-        return _fail(args, f"cannot reach the operators' API at {settings.url}: {reason}",
+        reply = api_http.send(url, route.method, data, headers, settings.ca_file)
+    except api_http.Unreachable as error:
+        return _fail(args, f"cannot reach the operators' API at {settings.url}: {error}",
                      EXIT_FAILED)
+    if reply.status >= 400:
+        return _fail(args, _error(reply), EXIT_BAD_ARGUMENT
+                     if reply.status in (400, 404) else EXIT_FAILED)
+    print(reply.body.decode().removesuffix("\n"))
+    return int(reply.exit or 0)
 
 
-class _Http(http.client.HTTPConnection):
-    def connect(self) -> None:
-        _connect_soon(self, super().connect)
-
-
-class _Https(http.client.HTTPSConnection):
-    def connect(self) -> None:
-        _connect_soon(self, super().connect)
-
-
-def _connect_soon(connection: http.client.HTTPConnection, connect: Callable[[], None]
-                  ) -> None:
-    """``connect`` within ``CONNECT_TIMEOUT``, then the connection's own timeout."""
-    answer_within = connection.timeout
-    connection.timeout = CONNECT_TIMEOUT
-    try:
-        connect()
-    finally:
-        connection.timeout = answer_within
-    connection.sock.settimeout(answer_within)
-
-
-class _HttpHandler(urllib.request.HTTPHandler):
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_Http, req)
-
-
-class _HttpsHandler(urllib.request.HTTPSHandler):
-    def __init__(self, tls: ssl.SSLContext | None) -> None:
-        super().__init__(context=tls)
-        self.tls = tls
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_Https, req, context=self.tls)
-
-
-def _error(refused: urllib.error.HTTPError) -> str:
+def _error(reply: api_http.Reply) -> str:
     """The server's one line (``{"error": ...}``), else the HTTP status."""
     try:
-        said = json.loads(refused.read())["error"]
-    except (ValueError, KeyError, TypeError, OSError):
+        said = json.loads(reply.body)["error"]
+    except (ValueError, KeyError, TypeError):
         said = None
-    return str(said) if said else f"the API answered {refused.code} {refused.reason}"
+    return str(said) if said else f"the API answered {reply.status} {reply.reason}"
 
 
 def _fail(args: argparse.Namespace, message: str, status: int) -> int:

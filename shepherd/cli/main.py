@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from shepherd.cli.arguments import DELEGATED, EXIT_BAD_ARGUMENT, parser
+from shepherd.frozen_heap import pause_collection, resume_collection
 
 if TYPE_CHECKING:
     from shepherd.cli.workers import WorkerLayer
@@ -25,7 +26,12 @@ def main(argv: Sequence[str] | None = None,
     default Celery's, ``CeleryWorkers``).
 
     Only the parser is imported with this module: a usage error or ``--help`` loads
-    nothing else, and a command loads what it uses (issue 14: start-up time)."""
+    nothing else, and a command loads what it uses (issue 14: start-up time). Called
+    as the process's own command line (``argv`` None: the ``shepherd`` script), the
+    start runs without the garbage collector (``frozen_heap.pause_collection``), which
+    resumes once the command is ready to run (``_ready``)."""
+    if argv is None:
+        pause_collection()
     top = parser()
     args, rest = top.parse_known_args(argv)
     if args.command not in DELEGATED and not rest:
@@ -43,10 +49,17 @@ def main(argv: Sequence[str] | None = None,
             rest = ["--bmdb-url", args.bmdb_url, *rest]
         delegate: Callable[[list[str]], int] = importlib.import_module(
             DELEGATED[args.command][0]).main
+        _ready()
         return delegate(rest)
     if rest:
         top.error(f"unrecognized arguments: {' '.join(rest)}")
     return run(args, workers)
+
+
+def _ready() -> None:
+    """The command is about to run: end the start's pause of the collector, if any (a
+    long command, ``shepherd up`` say, collects as any process does)."""
+    resume_collection()
 
 
 def _in_api_mode(args: argparse.Namespace) -> int | None:
@@ -77,6 +90,7 @@ def run(args: argparse.Namespace,
     try:
         ctx = Context.build(args, workers or CeleryWorkers)
         command: Callable[[Context], int] = args.run
+        _ready()
         return command(ctx)
     except (BadArgument, SettingsError) as error:
         return _fail(args, error, EXIT_BAD_ARGUMENT)

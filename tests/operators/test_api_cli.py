@@ -595,7 +595,7 @@ def test_an_api_out_of_reach_is_one_line_soon(
         plane: Plane, unreachable: Callable[[], contextlib.AbstractContextManager[str]]
         ) -> None:
     """Refused at once, or never answered (the client gives up on the connection
-    after ``api_client.CONNECT_TIMEOUT``, 10 s, not the kernel's two minutes)."""
+    after ``api_http.CONNECT_TIMEOUT``, 10 s, not the kernel's two minutes)."""
     with unreachable() as url:
         began = time.monotonic()
         done = run_cli({**api_env(plane), "SHEPHERD_API_URL": url}, "machines")

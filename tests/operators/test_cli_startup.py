@@ -24,7 +24,7 @@ from shepherd.cli.arguments import Runner
 from tests.support.operator_fixtures import seed_fleet
 
 #: Libraries (and our own modules) that only workers, servers, SSH, BMC or migration
-#: commands need: no read command and no parser may load them.
+#: commands need, or API mode: no direct read and no parser may load them.
 HEAVY = (
     "a2wsgi", "alembic", "celery", "celeryconfig", "cryptography", "fabric", "flask",
     "flower", "httptools", "invoke", "jinja2", "kombu", "mako", "nacl", "paramiko",
@@ -32,6 +32,8 @@ HEAVY = (
     "rich", "starlette", "sushy", "tasks", "urllib3", "uvicorn", "uvloop", "werkzeug",
     "yaml", "shepherd.metrics", "shepherd.power", "shepherd.remote", "shepherd.server",
     "shepherd.workflows.initializer", "shepherd.workflows.recoverer",
+    # API mode's HTTP client, with email and ssl: loaded only to send a command.
+    "http.client", "shepherd.cli.api_http",
 )
 #: What the parser needs no more than ``--help`` does.
 DATABASE = ("bmdb", "psycopg2", "sqlalchemy")

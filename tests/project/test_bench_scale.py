@@ -22,7 +22,16 @@ import pytest
 import sqlalchemy as sa
 
 import bmdb
-from bench.scale import PATHS, BenchProvider, Listing, Shape, grow_fleet, grow_history
+from bench.scale import (
+    PATHS,
+    BenchProvider,
+    Listing,
+    Shape,
+    Timing,
+    grow_fleet,
+    grow_history,
+    misses,
+)
 from bmdb import Event, Process
 from bmdb.tags import report_hostname
 from shepherd.workflows import updater
@@ -165,3 +174,13 @@ def test_the_bench_runs_end_to_end_at_a_tiny_size(pg_admin_url: str, tmp_path: P
         assert set(columns) == expected, key
         assert all(c["median_ms"] > 0 and len(c["runs_ms"]) == 1 for c in columns.values()), key
     assert "failed" not in done.stdout and "| `GET /machines` (500 rows) |" in done.stdout
+
+
+def test_an_http_path_may_grow_half_again_and_the_others_twofold() -> None:
+    """Issue 32's aim for HTTP paths (<= 1.5x from 10k to 1M), issue 14's for the rest."""
+    paths = {path.key: path for path in PATHS}
+    grown = {"10k": Timing([20.0]), "1M": Timing([32.0])}  # 1.6x, inside 50 ms
+    assert misses(paths["machines"], grown, "10k", "1M", large=True) == ["grows 1.60x"]
+    assert misses(paths["guard"], grown, "10k", "1M", large=True) == []
+    kept = {"10k": Timing([20.0]), "1M": Timing([30.0])}
+    assert misses(paths["machines"], kept, "10k", "1M", large=True) == []

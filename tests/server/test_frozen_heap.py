@@ -1,11 +1,15 @@
-"""``freeze_startup_objects``: what is alive is frozen, garbage is not frozen with it."""
+"""``shepherd.frozen_heap``: what is alive is frozen, garbage is not frozen with it; a
+command's paused start is frozen when it resumes, and nobody else's heap is."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from shepherd.frozen_heap import freeze_startup_objects
+import pytest
+
+from shepherd.cli.main import main
+from shepherd.frozen_heap import freeze_startup_objects, pause_collection, resume_collection
 
 
 class Node:
@@ -28,3 +32,40 @@ def test_live_objects_are_frozen_and_cycles_already_dead_are_freed_first() -> No
     finally:
         gc.unfreeze()
     assert any(obj is live for obj in gc.get_objects())
+
+
+def test_a_paused_start_is_frozen_when_it_resumes_and_collects_again() -> None:
+    assert gc.isenabled()
+    try:
+        pause_collection()
+        assert not gc.isenabled()
+        built = Node()  # what a command's start builds: it lives until exit
+        resume_collection()
+        assert gc.isenabled()
+        assert not any(obj is built for obj in gc.get_objects()), "the start was not frozen"
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_resuming_without_a_pause_changes_nothing() -> None:
+    """A caller that turned the collector off itself (or never paused) keeps its state:
+    nothing is frozen, nothing turned on."""
+    gc.disable()
+    try:
+        resume_collection()
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+
+
+def test_the_cli_called_in_process_leaves_the_collector_alone(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the process's own command line (``main()``, the ``shepherd`` script) pauses:
+    a caller's ``main(argv)`` must not freeze that caller's heap, garbage and all."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    main(["--bmdb-url", "sqlite://", "migrate"])
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
