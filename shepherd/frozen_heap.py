@@ -39,9 +39,9 @@ def pause_collection() -> None:
     """No collection while a command starts (``resume_collection`` ends the pause).
 
     Why: a CLI command is a new process whose start imports SQLAlchemy and the BMDB's
-    tables; those objects live until it exits, yet the collector walked all of them
-    twice in a ``shepherd machines`` (two full collections, 29 and 36 ms, of a
-    400 ms command)."""
+    tables; those objects live until it exits, yet the collector kept walking them:
+    in a ``shepherd machines`` of 400 ms, 135 collections took 50 ms and the one at
+    exit 36 ms more. Frozen, they are walked neither then nor at exit."""
     global _paused
     _paused = gc.isenabled()
     gc.disable()
