@@ -44,6 +44,7 @@ def test_a_paused_start_is_frozen_when_it_resumes_and_collects_again() -> None:
         assert gc.isenabled()
         assert not any(obj is built for obj in gc.get_objects()), "the start was not frozen"
     finally:
+        resume_collection()  # a no-op once resumed; else it must not stay pending
         gc.unfreeze()
         gc.enable()
 
@@ -51,11 +52,12 @@ def test_a_paused_start_is_frozen_when_it_resumes_and_collects_again() -> None:
 def test_resuming_without_a_pause_changes_nothing() -> None:
     """A caller that turned the collector off itself (or never paused) keeps its state:
     nothing is frozen, nothing turned on."""
+    frozen = gc.get_freeze_count()
     gc.disable()
     try:
         resume_collection()
         assert not gc.isenabled()
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == frozen
     finally:
         gc.enable()
 
@@ -64,8 +66,9 @@ def test_the_cli_called_in_process_leaves_the_collector_alone(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Only the process's own command line (``main()``, the ``shepherd`` script) pauses:
     a caller's ``main(argv)`` must not freeze that caller's heap, garbage and all."""
+    frozen = gc.get_freeze_count()
     with pytest.raises(SystemExit):
         main(["--help"])
-    main(["--bmdb-url", "sqlite://", "migrate"])
+    assert main(["--bmdb-url", "sqlite://", "migrate"]) == 0
     assert gc.isenabled()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == frozen
