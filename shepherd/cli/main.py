@@ -29,7 +29,8 @@ def main(argv: Sequence[str] | None = None,
     nothing else, and a command loads what it uses (issue 14: start-up time). Called
     as the process's own command line (``argv`` None: the ``shepherd`` script), the
     start runs without the garbage collector (``frozen_heap.pause_collection``), which
-    resumes once the command is ready to run (``_ready``)."""
+    resumes, the start frozen, once the command is ready to run: a long command
+    (``shepherd up`` say) collects as any process does."""
     if argv is None:
         pause_collection()
     top = parser()
@@ -49,17 +50,11 @@ def main(argv: Sequence[str] | None = None,
             rest = ["--bmdb-url", args.bmdb_url, *rest]
         delegate: Callable[[list[str]], int] = importlib.import_module(
             DELEGATED[args.command][0]).main
-        _ready()
+        resume_collection()
         return delegate(rest)
     if rest:
         top.error(f"unrecognized arguments: {' '.join(rest)}")
     return run(args, workers)
-
-
-def _ready() -> None:
-    """The command is about to run: end the start's pause of the collector, if any (a
-    long command, ``shepherd up`` say, collects as any process does)."""
-    resume_collection()
 
 
 def _in_api_mode(args: argparse.Namespace) -> int | None:
@@ -90,7 +85,7 @@ def run(args: argparse.Namespace,
     try:
         ctx = Context.build(args, workers or CeleryWorkers)
         command: Callable[[Context], int] = args.run
-        _ready()
+        resume_collection()
         return command(ctx)
     except (BadArgument, SettingsError) as error:
         return _fail(args, error, EXIT_BAD_ARGUMENT)
