@@ -493,9 +493,14 @@ def main() -> None:
     parser.add_argument("--capped", type=float, default=0.35, metavar="CORES",
                         help="also run 1 and 2 server processes each capped at CORES of "
                              "CPU (cgroup quota; 0: skip)")
-    parser.add_argument("--warmup", type=int, default=500,
-                        help="heartbeats sent to each set of servers before measuring")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="heartbeats sent to each set of servers before measuring "
+                             "(default: one per machine, so that each measured heartbeat, "
+                             "the bare loop's included, is the next of a machine heard "
+                             "from before, as in a running fleet)")
     args = parser.parse_args()
+    if args.warmup is None:
+        args.warmup = args.machines
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"shepherd-bench-{uuid.uuid4().hex[:8]}"
     env = dict(item.split("=", 1) for item in args.server_env)
     with postgres(args.pg_url) as url:

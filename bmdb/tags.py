@@ -237,18 +237,24 @@ def record_heartbeats(tx: Tx, beats: Sequence[Beat]) -> None:
     have cleared it since: the marker's UPDATE is skipped, and since the marker says
     the AgentHeartbeat row exists, a plain UPDATE of it is enough. That keeps the
     hot path clear of the INSERT triggers an upsert fires even when it only updates
-    (``counters``); the marked beats of a batch go in one executemany, which the
-    PostgreSQL engine sends as one round trip (``_database.create_engine``).
+    (``counters``). Each kind goes as one executemany, which the PostgreSQL engine
+    sends as one round trip (``_database.create_engine``): the marked beats' UPDATE;
+    for the first beats (after a takeover or a Recovery, whole racks at once), their
+    upsert and their markers' UPDATE, so a batch costs at most three statements
+    however many machines it holds.
     """
     marked = [{"beating": b.machine_id, "last_heartbeat_at": tx.now,
                "last_signed_at": b.signed_at} for b in beats if b.marked]
     if marked:
         tx.execute(_HEARTBEAT_UPDATE, marked)
-    for beat in beats:
-        if not beat.marked:
-            upsert(tx, schema.agent_heartbeat, {"machine_id": beat.machine_id},
-                   {"last_heartbeat_at": tx.now, "last_signed_at": beat.signed_at})
-            _mark(tx, schema.agent_started, beat.machine_id, heartbeat_seen=True)
+    first = [b for b in beats if not b.marked]
+    if first:
+        statement = _upsert_statement(tx.dialect, schema.agent_heartbeat, ("machine_id",),
+                                      ("last_heartbeat_at", "last_signed_at"), ())
+        tx.execute(statement, [{"machine_id": b.machine_id, "last_heartbeat_at": tx.now,
+                                "last_signed_at": b.signed_at} for b in first])
+        tx.execute(_mark_statement(schema.agent_started, "heartbeat_seen", True),
+                   [{"marked": b.machine_id} for b in first])
 
 
 _HEARTBEAT_UPDATE = (sa.update(schema.agent_heartbeat)

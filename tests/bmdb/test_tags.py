@@ -135,6 +135,34 @@ def test_a_restart_during_a_heartbeat_keeps_the_heartbeat_marker(pg_url):
     db.close()
 
 
+def test_a_batch_of_heartbeats_costs_three_statements_however_many_are_first(db, session):
+    """Three first heartbeats and two of machines heard before, recorded together (as
+    a heartbeat batch does): every row and marker written, in one statement per kind
+    (the marked UPDATE; the first beats' upsert; their markers), not one per machine."""
+    machines = seed_provided(session, 5)
+    for machine in machines:
+        start_agent(session, machine)
+    heard = machines[3:]
+    session.transact(lambda tx: bmdb.record_heartbeats(
+        tx, [bmdb.Beat(m, tx.now) for m in heard]))
+    statements: list[str] = []
+
+    def executed(conn, cursor, statement, *args) -> None:
+        statements.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", executed)
+    try:
+        session.transact(lambda tx: bmdb.record_heartbeats(
+            tx, [bmdb.Beat(m, tx.now, marked=m in heard) for m in machines]))
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", executed)
+    writes = [s for s in statements if s.lstrip().upper().startswith(("INSERT", "UPDATE"))]
+    assert len(writes) == 3, writes
+    for machine in machines:
+        assert _marker(db, bmdb._schema.agent_started, "heartbeat_seen", machine)
+        assert "AgentHeartbeat" in _tags(db, machine)
+
+
 def test_history_outlives_a_deleted_machine(db, session):
     (machine,) = seed_provided(session, 1)
     session.claim_machine(Process.AGENT_START, machine).finish()
