@@ -21,6 +21,10 @@ Four figures from one run, on one PostgreSQL (fsync on) with ``--machines`` agen
     and the load generator fill both cores, so (c) shows the machine's limit; capped,
     the ratio shows what a second process adds when it has a core share of its own.
 
+(a) flat out and (b) run interleaved, in ``--rounds`` slices each (the server idle
+while the loop runs), so that a change of the machine's speed during the run (a shared
+machine's neighbours) weighs on both sides of their ratio alike.
+
 The load generator (``load``) is cheap so that it is not what is measured: requests
 are signed before the clock starts, and sent as raw bytes from asyncio in a process
 of its own.
@@ -493,6 +497,9 @@ def main() -> None:
     parser.add_argument("--capped", type=float, default=0.35, metavar="CORES",
                         help="also run 1 and 2 server processes each capped at CORES of "
                              "CPU (cgroup quota; 0: skip)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="slices the server's and the bare loop's measurements are "
+                             "interleaved in")
     parser.add_argument("--warmup", type=int, default=None,
                         help="heartbeats sent to each set of servers before measuring "
                              "(default: one per machine, so that each measured heartbeat, "
@@ -509,13 +516,11 @@ def main() -> None:
         print(HEADER)
         with serve(url, workdir, "one", env, args.server_argv) as server:
             load([server], sign(agents, args.warmup, args.clients))  # warm up
-            one = load([server], sign(agents, args.requests, args.clients))
+            one, (elapsed, accepted, cpu) = interleaved(url, server, agents, args)
             print(one.line("1 server process"))
             paced = load([server], sign(agents, args.requests, args.clients),
                          rate=PACED * one.rate)
         print(paced.line(f"1 server process, paced at {PACED:.0%}"))
-        elapsed, accepted, cpu = bare(url, sign(agents, args.requests, args.clients),
-                                      args.threads)
         per = {k: v / max(accepted, 1) * 1000 for k, v in cpu.items()}
         print(f"{'bare psycopg2 loop, ' + str(args.threads) + ' threads':<34} "
               f"{args.requests:>6} {args.requests - accepted:>6} {accepted / elapsed:>8.0f} "
@@ -544,6 +549,38 @@ def main() -> None:
             "one_process_to_bare": one.rate / (accepted / elapsed),
             "two_processes_to_one": two.rate / one.rate, "capped_two_to_one": capped},
             indent=1))
+
+
+def interleaved(url: str, server: Server, agents: list[Agent], args: Any
+                ) -> tuple[Outcome, tuple[float, int, dict[str, float]]]:
+    """``args.requests`` heartbeats to ``server`` flat out, and as many through the bare
+    loop, in ``args.rounds`` alternating slices: the server's outcome, and the loop's
+    (seconds, accepted, CPU seconds), each summed over its slices."""
+    rounds = max(1, min(args.rounds, args.requests))
+    served: list[Outcome] = []
+    looped: list[tuple[float, int, dict[str, float]]] = []
+    for n in range(rounds):
+        size = args.requests // rounds + (n < args.requests % rounds)
+        served.append(load([server], sign(agents, size, args.clients)))
+        looped.append(bare(url, sign(agents, size, args.clients), args.threads))
+    cpu: dict[str, float] = {}
+    for _, _, spent in looped:
+        for key, seconds in spent.items():
+            cpu[key] = cpu.get(key, 0.0) + seconds
+    return combined(served), (sum(e for e, _, _ in looped), sum(a for _, a, _ in looped), cpu)
+
+
+def combined(outcomes: Sequence[Outcome]) -> Outcome:
+    """Several bursts as one: times, latencies, statuses, CPU and commits summed."""
+    cpu: dict[str, float] = {}
+    for outcome in outcomes:
+        for key, seconds in outcome.cpu.items():
+            cpu[key] = cpu.get(key, 0.0) + seconds
+    counted = [o.commits for o in outcomes]
+    return Outcome(sum(o.elapsed for o in outcomes),
+                   [latency for o in outcomes for latency in o.latencies],
+                   [status for o in outcomes for status in o.statuses], cpu,
+                   None if None in counted else sum(c for c in counted if c is not None))
 
 
 #: The paced run's rate, as a share of the rate the server sustained unpaced: the
