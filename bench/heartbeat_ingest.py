@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -563,24 +563,27 @@ def interleaved(url: str, server: Server, agents: list[Agent], args: Any
         size = args.requests // rounds + (n < args.requests % rounds)
         served.append(load([server], sign(agents, size, args.clients)))
         looped.append(bare(url, sign(agents, size, args.clients), args.threads))
-    cpu: dict[str, float] = {}
-    for _, _, spent in looped:
-        for key, seconds in spent.items():
-            cpu[key] = cpu.get(key, 0.0) + seconds
-    return combined(served), (sum(e for e, _, _ in looped), sum(a for _, a, _ in looped), cpu)
+    return combined(served), (sum(e for e, _, _ in looped), sum(a for _, a, _ in looped),
+                              summed(spent for _, _, spent in looped))
 
 
 def combined(outcomes: Sequence[Outcome]) -> Outcome:
     """Several bursts as one: times, latencies, statuses, CPU and commits summed."""
-    cpu: dict[str, float] = {}
-    for outcome in outcomes:
-        for key, seconds in outcome.cpu.items():
-            cpu[key] = cpu.get(key, 0.0) + seconds
     counted = [o.commits for o in outcomes]
     return Outcome(sum(o.elapsed for o in outcomes),
                    [latency for o in outcomes for latency in o.latencies],
-                   [status for o in outcomes for status in o.statuses], cpu,
+                   [status for o in outcomes for status in o.statuses],
+                   summed(o.cpu for o in outcomes),
                    None if None in counted else sum(c for c in counted if c is not None))
+
+
+def summed(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """CPU seconds by side (server, PostgreSQL, load), summed over several bursts."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for side, seconds in part.items():
+            total[side] = total.get(side, 0.0) + seconds
+    return total
 
 
 #: The paced run's rate, as a share of the rate the server sustained unpaced: the
