@@ -1,8 +1,8 @@
 """The power and health sync: one full pass over a fleet's BMCs, and its cost to heartbeats.
 
 One run, on one PostgreSQL (fsync on), with the worker's default settings
-(``SyncSettings`` from an empty environment: interval 300 s, tick 10 s, 16 call slots
-of which 4 are left to Recovery; BMC timeout 10 s, 3 attempts):
+(``SyncSettings`` from an empty environment: interval 300 s, tick 10 s unless
+``--tick``, 16 call slots of which 4 are left to Recovery; BMC timeout 10 s, 3 attempts):
 
 (a) ``--redfish`` systems (1,000) behind ONE ``sushy-emulator`` (one BMC address, so
     the sync reads them one after another) and ``--ipmi`` OpenIPMI ``ipmi_sim`` BMCs
@@ -27,7 +27,7 @@ The BMCs are the tests' (``tests.support.bmc_fixtures``), imported as the other
 benches import ``tests.support``.
 
     .venv/bin/python -m bench.bmc_sync [--pg-url URL] [--size full|tiny] [--redfish N]
-        [--ipmi M] [--rate 100] [--json FILE]
+        [--ipmi M] [--rate 100] [--tick S] [--json FILE]
 """
 
 from __future__ import annotations
@@ -463,12 +463,18 @@ def main() -> None:
                              "runs send heartbeats signed too long before)")
     parser.add_argument("--min-window", type=float, default=10.0,
                         help="seconds each heartbeat run lasts at least (else: one pass's)")
+    parser.add_argument("--tick", type=float,
+                        help="seconds between the sync's runs (SHEPHERD_BMC_SYNC_TICK; "
+                             "default: the worker's). A tiny fleet's pass takes two runs, "
+                             "so a shorter tick only shortens the wait between them")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, terminated)
     redfish, ipmi = SIZES[args.size]
     redfish = redfish if args.redfish is None else args.redfish
     ipmi = ipmi if args.ipmi is None else args.ipmi
-    worker = Settings.from_env({})  # the worker's defaults
+    # The worker's defaults, but for --tick.
+    worker = Settings.from_env({} if args.tick is None
+                               else {"SHEPHERD_BMC_SYNC_TICK": str(args.tick)})
     settings = runtime.bmc_sync_settings(worker)
     surveys = Surveys(runtime.bmc_driver(worker))
     workdir = Path(tempfile.mkdtemp(prefix="shepherd-bench-bmc-sync-"))
