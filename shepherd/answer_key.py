@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 import bmdb
+from shepherd import ed25519
 from shepherd.agent.protocol import answer_payload
 
 #: The key's name in ``bmdb.server_keys``.
@@ -60,13 +61,15 @@ class AnswerKey:
 
     private: Ed25519PrivateKey = field(repr=False)
     public_b64: str
+    #: The same key, for signing answers on the heartbeat path (``shepherd.ed25519``).
+    signer: ed25519.Signer = field(repr=False, compare=False)
 
     @classmethod
     def from_private_bytes(cls, raw: bytes) -> AnswerKey:
         private = Ed25519PrivateKey.from_private_bytes(raw)
         public = private.public_key().public_bytes(serialization.Encoding.Raw,
                                                    serialization.PublicFormat.Raw)
-        return cls(private, base64.b64encode(public).decode())
+        return cls(private, base64.b64encode(public).decode(), ed25519.Signer(raw))
 
     @classmethod
     def from_tx(cls, tx: bmdb.Tx) -> AnswerKey:
@@ -116,7 +119,7 @@ class AnswerKey:
     def sign(self, machine: str, timestamp: str, status: int, body: bytes) -> str:
         """The base64 signature of one answer (the answer signature header's value)."""
         return base64.b64encode(
-            self.private.sign(answer_payload(machine, timestamp, status, body))).decode()
+            self.signer.sign(answer_payload(machine, timestamp, status, body))).decode()
 
 
 def verify_answer(public_key: bytes, signature_b64: str, machine: str, timestamp: str,

@@ -20,9 +20,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
+from shepherd import ed25519
 from shepherd.agent.protocol import (
     HEADER_MACHINE,
     HEADER_SIGNATURE,
@@ -83,11 +81,7 @@ def verify(public_key: bytes | None, nonce: str | None, signed: SignedHeaders, m
     key = public_key or _DUMMY_KEY
     payload = signing_payload(signed.machine_id, key, nonce or _DUMMY_NONCE, method, path,
                               signed.timestamp, body)
-    try:
-        Ed25519PublicKey.from_public_bytes(key).verify(signed.signature, payload)
-        valid = True
-    except (InvalidSignature, ValueError):
-        valid = False
+    valid = ed25519.verifies(key, signed.signature, payload)
     if public_key is None:
         raise Unauthorized("machine unknown or has no AgentStarted key")
     if not valid:

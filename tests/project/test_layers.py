@@ -43,9 +43,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the image catalog (inventories name its images, the server serves them, the
     # installation workflow requests them, the simulator lists its demo image there),
     # the operators' roles (the server enforces them, the CLI's API mode names them),
-    # the frozen startup heap (the server and the workers freeze theirs).
+    # the frozen startup heap (the server and the workers freeze theirs), Ed25519 on
+    # the heartbeat path (the server checks with it, the answer key signs with it).
     ("shepherd.files", "shepherd.redaction", "shepherd.text_tables", "shepherd.os_processes",
-     "shepherd.task_api", "shepherd.images", "shepherd.roles", "shepherd.frozen_heap"),
+     "shepherd.task_api", "shepherd.images", "shepherd.roles", "shepherd.frozen_heap",
+     "shepherd.ed25519"),
     # Settings: the state directory's file beneath the environment and the kinds of
     # values settings take, then ``Settings``.
     # The CLI's API mode's settings, read beside ``Settings`` without the BMDB; the
