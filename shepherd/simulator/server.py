@@ -113,13 +113,16 @@ class Simulator:
         self._api: ApiServer | None = None
         self._api_thread: threading.Thread | None = None
         self._http_port: int | None = None
+        #: With ``ssh_port`` 0, the devices' port, held while the simulator runs.
+        self._port_hold: socket.socket | None = None
         self._stopped = False
 
     # -- lifecycle ----------------------------------------------------------
 
     def start(self) -> Simulator:
-        if self.ssh_port == 0:
-            self.ssh_port = _free_port()
+        if self.config.ssh_port == 0:
+            self._port_hold = _hold_port(self.ssh_port)
+            self.ssh_port = self._port_hold.getsockname()[1]
         self._serve_api(self.config.http_port)
         log.info("simulator API on %s (project %s)", self.base_url, self.config.project_id)
         if self.world_file is not None:
@@ -242,6 +245,8 @@ class Simulator:
             self._api_thread.join(timeout=5)
         for endpoint in list(self._endpoints.values()):
             endpoint.stop()
+        if self._port_hold is not None:
+            self._port_hold.close()
         kill_marked(INSTANCE_MARKER, self.instance)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -503,10 +508,12 @@ class Simulator:
         endpoint = self._endpoints[device_id]
         deadline = time.monotonic() + timeout
         while True:
+            # While the device cannot bind, whatever answers there is not the device.
             with contextlib.suppress(OSError), socket.create_connection(
                 (endpoint.address, endpoint.port), timeout=0.5
             ):
-                return
+                if endpoint.bind_error is None:
+                    return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"device {device_id} SSH not up in {timeout}s "
                                    f"({endpoint.bind_error or 'not listening'})")
@@ -548,8 +555,24 @@ class Simulator:
             }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((Simulator.HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _hold_port(port: int = 0) -> socket.socket:
+    """``port`` (0: one the kernel picks) bound on every address and never listening,
+    for as long as the socket is open.
+
+    Why hold it, not only find it: the devices listen on addresses of their own
+    (127.100.0.x), so a port found free on 127.0.0.1 and let go could be taken on
+    theirs by another process meanwhile (another simulator's devices, in a parallel
+    test), and a device's client then met that process instead. Bound on 0.0.0.0, the
+    port is no other process's to bind, on any address, nor the kernel's to hand out;
+    SO_REUSEADDR on both sides lets our own devices listen on it beside the hold (Linux
+    allows that while the hold does not listen). Never listening, it takes no
+    connection from anywhere: only the devices' loopback listeners do."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("0.0.0.0", port))
+    except OSError as error:
+        sock.close()
+        raise WorldError(f"the devices' SSH port {port} is taken ({error}): stop what "
+                         "holds it, or give --ssh-port") from None
+    return sock

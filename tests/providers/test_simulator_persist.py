@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -154,6 +155,31 @@ def test_the_shared_host_key_and_the_ssh_port_survive(tmp_path: Path) -> None:
         second = again.create_device(_body(again, 1))
         again.wait_for_ssh(second.id, timeout=5)
         assert presented_host_key(second.address, port) == shared
+
+
+def test_the_any_free_ssh_port_is_held_on_every_address_until_the_stop(tmp_path: Path) -> None:
+    """With port 0 the devices' port is held, not only found free: no other process
+    can listen on it at an address of its own (another simulator's device, in a
+    parallel test), where a client of our device would then meet it instead."""
+    with _simulator(tmp_path / "sim", 0, per_device_host_keys=False) as sim:
+        device = sim.create_device(_body(sim, 0))
+        sim.wait_for_ssh(device.id, timeout=5)
+        with socket.socket() as intruder, pytest.raises(OSError):
+            intruder.bind(("127.100.0.250", sim.ssh_port))
+        port = sim.ssh_port
+    with socket.socket() as after:  # let go with the simulator
+        after.bind(("127.100.0.250", port))
+
+
+def test_a_restored_ssh_port_someone_listens_on_is_a_clear_error(tmp_path: Path) -> None:
+    workdir = tmp_path / "sim"
+    with _simulator(workdir, 0, per_device_host_keys=False) as sim:
+        port = sim.ssh_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.100.0.250", port))
+        squatter.listen()
+        with pytest.raises(WorldError, match=f"SSH port {port} is taken"):
+            _simulator(workdir, 0, per_device_host_keys=False).start()
 
 
 def _body(sim: Simulator, index: int) -> dict[str, Any]:
